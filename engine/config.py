@@ -1,0 +1,44 @@
+"""Engine settings: which model, where, and how large the KV pool and batches are."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from scheduler.config import TierConfig, default_tiers
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("TIERGATE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tiergate"))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "bundled"  # "bundled", an HF directory, a .gguf file, or "dummy:<config.json | dir>"
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 0.25
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    policy: str = "tiered"
+    tiers: tuple[TierConfig, ...] = field(default_factory=default_tiers)
+    standard_min_share: float = 0.1
+    enable_prefix_caching: bool = True
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    max_lora_rank: int = 16
+    cache_dir: str = field(default_factory=default_cache_dir)
+    seed: int = 0  # for dummy weights
+
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype is None:
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}") from None

@@ -1,0 +1,354 @@
+"""The engine front and its step loop.
+
+Callers submit requests from any thread; the loop runs on its own thread:
+drain new requests and aborts -> scheduler plan -> adapters for the batch ->
+one forward pass over mixed prefill chunks and decodes -> sampling -> deltas
+out and events to listeners. An exception inside a step fails that step's
+requests and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from tokenizers import Tokenizer
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.events import FinishEvent, StepEvent, StepItem
+from engine.kv_cache import num_blocks_for_budget
+from engine.loader import load_model
+from engine.request import Delta, EngineRequest
+from engine.request_state import RequestState
+from engine.runner import ModelRunner
+from engine.sampler import make_generator, sample
+from engine.step_timer import StepTimer
+from engine.stream import BlockingCollector, RequestStream
+from engine.tokenizer import TextTokenizer
+
+from scheduler import make_scheduler
+from scheduler.config import SchedulerConfig, TierLoad
+from scheduler.plan import StepPlan
+from scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[StepEvent | FinishEvent], None]
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.dtype = config.torch_dtype()
+        loaded = load_model(config.model, config.device, self.dtype, config.cache_dir, seed=config.seed)
+        self.model_name: str = loaded.name
+        self.model_config = loaded.model_config
+        self.tokenizer = TextTokenizer(
+            tokenizer=loaded.tokenizer,
+            chat_template=loaded.chat_template,
+            bos_token=_token_text(loaded.tokenizer, loaded.bos_token_id),
+            eos_token=_token_text(loaded.tokenizer, loaded.eos_token_ids[0] if loaded.eos_token_ids else None),
+            eos_token_ids=tuple(loaded.eos_token_ids),
+        )
+        self.max_model_len = min(config.max_model_len, loaded.model_config.max_position_embeddings)
+        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            loaded.model_config, config.block_size, self.dtype, int(config.kv_cache_memory_gb * 2**30)
+        )
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype)
+        self.num_kv_blocks = num_blocks
+        self.scheduler = make_scheduler(
+            SchedulerConfig(
+                num_blocks=self.num_kv_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                max_loras=config.max_loras,
+                enable_prefix_caching=config.enable_prefix_caching,
+                policy=config.policy,
+                tiers=config.tiers,
+                standard_min_share=config.standard_min_share,
+            )
+        )
+        self.lora_pool = self._make_lora_pool(config)
+        self._timer = StepTimer(config.device)
+        self._listeners: list[Listener] = []
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._states: dict[str, RequestState] = {}  # engine thread only
+        self._adapter_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._load_snapshot: dict[str, TierLoad] = self.scheduler.load()
+        self._kv_snapshot: dict[str, int] = {}
+        self.busy_seconds = 0.0  # sum of step durations, for metering checks
+
+    # ---- lifecycle -------------------------------------------------------
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self._adapter_loader.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- front -----------------------------------------------------------
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Validate and queue a request; iterate the stream for its deltas (needs a running event loop)."""
+        stream = RequestStream(request.request_id, self.abort)
+        self._admit(request, stream.push)
+        return stream
+
+    async def generate(self, request: EngineRequest):
+        stream = self.submit(request)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            await stream.aclose()
+
+    def generate_batch_sync(self, requests: Iterable[EngineRequest]) -> list[tuple[str, list[int]]]:
+        """Run requests concurrently and block until all finish: (text, token ids) for each."""
+        collectors = []
+        for request in requests:
+            collector = BlockingCollector()
+            self._admit(request, collector.push)
+            collectors.append(collector)
+        results = []
+        for collector in collectors:
+            text, ids = "", []
+            for delta in collector:
+                if delta.error:
+                    raise EngineError(delta.error)
+                text += delta.text
+                ids.extend(delta.token_ids)
+            results.append((text, ids))
+        return results
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    def load(self) -> dict[str, TierLoad]:
+        return self._load_snapshot
+
+    def kv_usage(self) -> tuple[dict[str, int], int]:
+        return dict(self._kv_snapshot), self.num_kv_blocks
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- adapters --------------------------------------------------------
+    def register_adapter(self, name: str, path: str) -> None:
+        self._require_lora().register(name, path)
+
+    def unregister_adapter(self, name: str) -> None:
+        self._require_lora().unregister(name)
+
+    def list_adapters(self) -> list[str]:
+        return self.lora_pool.list() if self.lora_pool is not None else []
+
+    def _require_lora(self):
+        if self.lora_pool is None:
+            raise EngineError("LoRA serving is off (max_loras=0)")
+        return self.lora_pool
+
+    def _make_lora_pool(self, config: EngineConfig):
+        if config.max_loras <= 0:
+            return None
+        from lora_pool import BaseShapes, LoraPool
+
+        return LoraPool(
+            BaseShapes.from_model_config(self.model_config),
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            max_lora_rank=config.max_lora_rank,
+            device=config.device,
+            dtype=self.dtype,
+        )
+
+    # ---- admission -------------------------------------------------------
+    def _admit(self, request: EngineRequest, sink: Callable[[Delta], None]) -> None:
+        request.params.validate()
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len + request.params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({request.params.max_tokens}) "
+                f"exceeds the context length of {self.max_model_len} tokens"
+            )
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if request.tier not in {t.name for t in self.config.tiers}:
+            raise ValueError(f"unknown tier {request.tier!r}")
+        if request.adapter is not None and request.adapter not in self.list_adapters():
+            raise ValueError(f"unknown adapter {request.adapter!r}")
+
+        seq = Sequence(
+            seq_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            tier=request.tier,
+            adapter=request.adapter,
+            max_tokens=request.params.max_tokens,
+        )
+        state = RequestState(
+            request=request,
+            seq=seq,
+            sink=sink,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer.tokenizer, seq.prompt_token_ids, request.params.stop
+            ),
+            generator=make_generator(request.params),
+        )
+        if request.adapter is None:
+            self._enqueue(state)
+        else:
+            # A cold adapter is read from disk off the step loop; the sequence
+            # reaches the scheduler only once its weights are in host memory.
+            future = self._adapter_loader.submit(self.lora_pool.prefetch, request.adapter)
+            future.add_done_callback(lambda f: self._enqueue(state, f.exception()))
+
+    def _enqueue(self, state: RequestState, error: BaseException | None = None) -> None:
+        self._inbox.put(("add", (state, error)))
+        self._wakeup.set()
+
+    # ---- the loop --------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stopping.is_set():
+            self._drain_inbox()
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                self._publish_snapshots()
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            self._run_step(plan)
+        self._drain_inbox()
+        for request_id in list(self._states):
+            self._end_request(request_id, status="cancelled", finish_reason="abort")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                state, error = payload
+                if error is not None:
+                    state.sink(Delta(text="", finish_reason="error", usage=state.usage(), error=str(error)))
+                    self._emit(state.finish_event("error", "error"))
+                    continue
+                self._states[state.request_id] = state
+                self.scheduler.add(state.seq)
+            elif kind == "abort" and payload in self._states:
+                self._end_request(payload, status="cancelled", finish_reason="abort")
+
+    def _run_step(self, plan: StepPlan) -> None:
+        sampling = [c for c in plan.chunks if c.samples]
+        started_at = time.time()
+        self._timer.start()
+        try:
+            lora_batch = None
+            if self.lora_pool is not None:
+                lora_batch = self.lora_pool.batch_for([(c.seq.adapter, c.num_tokens) for c in plan.chunks])
+            logits = self.runner.execute(plan, lora_batch)
+            states = [self._states[c.seq.seq_id] for c in sampling]
+            sampled = sample(logits, [s.request.params for s in states], [s.generator for s in states])
+        except Exception as exc:  # a bad step must not take the loop down
+            log.exception("engine step failed")
+            self._account_step(plan, started_at, self._timer.stop())
+            for chunk in plan.chunks:
+                self._end_request(chunk.seq.seq_id, status="error", finish_reason="error", error=str(exc))
+            return
+        duration = self._timer.stop()
+        self.scheduler.update(plan, {c.seq.seq_id: s.token_id for c, s in zip(sampling, sampled)})
+        self._account_step(plan, started_at, duration)
+
+        for chunk, token in zip(sampling, sampled):
+            state = self._states[chunk.seq.seq_id]
+            delta = state.on_token(token, self.tokenizer, self.max_model_len)
+            if delta.finish_reason is None:
+                state.sink(delta)
+            else:
+                self._end_request(state.request_id, "ok", delta.finish_reason, last_delta=delta)
+
+    def _account_step(self, plan: StepPlan, started_at: float, duration: float) -> None:
+        self.busy_seconds += duration
+        prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        self.scheduler.observe_step(duration, plan.num_tokens, prefill_tokens)
+        items: list[StepItem] = []
+        for chunk in plan.chunks:
+            recompute = chunk.num_recompute_tokens
+            if recompute:
+                items.append(StepItem(chunk.seq.seq_id, recompute, True, chunk.seq.recompute_charged_tier))
+            if chunk.num_tokens > recompute:
+                items.append(StepItem(chunk.seq.seq_id, chunk.num_tokens - recompute, False))
+        preempted = tuple((seq.seq_id, seq.tier) for seq in plan.preempted)
+        self._emit(StepEvent(duration_s=duration, items=tuple(items), started_at=started_at, preempted=preempted))
+        self._publish_snapshots()
+
+    def _end_request(
+        self,
+        request_id: str,
+        status: str,
+        finish_reason: str,
+        last_delta: Delta | None = None,
+        error: str | None = None,
+    ) -> None:
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return
+        if status == "ok":
+            self.scheduler.finish(request_id)
+        else:
+            self.scheduler.abort(request_id)
+        # The finish event goes out before the last delta, so the ledger row
+        # can be complete by the time the caller sees the end of its stream.
+        self._emit(state.finish_event(status, finish_reason))
+        state.sink(last_delta or Delta(text="", finish_reason=finish_reason, usage=state.usage(), error=error))
+        self._publish_snapshots()
+
+    def _publish_snapshots(self) -> None:
+        self._load_snapshot = self.scheduler.load()
+        self._kv_snapshot, _ = self.scheduler.kv_usage()
+
+    def _emit(self, event: StepEvent | FinishEvent) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("engine event listener failed")
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str | None:
+    return tokenizer.id_to_token(token_id) if token_id is not None else None

@@ -1,0 +1,39 @@
+"""Plain events the step loop emits: what billing and metrics consume."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepItem:
+    request_id: str
+    tokens: int  # tokens of this request computed in the step
+    is_recompute: bool  # recomputation after a preemption
+    # The tier whose request caused the preemption: it pays for recompute.
+    recompute_charged_tier: str | None = None
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    duration_s: float  # wall time on CPU, CUDA-event time on GPU
+    items: tuple[StepItem, ...]
+    started_at: float = 0.0  # time.time() at the step's start
+    # (request_id, tier) of the sequences this step's plan preempted.
+    preempted: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    status: str  # "ok", "cancelled", "error"
+    cached_tokens: int = 0
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    tier: str = "standard"
+    adapter: str | None = None
+    queued_at: float = 0.0  # time.time()
+    first_token_at: float | None = None
+    finished_at: float = 0.0
+    num_preemptions: int = 0

@@ -1,0 +1,79 @@
+"""GGUF files turned once into a Hugging Face safetensors directory under the cache.
+
+Dequantizing through transformers' GGUF support takes tens of seconds even for
+the 135M bundled model, so the result (config.json, model.safetensors,
+tokenizer files) is kept under ``cache_dir`` keyed by the file's path, size
+and mtime; later starts load that directory and never open the GGUF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engine.model_config import ModelConfig
+
+COMPLETE_MARKER = "tiergate-complete"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TIERGATE_CACHE_DIR") or Path.home() / ".cache" / "tiergate")
+
+
+def cache_dir_for(gguf_path: Path, cache_dir: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def materialize_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """The HF directory holding ``gguf_path``'s dequantized weights, converting it on first use."""
+    target = cache_dir_for(gguf_path, cache_dir)
+    if (target / COMPLETE_MARKER).exists():
+        return target
+    # Convert next to the target and rename, so an interrupted conversion never looks complete.
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        convert_gguf(gguf_path, partial)
+        if not (target / COMPLETE_MARKER).exists():  # another process may have finished first
+            shutil.rmtree(target, ignore_errors=True)
+            partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    # Each transformers call re-parses the GGUF metadata (seconds each), so there are only two.
+    with tqdm(total=3, desc=f"Caching {name} as safetensors", unit="stage") as progress:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        ModelConfig.from_dict(config)  # a clear error for non-Llama architectures
+        if not config.get("architectures"):
+            config["architectures"] = [type(model).__name__]
+        progress.update()
+
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer.save_pretrained(out_dir)
+        progress.update()
+
+        tied = bool(config.get("tie_word_embeddings"))
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+        config["dtype"] = "float32"
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+        (out_dir / COMPLETE_MARKER).write_text(str(gguf_path.resolve()))
+        progress.update()

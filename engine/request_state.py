@@ -1,0 +1,87 @@
+"""One in-flight request on the engine side: its sequence, sampler state, detokenizer and sink."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.events import FinishEvent
+from engine.request import Delta, EngineRequest, TokenLogprob, Usage
+from engine.sampler import SampledToken
+from engine.tokenizer import TextTokenizer
+from scheduler.sequence import Sequence
+
+
+@dataclass
+class RequestState:
+    request: EngineRequest
+    seq: Sequence
+    sink: Callable[[Delta], None]  # called on the engine thread; must not block
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator
+    queued_at: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    finished: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def on_token(self, sampled: SampledToken, tokenizer: TextTokenizer, max_model_len: int) -> Delta:
+        """Account one sampled token (already appended to the sequence) and build its delta."""
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
+        params = self.request.params
+        token_id = sampled.token_id
+        is_stop_token = token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in tokenizer.eos_token_ids
+        )
+        text = "" if is_stop_token else self.detokenizer.add_token(token_id)
+
+        finish_reason = None
+        if is_stop_token or self.detokenizer.stopped:
+            finish_reason = "stop"
+        elif len(self.seq.output_token_ids) >= params.max_tokens or self.seq.num_tokens >= max_model_len:
+            finish_reason = "length"
+        if finish_reason:
+            text += self.detokenizer.flush()
+
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if params.logprobs is not None and sampled.logprob is not None:
+            top = tuple((tid, tokenizer.id_to_token_text(tid), lp) for tid, lp in sampled.top)
+            logprobs = (TokenLogprob(token_id, tokenizer.id_to_token_text(token_id), sampled.logprob, top),)
+        return Delta(
+            text=text,
+            token_ids=(token_id,),
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            usage=self.usage() if finish_reason else None,
+        )
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.seq.num_prompt_tokens,
+            completion_tokens=len(self.seq.output_token_ids),
+            cached_tokens=self.seq.num_cached_tokens,
+        )
+
+    def finish_event(self, status: str, finish_reason: str) -> FinishEvent:
+        usage = self.usage()
+        return FinishEvent(
+            request_id=self.request_id,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            status=status,
+            finish_reason=finish_reason,
+            tier=self.request.tier,
+            adapter=self.request.adapter,
+            queued_at=self.queued_at,
+            first_token_at=self.first_token_at,
+            finished_at=time.time(),
+            num_preemptions=self.seq.num_preemptions,
+        )

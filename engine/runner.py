@@ -1,0 +1,80 @@
+"""Runs one scheduler step on the model: plan in, logits of the sampling chunks out.
+
+Owns the KV cache and the per-step tensors (token ids, positions, slots,
+block tables) built from ``StepPlan.chunks``; knows nothing of sampling.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCache
+from engine.loader import LoadedModel
+from engine.lora_hook import LoraBatchLike
+from scheduler.plan import StepPlan
+
+
+def configure_cpu_threads() -> int:
+    """Intra-op threads for CPU steps: ``TIERGATE_CPU_THREADS``, else torch's default (one per core).
+
+    Measured on the 2-core box: one thread per physical core is fastest for
+    both GEMV-bound decode and GEMM-bound prefill; more threads than cores
+    only adds contention.
+    """
+    threads = os.environ.get("TIERGATE_CPU_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    return torch.get_num_threads()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = loaded.model
+        self.config = loaded.model_config
+        self.device = torch.device(device) if device is not None else self.model.device
+        self.dtype = dtype or self.model.dtype
+        if self.model.device != self.device or self.model.dtype != self.dtype:
+            self.model = self.model.to(device=self.device, dtype=self.dtype)
+            self.model.prepare_lm_head()
+        self.block_size = block_size
+        self.kv_cache = KVCache.allocate(self.config, num_blocks, block_size, self.device, self.dtype)
+        if self.device.type == "cpu":
+            configure_cpu_threads()
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, lora: LoraBatchLike | None = None) -> torch.Tensor:
+        """Float32 logits ``[chunks that sample, vocab]``, in plan order."""
+        if plan.is_empty:
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        specs: list[tuple[int, int, list[int]]] = []
+        for chunk in plan.chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.end
+            needed = (end + self.block_size - 1) // self.block_size
+            if len(seq.block_table) < needed:
+                raise ValueError(
+                    f"sequence {seq.seq_id} needs {needed} KV blocks for positions [{start}, {end}) "
+                    f"but its block table has {len(seq.block_table)}"
+                )
+            token_ids.extend(seq.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            specs.append((start, chunk.num_tokens, seq.block_table))
+            if chunk.samples:
+                sample_rows.append(len(token_ids) - 1)
+        as_tensor = lambda data: torch.tensor(data, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = AttentionMetadata.build(specs, self.block_size, self.device)
+        return self.model(
+            as_tensor(token_ids), as_tensor(positions), meta, self.kv_cache, as_tensor(sample_rows), lora
+        )

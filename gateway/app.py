@@ -1,0 +1,170 @@
+"""The Starlette app: routes of DESIGN.md, OpenAI-shaped errors, and the startup/shutdown of what it wires.
+
+``create_app`` takes its parts already built (an engine, a database, a ledger)
+so tests and benches can hand it theirs; ``gateway.server`` builds them from
+settings for ``tiergate serve``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import anyio.to_thread
+from sqlalchemy import Engine as Database
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from billing import adapters as billing_adapters
+from billing.keys import authenticate
+from billing.ledger import Ledger
+from billing.meter import UsageMeter
+from gateway import admin
+from gateway.admission import AdmissionController, AdmissionPolicy
+from gateway.auth import Authenticator
+from gateway.completions import chat_completions, completions
+from gateway.errors import APIError
+from gateway.lifecycle import Lifecycle
+from gateway.metrics import GatewayMetrics, render
+from gateway.ratelimit import RateLimiter, make_limiter
+from gateway.services import Gateway
+from gateway.settings import Settings
+from gateway.tracing import Tracing
+from gateway.usage import UsageRecorder
+
+log = logging.getLogger(__name__)
+
+
+async def list_models(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    tenant = await gw.auth.tenant_for(request.headers.get("authorization"))
+    created = int(gw.started_at)
+    base = gw.engine.model_name
+    data = [{"id": base, "object": "model", "created": created, "owned_by": "tiergate"}]
+    loaded = set(gw.engine.list_adapters())
+    for name in sorted(set(tenant.adapters) & loaded):
+        data.append({"id": name, "object": "model", "created": created, "owned_by": tenant.tenant,
+                     "parent": base, "root": base})
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def metrics_route(request: Request) -> Response:
+    body, content_type = render(request.app.state.gateway.metrics)
+    return Response(body, headers={"content-type": content_type})
+
+
+async def healthz(request: Request) -> Response:
+    """Liveness: the process serves and the engine loop is alive."""
+    gw: Gateway = request.app.state.gateway
+    if not gw.engine.is_running:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    """Readiness: a load balancer should send new requests here (not while draining)."""
+    gw: Gateway = request.app.state.gateway
+    if gw.lifecycle.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if not gw.engine.is_running:
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return APIError(500, "The server had an error while processing your request.", type="server_error",
+                    code="internal_error").response()
+
+
+def load_registered_adapters(db: Database, engine) -> None:
+    """Serve every adapter billing knows; one that fails to load is logged and left unloaded."""
+    loaded = set(engine.list_adapters())
+    for a in billing_adapters.list_adapters(db):
+        if a.name in loaded:
+            continue
+        try:
+            engine.register_adapter(a.name, a.path)
+        except Exception as e:
+            log.warning("adapter %s (%s) not loaded: %s", a.name, a.path, e)
+
+
+def create_app(
+    settings: Settings,
+    engine,
+    db: Database,
+    ledger: Ledger,
+    meter: UsageMeter | None = None,
+    limiter: RateLimiter | None = None,
+    metrics: GatewayMetrics | None = None,
+    tracing: Tracing | None = None,
+) -> Starlette:
+    """An app serving ``engine``; it starts the engine and ledger at startup and shuts them down at the end."""
+    meter = meter or UsageMeter()
+    tiers = tuple(engine.config.tiers)
+    metrics = metrics or GatewayMetrics(tiers)
+    gw = Gateway(
+        settings=settings,
+        engine=engine,
+        db=db,
+        usage=UsageRecorder(meter, ledger),
+        auth=Authenticator(lambda secret: authenticate(db, secret), ttl_s=settings.auth_cache_ttl_s),
+        limiter=limiter or make_limiter(settings.redis_url, window_s=settings.rate_window_s),
+        admission=AdmissionController(tiers, AdmissionPolicy(max_queued=settings.max_queued)),
+        metrics=metrics,
+        lifecycle=Lifecycle(),
+        tracing=tracing or Tracing(),
+    )
+    engine.add_listener(meter)
+    engine.add_listener(metrics.on_engine_event)
+    engine.add_listener(gw.tracing.on_engine_event)
+    metrics.attach_engine(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await anyio.to_thread.run_sync(ledger.start)
+        await anyio.to_thread.run_sync(load_registered_adapters, db, engine)
+        engine.start()
+        gw.usage.start()
+        gw.started_at = time.time()
+        try:
+            yield
+        finally:
+            await gw.lifecycle.drain(settings.drain_timeout_s)
+            await gw.usage.stop()
+            await gw.limiter.close()
+            await anyio.to_thread.run_sync(engine.shutdown)
+            await anyio.to_thread.run_sync(ledger.close)
+            gw.tracing.shutdown()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        *admin.routes,
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},
+    )
+    app.state.gateway = gw
+    return app

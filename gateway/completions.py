@@ -1,0 +1,197 @@
+"""POST /v1/chat/completions and /v1/completions: the admission path from bytes to an engine request.
+
+Order matters: cheap checks that touch nothing come first (draining, key,
+body, model, context length), then admission control (it reserves nothing),
+then the rate limiter (it reserves budget), and only then the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from engine.request import Delta, EngineRequest, SamplingParams
+from gateway.errors import APIError, invalid_param, model_not_found, service_unavailable
+from gateway.generation import Admitted, Job, JobStream
+from gateway.logs import request_context
+from gateway.ratelimit import Decision, Limits
+from gateway.ratelimit.base import retry_headers
+from gateway.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_body
+from gateway.services import Gateway
+
+# Metrics labels for the limiter's reasons.
+REJECTION_REASON = {"requests": "rpm", "tokens": "tpm", "concurrency": "concurrency"}
+# Tokenizing is fast; only long prompts are worth a thread hop off the event loop.
+INLINE_TOKENIZE_CHARS = 8192
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"The request body is larger than the limit of {limit} bytes.", code="request_too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"The request body is larger than the limit of {limit} bytes.",
+                               code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "The client closed the connection before sending the whole body.") from None
+    return b"".join(chunks)
+
+
+def resolve_adapter(model: str, tenant, engine) -> str | None:
+    """None for the base model, else the adapter's name; 404 for anything the tenant may not use."""
+    if model == engine.model_name:
+        return None
+    if model in tenant.adapters and model in engine.list_adapters():
+        return model
+    raise model_not_found(model)
+
+
+def _encode(req: GenerationRequest, engine) -> list[int]:
+    tok = engine.tokenizer
+    if req.kind == "chat":
+        try:
+            return tok.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages])
+        except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
+            raise invalid_param("messages", f"The messages could not be formatted for this model: {e}",
+                                "invalid_value") from None
+    if isinstance(req.prompt, tuple):
+        vocab = tok.vocab_size
+        if any(t >= vocab for t in req.prompt):
+            raise invalid_param("prompt", f"Prompt token ids must be smaller than the vocabulary size {vocab}.",
+                                "invalid_value")
+        return list(req.prompt)
+    return tok.encode(req.prompt)
+
+
+async def prompt_token_ids(req: GenerationRequest, engine) -> list[int]:
+    size = sum(len(m.content) for m in req.messages) if req.kind == "chat" else len(req.prompt)
+    if size <= INLINE_TOKENIZE_CHARS:
+        ids = _encode(req, engine)
+    else:
+        import anyio.to_thread
+
+        ids = await anyio.to_thread.run_sync(_encode, req, engine)
+    if not ids:
+        raise invalid_param("prompt" if req.kind == "completion" else "messages", "The prompt is empty.",
+                            "invalid_value")
+    return ids
+
+
+def completion_budget(prompt_len: int, max_tokens: int | None, max_model_len: int, default: int) -> int:
+    """max_tokens to run with; 400 context_length_exceeded when prompt and completion cannot fit."""
+    param = "messages" if max_tokens is None else "max_tokens"
+    if prompt_len >= max_model_len or (max_tokens is not None and prompt_len + max_tokens > max_model_len):
+        asked = prompt_len + (max_tokens or 1)
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                       f"requested {asked} tokens ({prompt_len} in the prompt, {max_tokens or 1} for the "
+                       "completion). Please reduce the length of the prompt or completion.",
+                       param=param, code="context_length_exceeded")
+    if max_tokens is None:
+        return min(default, max_model_len - prompt_len)
+    return max_tokens
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, "completion")
+
+
+async def _generate(request: Request, kind: str) -> Response:
+    gw: Gateway = request.app.state.gateway
+    arrived, queued_at = time.monotonic(), time.time()
+    if gw.lifecycle.draining:
+        raise service_unavailable("The server is shutting down; retry on another replica.")
+    tenant = await gw.auth.tenant_for(request.headers.get("authorization"))
+    body = parse_json_body(await read_body(request, gw.settings.max_body_bytes))
+    req = parse_chat(body) if kind == "chat" else parse_completion(body)
+    adapter = resolve_adapter(req.model, tenant, gw.engine)
+    prompt = await prompt_token_ids(req, gw.engine)
+    max_tokens = completion_budget(len(prompt), req.max_tokens, gw.engine.max_model_len,
+                                   gw.settings.default_max_tokens)
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{gw.ids.getrandbits(128):032x}"
+    admitted = Admitted(
+        request_id=request_id, kind=kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier, adapter=adapter,
+        queued_at=queued_at, arrived=arrived, prompt_tokens=len(prompt), reserved_tokens=len(prompt) + max_tokens,
+        want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
+    )
+    # Refusals are counted (metrics) and billed (ledger) but not traced: a span costs about as much
+    # as the rest of a 429, and a flood of 429s must stay cheap to answer.
+    decision = await _admit(gw, admitted, tenant)
+    trace = gw.tracing.start_request(
+        request_id=request_id, operation="chat" if kind == "chat" else "text_completion", model=req.model,
+        tenant=tenant.tenant, tier=tenant.tier, adapter=adapter, max_tokens=max_tokens,
+        temperature=req.temperature, top_p=req.top_p, stream=req.stream, headers=request.headers,
+    )
+    with request_context(request_id, tenant=tenant.tenant, tier=tenant.tier, trace_id=trace.trace_id):
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                seed=req.seed, stop=req.stop, logprobs=req.logprobs)
+        stream = await _submit(gw, admitted, EngineRequest(request_id, prompt, params, tenant.tier, adapter), trace)
+        job = Job(admitted, stream, gw, trace)
+        headers = {"x-request-id": request_id, **decision.headers()}
+        if req.stream:
+            return JobStream(job, headers)
+        response = await job.collect()
+        response.headers.update(headers)
+        return response
+
+
+async def _admit(gw: Gateway, a: Admitted, tenant) -> Decision:
+    """Admission control, then the tenant's rate limits; a refusal is counted, billed as rejected, and raised."""
+    refusal = gw.admission.check(a.tier, gw.engine.load())
+    if refusal is not None:
+        gw.metrics.count_rejection(a.tier, refusal.reason)
+        gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
+        raise APIError(429, refusal.message, type="overloaded", code="overloaded",
+                       headers=retry_headers(refusal.retry_after_s))
+    limits = Limits(tenant.rpm, tenant.tpm, tenant.max_concurrent)
+    decision = await gw.limiter.acquire(a.tenant, limits, a.request_id, a.reserved_tokens)
+    if not decision.allowed:
+        gw.metrics.count_rejection(a.tier, REJECTION_REASON[decision.reason])
+        gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
+        raise APIError(429, _limit_message(decision, a.reserved_tokens), type=decision.reason,
+                       code="rate_limit_exceeded", headers=decision.headers())
+    return decision
+
+
+async def _submit(gw: Gateway, a: Admitted, request: EngineRequest, trace) -> AsyncIterator[Delta]:
+    gw.usage.meter.begin(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
+    gw.metrics.track(a.request_id, a.tier)
+    trace.mark_submitted()
+    try:
+        return gw.engine.submit(request)
+    except Exception as e:
+        # Validation above mirrors the engine's; reaching here is a race (an adapter unloaded
+        # this instant) or a bug. Give everything back and bill nothing.
+        gw.usage.meter.forget(a.request_id)
+        gw.metrics.untrack(a.request_id)
+        trace.finish(error=str(e))
+        await gw.limiter.release(a.tenant, a.request_id, a.reserved_tokens, 0)
+        if a.adapter is not None and a.adapter not in gw.engine.list_adapters():
+            raise model_not_found(a.model) from None
+        if isinstance(e, ValueError):  # the engine's own validation, worded for a client
+            raise APIError(400, str(e), code="invalid_value") from None
+        raise
+
+
+def _limit_message(decision, reserved: int) -> str:
+    limits = decision.limits
+    if decision.reason == "concurrency":
+        return f"Rate limit reached for concurrent requests: limit {limits.max_concurrent}. Retry when one ends."
+    if decision.reason == "requests":
+        return f"Rate limit reached for requests per minute (RPM): limit {limits.rpm}, used {limits.rpm}."
+    if reserved > limits.tpm:
+        return (f"Request too large for tokens per minute (TPM): limit {limits.tpm}, requested {reserved} "
+                "(prompt plus max_tokens). Lower max_tokens or the prompt.")
+    return (f"Rate limit reached for tokens per minute (TPM): limit {limits.tpm}, remaining "
+            f"{max(0, decision.remaining_tokens)}, requested {reserved} (prompt plus max_tokens).")

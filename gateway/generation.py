@@ -1,0 +1,189 @@
+"""One admitted request's life in the engine: deltas to SSE or JSON, its ledger row, its limits given back.
+
+Whatever way the request ends (finished, client gone, server stopping),
+``close()`` runs exactly once: it aborts the engine request if it is still
+running (freeing its KV blocks within a step), and makes sure the ledger row
+is written and the unused token reservation and the concurrency slot go back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.request import Delta, TokenLogprob, Usage
+from gateway import openai_format as fmt
+from gateway.logs import request_context
+from gateway.usage import gateway_record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Admitted:
+    """What the admission path knows of a request it let through."""
+
+    request_id: str
+    kind: str  # "chat" or "completion"
+    model: str
+    tenant: str
+    tier: str
+    adapter: str | None
+    queued_at: float  # time.time() at arrival
+    arrived: float  # time.monotonic() at arrival, for TTFT
+    prompt_tokens: int
+    reserved_tokens: int
+    want_logprobs: bool
+    include_usage: bool
+
+
+class Job:
+    def __init__(self, admitted: Admitted, stream: AsyncIterator[Delta], gateway, trace) -> None:
+        self.a = admitted
+        self.stream = stream
+        self.gw = gateway
+        self.trace = trace  # gateway.tracing.RequestTrace
+        self.created = int(time.time())
+        self.completion_tokens = 0
+        self.first_token_at: float | None = None
+        self.recorded = False  # the ledger row is durable
+        self.closed = False
+        self._first_token_mono: float | None = None
+        gateway.lifecycle.enter()
+
+    # -- consuming deltas -------------------------------------------------
+
+    def _on_delta(self, delta: Delta) -> None:
+        if delta.token_ids and self._first_token_mono is None:
+            self._first_token_mono = time.monotonic()
+            self.first_token_at = time.time()
+            self.gw.metrics.observe_ttft(self.a.tier, self._first_token_mono - self.a.arrived)
+            self.trace.mark_first_token()
+        self.completion_tokens += len(delta.token_ids)
+
+    async def _record(self, status: str, last: Delta | None = None) -> str:
+        """Write the ledger row (before the response's last byte) and account the finish; returns the status."""
+        fallback = gateway_record(self.a.request_id, self.a.tenant, self.a.tier, self.a.adapter, status,
+                                  self.a.queued_at, self.a.prompt_tokens, self.completion_tokens, self.first_token_at)
+        record = await self.gw.usage.finish(self.a.request_id, fallback)
+        self.recorded = True
+        # The engine's count includes tokens made after a client left, which it never saw: they are
+        # billed, and they count against the tenant's TPM when the reservation is settled.
+        self.completion_tokens = max(self.completion_tokens, record.completion_tokens)
+        usage = Usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens)
+        self.trace.finish(usage=usage, finish_reason=last.finish_reason if last else "abort",
+                          error=last.error if last else None)
+        self.gw.metrics.count_request(self.a.tier, record.status)
+        if self._first_token_mono is not None and self.completion_tokens > 1:
+            tpot = (time.monotonic() - self._first_token_mono) / (self.completion_tokens - 1)
+            self.gw.metrics.observe_tpot(self.a.tier, tpot)
+        return record.status
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        a = self.a
+        writer = fmt.ChunkWriter(a.kind, a.request_id, self.created, a.model, a.include_usage)
+        yield writer.first()
+        async for delta in self.stream:
+            self._on_delta(delta)
+            if delta.finish_reason is None:
+                chunk = writer.delta(delta.text, delta.logprobs, a.want_logprobs)
+                if chunk:
+                    yield chunk
+                continue
+            await self._record("error" if delta.error else "ok", delta)
+            if delta.error:
+                yield fmt.sse({"error": {"message": "The engine failed while generating; the request was "
+                                         "stopped.", "type": "server_error", "param": None, "code": "engine_error"}})
+            else:
+                yield writer.delta(delta.text, delta.logprobs, a.want_logprobs, delta.finish_reason)
+                yield writer.usage(delta.usage or self._usage())
+            yield fmt.DONE
+            return
+
+    async def collect(self) -> JSONResponse:
+        a = self.a
+        texts: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        last: Delta | None = None
+        try:
+            async for last in self.stream:
+                self._on_delta(last)
+                texts.append(last.text)
+                logprobs.extend(last.logprobs)
+                if last.finish_reason is not None:
+                    await self._record("error" if last.error else "ok", last)
+                    break
+        finally:
+            await self.close()
+        delta = last
+        if delta is None or delta.error:
+            return JSONResponse({"error": {"message": "The engine failed while generating; the request was stopped.",
+                                           "type": "server_error", "param": None, "code": "engine_error"}},
+                                status_code=500)
+        text, usage = "".join(texts), delta.usage or self._usage()
+        if a.kind == "chat":
+            lp = fmt.chat_logprobs(logprobs) if a.want_logprobs else None
+            body = fmt.chat_response(a.request_id, self.created, a.model, text, delta.finish_reason, usage, lp)
+        else:
+            lp = fmt.completion_logprobs(logprobs, 0) if a.want_logprobs else None
+            body = fmt.completion_response(a.request_id, self.created, a.model, text, delta.finish_reason, usage, lp)
+        return JSONResponse(body)
+
+    def _usage(self) -> Usage:
+        return Usage(prompt_tokens=self.a.prompt_tokens, completion_tokens=self.completion_tokens)
+
+    # -- the end, however it comes -----------------------------------------
+
+    async def close(self) -> None:
+        """Idempotent; shielded so a cancelled (disconnected) caller still frees and bills everything."""
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            aclose = getattr(self.stream, "aclose", None)
+            if aclose is not None:
+                await aclose()  # aborts the engine request if it has not finished
+            try:
+                if self.recorded:
+                    await self._release()
+                else:
+                    # The client left (or the server is stopping): the row waits for the engine's finish
+                    # event of the abort, which needs no client, so it is written in the background.
+                    self.gw.lifecycle.spawn(self._finish_cancelled())
+            finally:
+                self.gw.lifecycle.exit()
+
+    async def _finish_cancelled(self) -> None:
+        with request_context(self.a.request_id, tenant=self.a.tenant, tier=self.a.tier, trace_id=self.trace.trace_id):
+            try:
+                await self._record("cancelled")
+            finally:
+                await self._release()
+
+    async def _release(self) -> None:
+        used = self.a.prompt_tokens + self.completion_tokens
+        try:
+            await self.gw.limiter.release(self.a.tenant, self.a.request_id, self.a.reserved_tokens, used)
+        except Exception:  # a limiter outage must not fail a finished response; the lease expires by itself
+            log.exception("rate limiter release failed for %s", self.a.request_id)
+
+
+class JobStream(StreamingResponse):
+    """An SSE response whose job is closed however the response ends, even if it never started."""
+
+    def __init__(self, job: Job, headers: dict[str, str]) -> None:
+        super().__init__(job.sse(), media_type="text/event-stream",
+                         headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.job.close()

@@ -1,0 +1,286 @@
+"""Prometheus metrics of one gateway app: the names of DESIGN.md, in a registry of its own.
+
+Who feeds what:
+- the gateway's request path: ``observe_ttft``, ``observe_tpot``, ``count_request``,
+  ``count_rejection``, and ``track(request_id, tier)`` before submitting a request
+  to the engine (``untrack`` only if it is never submitted);
+- the engine thread, through ``engine.add_listener(metrics.on_engine_event)``:
+  step time, GPU-seconds and tokens per tier, preemptions;
+- scrape time, once ``attach_engine(engine)`` was called: queue depth, KV blocks
+  used per tier, the pool size and each tier's reserve, adapter loads and hits.
+
+No label carries a tenant: tenants live in the billing ledger, and a per-tenant
+label would grow the series count without bound. Every label value is checked
+against a closed set for the same reason.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from scheduler.config import TierConfig, TierLoad, default_tiers
+
+# Bucket bounds cover a GPU (milliseconds) and this CPU (seconds to tens of
+# seconds) in one histogram; 0.4 and 0.5 are bounds so that the premium alert
+# (0.4 s) and SLO (0.5 s) read off exact bucket edges instead of interpolation.
+TTFT_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
+)  # fmt: skip
+TPOT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
+)  # fmt: skip
+STEP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
+)  # fmt: skip
+
+# Requests that reached the engine; refused ones are tiergate_rejections_total.
+REQUEST_STATUSES = ("ok", "cancelled", "error")
+# rpm/tpm/concurrency: the tenant's rate limits; slo: predicted TTFT over the
+# tier's SLO (admission control); overload: the engine's queue is full.
+REJECTION_REASONS = ("rpm", "tpm", "concurrency", "slo", "overload")
+TOKEN_KINDS = ("prompt", "completion", "cached", "recompute")
+
+
+class EngineLike(Protocol):
+    """What ``attach_engine`` reads at scrape time (the Engine front of the preamble)."""
+
+    def load(self) -> dict[str, TierLoad]: ...
+
+    def kv_usage(self) -> tuple[dict[str, int], int]: ...
+
+
+class GatewayMetrics:
+    """All tiergate metrics of one app instance, registered in ``self.registry``."""
+
+    def __init__(self, tiers: Sequence[TierConfig] | None = None) -> None:
+        self.tiers: tuple[TierConfig, ...] = tuple(tiers) if tiers is not None else default_tiers()
+        self.tier_names = tuple(t.name for t in self.tiers)
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "tiergate_ttft_seconds",
+            "Time from request arrival to its first token, as the client sees it.",
+            ["tier"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "tiergate_tpot_seconds",
+            "Mean time per output token after the first, one sample per request.",
+            ["tier"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "tiergate_step_seconds",
+            "Duration of one engine step (forward pass and sampling).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter("tiergate_requests", "Finished requests.", ["tier", "status"], registry=r)
+        self.rejections = Counter(
+            "tiergate_rejections", "Requests refused before reaching the engine.", ["tier", "reason"], registry=r
+        )
+        self.preemptions = Counter(
+            "tiergate_preemptions", "Times a running request of this tier was preempted.", ["tier"], registry=r
+        )
+        self.gpu_seconds = Counter(
+            "tiergate_gpu_seconds",
+            "Engine step time split across requests by token share; recompute charged to the preempting tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.tokens = Counter("tiergate_tokens", "Tokens by tier and kind.", ["tier", "kind"], registry=r)
+        # The SLO as a series, so dashboards draw each tier's line from config rather than a constant.
+        self.ttft_slo = Gauge("tiergate_ttft_slo_seconds", "The tier's time-to-first-token SLO.", ["tier"], registry=r)
+        self._engine_collector: _EngineStateCollector | None = None
+        self._request_tiers: dict[str, str] = {}
+        self._finished: set[str] = set()
+        self._lock = threading.Lock()  # the request map is written by both the event loop and the engine thread
+        self._create_series()
+
+    def _create_series(self) -> None:
+        # Every series exists at 0 from the start: rate() over a series that
+        # appears mid-window misses its first increments.
+        for tier_config in self.tiers:
+            if tier_config.ttft_slo_s is not None:
+                self.ttft_slo.labels(tier_config.name).set(tier_config.ttft_slo_s)
+        for tier in self.tier_names:
+            self.ttft.labels(tier)
+            self.tpot.labels(tier)
+            self.preemptions.labels(tier)
+            self.gpu_seconds.labels(tier)
+            for status in REQUEST_STATUSES:
+                self.requests.labels(tier, status)
+            for reason in REJECTION_REASONS:
+                self.rejections.labels(tier, reason)
+            for kind in TOKEN_KINDS:
+                self.tokens.labels(tier, kind)
+
+    # -- the gateway's request path --------------------------------------
+
+    def observe_ttft(self, tier: str, seconds: float) -> None:
+        self.ttft.labels(self._tier(tier)).observe(seconds)
+
+    def observe_tpot(self, tier: str, seconds: float) -> None:
+        self.tpot.labels(self._tier(tier)).observe(seconds)
+
+    def count_request(self, tier: str, status: str) -> None:
+        self.requests.labels(self._tier(tier), _member(status, REQUEST_STATUSES, "status")).inc()
+
+    def count_rejection(self, tier: str, reason: str) -> None:
+        self.rejections.labels(self._tier(tier), _member(reason, REJECTION_REASONS, "reason")).inc()
+
+    def count_tokens(self, tier: str, kind: str, n: int) -> None:
+        """Called by ``on_engine_event``; a caller that listens to the engine must not count tokens again."""
+        if n < 0:
+            raise ValueError(f"token count must be non-negative, got {n}")
+        self.tokens.labels(self._tier(tier), _member(kind, TOKEN_KINDS, "kind")).inc(n)
+
+    def track(self, request_id: str, tier: str) -> None:
+        """Remember a request's tier so that step time can be split by tier; call before submitting it."""
+        tier = self._tier(tier)
+        with self._lock:
+            self._request_tiers[request_id] = tier
+
+    def untrack(self, request_id: str) -> None:
+        """Forget a request that was tracked but never reached the engine (finished ones are forgotten itself)."""
+        with self._lock:
+            self._request_tiers.pop(request_id, None)
+            self._finished.discard(request_id)
+
+    # -- the engine thread -------------------------------------------------
+
+    def on_engine_event(self, event: Any) -> None:
+        """Engine listener: takes a StepEvent or FinishEvent (engine/events.py), duck-typed."""
+        if hasattr(event, "items"):
+            self._on_step(event)
+        else:
+            self._on_finish(event)
+
+    def _on_step(self, event: Any) -> None:
+        self.step_seconds.observe(event.duration_s)
+        for _, tier in getattr(event, "preempted", ()):
+            if tier in self.tier_names:
+                self.preemptions.labels(tier).inc()
+        total_tokens = sum(item.tokens for item in event.items)
+        with self._lock:
+            owners = [self._request_tiers.get(item.request_id) for item in event.items]
+            # A request's last step may be reported after its FinishEvent, so
+            # finished requests are dropped one step later, never earlier.
+            for request_id in self._finished:
+                self._request_tiers.pop(request_id, None)
+            self._finished.clear()
+        for item, owner in zip(event.items, owners, strict=True):
+            tier = item.recompute_charged_tier if item.is_recompute and item.recompute_charged_tier else owner
+            if tier is None or tier not in self.tier_names:
+                continue  # not submitted through this gateway (a bench or test driving the engine directly)
+            if total_tokens:
+                self.gpu_seconds.labels(tier).inc(event.duration_s * item.tokens / total_tokens)
+            if item.is_recompute:
+                self.tokens.labels(tier, "recompute").inc(item.tokens)
+
+    def _on_finish(self, event: Any) -> None:
+        with self._lock:
+            if event.request_id in self._request_tiers:
+                self._finished.add(event.request_id)
+        if event.tier not in self.tier_names:
+            return
+        self.count_tokens(event.tier, "prompt", event.prompt_tokens)
+        self.count_tokens(event.tier, "completion", event.completion_tokens)
+        self.count_tokens(event.tier, "cached", event.cached_tokens)
+
+    def tracked_requests(self) -> int:
+        """How many requests the tier map holds (a leak check for tests)."""
+        with self._lock:
+            return len(self._request_tiers)
+
+    # -- scrape time -------------------------------------------------------
+
+    def attach_engine(self, engine: EngineLike) -> None:
+        """Read queue depth, KV usage, reserves and adapter counters from ``engine`` at every scrape."""
+        if self._engine_collector is not None:
+            self.registry.unregister(self._engine_collector)
+        self._engine_collector = _EngineStateCollector(engine, self.tiers)
+        self.registry.register(self._engine_collector)
+
+    def _tier(self, tier: str) -> str:
+        return _member(tier, self.tier_names, "tier")
+
+
+class _EngineStateCollector(Collector):
+    """Gauges read from the engine when Prometheus scrapes, so they are never stale."""
+
+    def __init__(self, engine: EngineLike, tiers: Iterable[TierConfig]) -> None:
+        self.engine = engine
+        self.tiers = tuple(tiers)
+
+    def describe(self) -> list[Any]:
+        # Names only, so registration checks for clashes without calling the engine.
+        return list(self._families())
+
+    def collect(self) -> Iterator[Any]:
+        return iter(self._families(self.engine))
+
+    def _families(self, engine: EngineLike | None = None) -> list[Any]:
+        queue = GaugeMetricFamily("tiergate_queue_depth", "Requests waiting for their first step.", labels=["tier"])
+        running = GaugeMetricFamily("tiergate_running_requests", "Requests in the running batch.", labels=["tier"])
+        predicted = GaugeMetricFamily(
+            "tiergate_predicted_ttft_seconds", "Admission control's TTFT estimate for a new request.", labels=["tier"]
+        )
+        used = GaugeMetricFamily("tiergate_kv_blocks_used", "KV blocks held by the tier's requests.", labels=["tier"])
+        total = GaugeMetricFamily("tiergate_kv_blocks_total", "KV blocks in the pool.")
+        reserved = GaugeMetricFamily(
+            "tiergate_kv_blocks_reserved", "KV blocks only this tier (or better) may use.", labels=["tier"]
+        )
+        loads = CounterMetricFamily("tiergate_adapter_loads", "LoRA adapters read from disk.")
+        hits = CounterMetricFamily(
+            "tiergate_adapter_cache_hits", "A step's adapter found in a device slot or the host cache (no disk read)."
+        )
+        families = [queue, running, predicted, used, total, reserved, loads, hits]
+        if engine is None:
+            return families
+        for tier, load in engine.load().items():
+            queue.add_metric([tier], load.queue_depth)
+            running.add_metric([tier], load.running)
+            predicted.add_metric([tier], load.predicted_ttft_s)
+        used_by_tier, num_blocks = engine.kv_usage()
+        for tier_config in self.tiers:
+            used.add_metric([tier_config.name], used_by_tier.get(tier_config.name, 0))
+            reserved.add_metric([tier_config.name], int(num_blocks * tier_config.kv_reserve_fraction))
+        total.add_metric([], num_blocks)
+        adapter_loads, adapter_hits = _adapter_counts(engine)
+        loads.add_metric([], adapter_loads)
+        hits.add_metric([], adapter_hits)
+        return families
+
+
+def _adapter_counts(engine: Any) -> tuple[int, int]:
+    # The engine's LoRA pool keeps the counters; an engine built without one
+    # (max_loras=0) has loaded no adapter and served no hit.
+    pool = getattr(engine, "lora_pool", None)
+    if pool is None:
+        return 0, 0
+    return int(pool.loads), int(pool.cache_hits)
+
+
+def _member(value: str, allowed: Sequence[str], what: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
+    return value
+
+
+def render(metrics: GatewayMetrics) -> tuple[bytes, str]:
+    """The /metrics body and its content type (Prometheus text format 0.0.4)."""
+    # 0.0.4 names exactly what generate_latest writes; Prometheus 2.x (Debian
+    # 12's) does not know the "version=1.0.0" that the client now calls latest.
+    return generate_latest(metrics.registry), CONTENT_TYPE_PLAIN_0_0_4

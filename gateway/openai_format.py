@@ -1,0 +1,141 @@
+"""OpenAI response objects: whole responses, stream chunks, SSE framing, logprobs and usage.
+
+Pure functions of the engine's deltas, so the shapes can be checked without a model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from engine.request import TokenLogprob, Usage
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> bytes:
+    """One Server-Sent Event carrying ``obj`` as compact JSON (one line, so no field splitting is needed)."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def usage_dict(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(items: Sequence[TokenLogprob]) -> dict:
+    content = [
+        {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "bytes": _token_bytes(lp.token),
+            "top_logprobs": [{"token": t, "logprob": p, "bytes": _token_bytes(t)} for _, t, p in lp.top],
+        }
+        for lp in items
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(items: Sequence[TokenLogprob], text_offset_start: int) -> dict:
+    offsets, offset = [], text_offset_start
+    for lp in items:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in items],
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{t: p for _, t, p in lp.top} for lp in items],
+        "text_offset": offsets,
+    }
+
+
+def finish_reason(reason: str | None) -> str | None:
+    # The engine also ends requests with "abort"/"error"; clients know only stop and length.
+    return reason if reason in (None, "stop", "length") else "stop"
+
+
+def chat_response(request_id: str, created: int, model: str, text: str, reason: str | None,
+                  usage: Usage, logprobs: dict | None) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(reason),
+            }
+        ],
+        "usage": usage_dict(usage),
+    }
+
+
+def completion_response(request_id: str, created: int, model: str, text: str, reason: str | None,
+                        usage: Usage, logprobs: dict | None) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}],
+        "usage": usage_dict(usage),
+    }
+
+
+class ChunkWriter:
+    """Frames one request's deltas as OpenAI stream chunks (SSE bytes)."""
+
+    def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool) -> None:
+        self.kind = kind
+        self.base = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created,
+            "model": model,
+        }
+        self.include_usage = include_usage
+        self.text_offset = 0
+
+    def _chunk(self, choice: dict) -> bytes:
+        obj = {**self.base, "choices": [choice]}
+        if self.include_usage:
+            obj["usage"] = None  # OpenAI sends null usage on every chunk but the last
+        return sse(obj)
+
+    def first(self) -> bytes:
+        """Chat streams open with the assistant role, as OpenAI's do; completions have no such chunk."""
+        if self.kind != "chat":
+            return b""
+        return self._chunk(
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        )
+
+    def delta(self, text: str, logprobs: Sequence[TokenLogprob], want_logprobs: bool,
+              reason: str | None = None) -> bytes:
+        if not text and not logprobs and reason is None:
+            return b""
+        if self.kind == "chat":
+            lp = chat_logprobs(logprobs) if want_logprobs and logprobs else None
+            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": lp,
+                      "finish_reason": finish_reason(reason)}
+        else:
+            lp = completion_logprobs(logprobs, self.text_offset) if want_logprobs and logprobs else None
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason(reason)}
+        self.text_offset += len(text)
+        return self._chunk(choice)
+
+    def usage(self, usage: Usage) -> bytes:
+        if not self.include_usage:
+            return b""
+        return sse({**self.base, "choices": [], "usage": usage_dict(usage)})

@@ -1,0 +1,261 @@
+"""Parsing and validation of OpenAI request bodies into plain dataclasses.
+
+Everything a client can get wrong is caught here, as a 4xx naming the
+parameter, before anything touches the rate limiter or the engine.
+Unknown fields are ignored, as OpenAI's own clients send extras.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import APIError, invalid_param
+
+MAX_STOP_SEQUENCES = 4
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One chat or completion request, validated; ``prompt`` is text or token ids for completions."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    messages: tuple[Message, ...] = ()
+    prompt: str | tuple[int, ...] = ""
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: none; k: the chosen token plus k alternatives
+    user: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _optional(body: dict, name: str) -> Any:
+    """A field's value, treating JSON null like an absent field (OpenAI's clients send nulls)."""
+    return body.get(name)
+
+
+def _int_field(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    v = _optional(body, name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise invalid_param(name, f"Invalid type for '{name}': expected an integer, but got {type(v).__name__}.",
+                            "invalid_type")
+    if v < lo or (hi is not None and v > hi):
+        bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+        raise invalid_param(name, f"Invalid value for '{name}': {v}; it must be {bound}.", "invalid_value")
+    return v
+
+
+def _float_field(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = _optional(body, name)
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise invalid_param(name, f"Invalid type for '{name}': expected a number, but got {type(v).__name__}.",
+                            "invalid_type")
+    if v > hi or v < lo or (lo_open and v == lo):
+        interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise invalid_param(name, f"Invalid value for '{name}': {v}; it must be in {interval}.", "invalid_value")
+    return float(v)
+
+
+def _bool_field(body: dict, name: str) -> bool:
+    v = _optional(body, name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise invalid_param(name, f"Invalid type for '{name}': expected a boolean, but got {type(v).__name__}.",
+                            "invalid_type")
+    return v
+
+
+def _str_field(body: dict, name: str) -> str | None:
+    v = _optional(body, name)
+    if v is not None and not isinstance(v, str):
+        raise invalid_param(name, f"Invalid type for '{name}': expected a string, but got {type(v).__name__}.",
+                            "invalid_type")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = _optional(body, "stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise invalid_param("stop", "Invalid type for 'stop': expected a string or an array of strings.", "invalid_type")
+    if len(v) > MAX_STOP_SEQUENCES:
+        raise invalid_param("stop", f"Invalid value for 'stop': at most {MAX_STOP_SEQUENCES} sequences are allowed.",
+                            "invalid_value")
+    if any(s == "" for s in v):
+        raise invalid_param("stop", "Invalid value for 'stop': stop sequences must not be empty.", "invalid_value")
+    return tuple(v)
+
+
+def _common(body: dict) -> dict[str, Any]:
+    model = _optional(body, "model")
+    if model is None:
+        raise invalid_param("model", "You must provide a model parameter.", "missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise invalid_param("model", "Invalid type for 'model': expected a non-empty string.", "invalid_type")
+    n = _int_field(body, "n", 1)
+    if n is not None and n != 1:
+        raise invalid_param("n", f"Invalid value for 'n': {n}; only n=1 is supported.", "invalid_value")
+    if _int_field(body, "best_of", 1) not in (None, 1):
+        raise invalid_param("best_of", "Invalid value for 'best_of': only best_of=1 is supported.", "invalid_value")
+    stream = _bool_field(body, "stream")
+    include_usage = False
+    options = _optional(body, "stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise invalid_param("stream_options", "Invalid type for 'stream_options': expected an object.",
+                                "invalid_type")
+        if not stream:
+            raise invalid_param("stream_options", "The 'stream_options' parameter is only allowed when 'stream' "
+                                "is enabled.", "invalid_value")
+        include_usage = _bool_field(options, "include_usage")
+    seed = _optional(body, "seed")
+    if seed is not None and not _is_int(seed):
+        raise invalid_param("seed", "Invalid type for 'seed': expected an integer.", "invalid_type")
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise invalid_param("seed", "Invalid value for 'seed': it must fit in a signed 64-bit integer.",
+                            "invalid_value")
+    return dict(
+        model=model,
+        temperature=_float_field(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_float_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        seed=seed,
+        stop=_stop(body),
+        user=_str_field(body, "user"),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _message_content(i: int, content: Any) -> str:
+    param = f"messages[{i}].content"
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid_param(f"{param}[{j}]", f"Invalid content part in '{param}[{j}]': only parts of "
+                                    "type 'text' with a string 'text' are supported.", "invalid_value")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid_param(param, f"Invalid type for '{param}': expected a string or an array of content parts.",
+                        "invalid_type")
+
+
+def _messages(body: dict) -> tuple[Message, ...]:
+    raw = _optional(body, "messages")
+    if raw is None:
+        raise invalid_param("messages", "Missing required parameter: 'messages'.", "missing_required_parameter")
+    if not isinstance(raw, list):
+        raise invalid_param("messages", "Invalid type for 'messages': expected an array.", "invalid_type")
+    if not raw:
+        raise invalid_param("messages", "Invalid 'messages': empty array; expected at least one message.",
+                            "empty_array")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise invalid_param(f"messages[{i}]", f"Invalid type for 'messages[{i}]': expected an object.",
+                                "invalid_type")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid_param(f"messages[{i}].role", f"Invalid value for 'messages[{i}].role': {role!r}; "
+                                f"expected one of {', '.join(CHAT_ROLES)}.", "invalid_value")
+        out.append(Message(role=role, content=_message_content(i, m.get("content"))))
+    return tuple(out)
+
+
+def _max_tokens(body: dict) -> int | None:
+    by_new_name = _int_field(body, "max_completion_tokens", 1)
+    return by_new_name if by_new_name is not None else _int_field(body, "max_tokens", 1)
+
+
+def parse_chat(body: dict[str, Any]) -> GenerationRequest:
+    common = _common(body)
+    messages = _messages(body)
+    logprobs = _bool_field(body, "logprobs")
+    top = _int_field(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise invalid_param("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.", "invalid_value")
+    return GenerationRequest(
+        kind="chat",
+        messages=messages,
+        max_tokens=_max_tokens(body),
+        logprobs=(top or 0) if logprobs else None,
+        **common,
+    )
+
+
+def _prompt(body: dict) -> str | tuple[int, ...]:
+    raw = _optional(body, "prompt")
+    if raw is None:
+        raise invalid_param("prompt", "Missing required parameter: 'prompt'.", "missing_required_parameter")
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list) and raw and all(_is_int(t) and t >= 0 for t in raw):
+        return tuple(raw)
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+        return raw[0]
+    if isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):
+        raise invalid_param("prompt", "Batched prompts are not supported; send one prompt per request.",
+                            "invalid_value")
+    raise invalid_param("prompt", "Invalid type for 'prompt': expected a string or an array of token ids.",
+                        "invalid_type")
+
+
+def parse_completion(body: dict[str, Any]) -> GenerationRequest:
+    common = _common(body)
+    if _optional(body, "suffix") is not None:
+        raise invalid_param("suffix", "The 'suffix' parameter is not supported.", "invalid_value")
+    if _bool_field(body, "echo"):
+        raise invalid_param("echo", "The 'echo' parameter is not supported.", "invalid_value")
+    return GenerationRequest(
+        kind="completion",
+        prompt=_prompt(body),
+        max_tokens=_max_tokens(body),
+        logprobs=_int_field(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS),
+        **common,
+    )

@@ -1,0 +1,95 @@
+"""``tiergate serve``: build the engine, database and ledger from settings and run the app under uvicorn.
+
+SIGTERM starts a drain instead of uvicorn's immediate close: the listener
+stays open so a load balancer can read /readyz turn 503 while in-flight
+requests finish (new ones get 503); once they are done, or the drain timeout
+passes, uvicorn exits and the app's shutdown stops the engine. A second
+signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from types import FrameType
+
+import uvicorn
+from sqlalchemy import Engine as Database
+from starlette.applications import Starlette
+
+from billing.db import create_engine_for, upgrade
+from billing.ledger import Ledger
+from engine.config import EngineConfig
+from gateway.app import create_app
+from gateway.services import Gateway
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Built:
+    app: Starlette
+    engine: object
+    db: Database
+
+
+def build(settings: Settings, migrate: bool = True) -> Built:
+    """Everything ``serve`` needs, from settings; the model is loaded here (the slow part)."""
+    from engine.engine import Engine  # torch is imported only by commands that serve
+
+    if migrate:
+        upgrade(settings.database_url)
+    db = create_engine_for(settings.database_url)
+    engine = Engine(
+        EngineConfig(
+            model=settings.model,
+            device=settings.device,
+            policy=settings.scheduler_policy,
+            max_model_len=settings.max_model_len,
+            max_loras=settings.max_loras,
+        )
+    )
+    ledger = Ledger(db, settings.spool_path)
+    return Built(create_app(settings, engine, db, ledger), engine, db)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or self._loop is None or self.should_exit:
+            super().handle_exit(sig, frame)  # a second signal: stop now
+            return
+        self._captured_signals.append(sig)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        log.info("draining: /readyz is 503, waiting for %d in-flight request(s)", self.gateway.lifecycle.in_flight)
+        await self.gateway.lifecycle.drain(self.gateway.settings.drain_timeout_s)
+        self.should_exit = True
+
+
+def serve(settings: Settings, built: Built) -> None:
+    config = uvicorn.Config(
+        built.app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+        log_config=None,  # logging is configured once by the CLI (JSON lines); uvicorn must not replace it
+    )
+    DrainingServer(config, built.app.state.gateway).run()

@@ -1,0 +1,70 @@
+"""Gateway settings: command-line flags first, then TIERGATE_* environment variables, then defaults."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+ENV_PREFIX = "TIERGATE_"
+
+
+class SettingsError(ValueError):
+    """A setting with a value we cannot use; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str | None = None  # None: billing's default SQLite file under ./var
+    spool_path: str = "var/ledger-spool.jsonl"  # ledger rows wait here while the database is down
+    redis_url: str | None = None  # None: in-process rate limits
+    model: str = "bundled"
+    device: str = "cpu"
+    admin_token: str | None = None  # None: the /admin API is closed
+    scheduler_policy: str = "tiered"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_model_len: int = 2048
+    max_loras: int = 4
+    default_max_tokens: int = 256  # when a request names none: bounds what TPM reserves for it
+    max_body_bytes: int = 1 << 20
+    auth_cache_ttl_s: float = 5.0
+    rate_window_s: float = 60.0
+    max_queued: int = 256
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise SettingsError(f"device must be cpu or cuda, not {self.device!r}")
+        if self.scheduler_policy not in ("tiered", "fcfs"):
+            raise SettingsError(f"scheduler policy must be tiered or fcfs, not {self.scheduler_policy!r}")
+        if not 0 < self.port < 65536:
+            raise SettingsError(f"port must be in 1..65535, not {self.port}")
+        for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be at least 1")
+
+
+def _convert(name: str, raw: str, default: Any) -> Any:
+    kind = type(default) if default is not None else str
+    try:
+        return kind(raw)
+    except ValueError:
+        raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be a {kind.__name__}, not {raw!r}") from None
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from ``overrides`` (flags; None values ignored), then the environment, then defaults."""
+    environ = os.environ if environ is None else environ
+    defaults = Settings()
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        raw = environ.get(ENV_PREFIX + f.name.upper())
+        if raw not in (None, ""):
+            values[f.name] = _convert(f.name, raw, getattr(defaults, f.name))
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = value
+    return replace(defaults, **values)

@@ -1,0 +1,54 @@
+"""The per-step LoRA batch: which slot each row uses, and `apply` for the model's projections.
+
+Built by `LoraPool.batch_for` once per step; implements engine/lora_hook.py's
+LoraBatchLike structurally. Row bookkeeping (groups of rows per slot, sorted order
+for the kernels) is done here once, not in every one of the step's `apply` calls.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lora_pool import ops
+
+if TYPE_CHECKING:
+    from lora_pool.adapter import AdapterSpec
+    from lora_pool.pool import LoraPool
+
+
+class LoraBatch:
+    def __init__(self, pool: LoraPool, chunk_slots: list[tuple[int, int]], specs: dict[int, AdapterSpec]):
+        """`chunk_slots`: each chunk's (slot, or -1 without adapter, number of rows) in row order."""
+        self._a = pool.a
+        self._b = pool.b
+        row_slots = [slot for slot, rows in chunk_slots for _ in range(rows)]
+        self.num_rows = len(row_slots)
+        self.row_slots = row_slots
+        self.specs = specs
+        # Per projection, the slots of this step whose adapter touches it (others are skipped).
+        self.slots_by_proj = {proj: [s for s in sorted(specs) if proj in specs[s].targets]
+                              for proj in pool.a}
+        if pool.device.type == "cuda":
+            from lora_pool.triton_ops import KernelPlan  # triton is only needed on CUDA
+
+            self._kernel_plan = KernelPlan.build(chunk_slots, pool.scales, pool.max_lora_rank, pool.device)
+        else:
+            self._kernel_plan = None
+            self._cpu_plan = ops.plan_rows(row_slots, {s: (spec.rank, spec.scale) for s, spec in specs.items()})
+
+    def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """In place: y += (x @ A[slot].T) @ B[slot].T * scale[slot] for each row with an adapter."""
+        slots = self.slots_by_proj[proj]
+        if not slots:
+            return
+        if x.shape[0] != self.num_rows or y.shape[0] != self.num_rows:
+            raise ValueError(f"LoRA batch has {self.num_rows} rows but x has {x.shape[0]}, y {y.shape[0]}")
+        a, b = self._a[proj][layer], self._b[proj][layer]
+        if self._kernel_plan is not None:
+            from lora_pool.triton_ops import apply_lora
+
+            apply_lora(x, y, a, b, self._kernel_plan)
+        else:
+            ops.apply_lora(x, y, a, b, self._cpu_plan, slots)

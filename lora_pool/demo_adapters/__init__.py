@@ -1,0 +1,13 @@
+"""Demo adapters trained on the bundled SmolLM2-135M-Instruct (see train.py): `french` answers
+in French, `uppercase` answers in upper case. `make serve` registers and grants them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent
+
+
+def demo_adapters() -> dict[str, Path]:
+    """Name -> directory of each committed demo adapter."""
+    return {p.name: p for p in sorted(DEMO_ADAPTERS_DIR.iterdir()) if (p / "adapter_config.json").is_file()}

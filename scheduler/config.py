@@ -1,0 +1,58 @@
+"""Scheduler settings: the KV pool, the per-step budget and the tiers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    name: str
+    priority: int  # lower runs first
+    ttft_slo_s: float | None  # None: no SLO, never shed for latency
+    kv_reserve_fraction: float = 0.0  # share of the pool only this tier (or better) may use
+
+
+def default_tiers() -> tuple[TierConfig, ...]:
+    return (
+        TierConfig("premium", priority=0, ttft_slo_s=0.5, kv_reserve_fraction=0.30),
+        TierConfig("standard", priority=1, ttft_slo_s=None, kv_reserve_fraction=0.0),
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64  # sequences running in one step
+    max_num_batched_tokens: int = 512  # tokens computed in one step (decodes + prefill chunks)
+    max_model_len: int = 2048
+    max_loras: int = 4  # distinct adapters in one step (device slots)
+    enable_prefix_caching: bool = True
+    policy: str = "tiered"  # "tiered" or "fcfs"
+    tiers: tuple[TierConfig, ...] = field(default_factory=default_tiers)
+    # Under sustained premium load, standard still gets this share of each
+    # step's token budget when it has work waiting.
+    standard_min_share: float = 0.1
+    # Predicted TTFT before any step has been observed (CPU-scale priors), and
+    # the weight of each new step in the moving averages.
+    prior_step_time_s: float = 0.05
+    prior_prefill_tokens_per_s: float = 1000.0
+    prior_prompt_tokens: int = 256
+    load_ema_alpha: float = 0.1
+
+    def tier(self, name: str) -> TierConfig:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"unknown tier {name!r}")
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    """A tier's backlog as the gateway's admission control sees it."""
+
+    queue_depth: int  # waiting sequences
+    running: int
+    queued_prefill_tokens: int
+    predicted_ttft_s: float  # for a new request of this tier arriving now

@@ -1,0 +1,173 @@
+"""Who goes first and who gets preempted: the FCFS and tiered policies.
+
+The scheduler owns the mechanics (budget, blocks, chunks); a policy only
+answers ordering questions, so the two policies drop into the same engine.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from scheduler.block_manager import TierCap
+from scheduler.config import SchedulerConfig
+from scheduler.sequence import Sequence
+
+# Why a waiting sequence could not be admitted.
+NO_SLOT = "slots"  # max_num_seqs running already
+NO_ADAPTER = "adapter"  # max_loras distinct adapters running already
+NO_BLOCKS = "blocks"
+
+
+class Policy(ABC):
+    """What the two policies answer; ``arrival`` maps seq_id to its arrival rank."""
+
+    name = ""
+
+    def __init__(self, config: SchedulerConfig, arrival: dict[str, int]) -> None:
+        self.config = config
+        self.arrival = arrival
+
+    def latest(self, seqs: list[Sequence]) -> Sequence:
+        return max(seqs, key=lambda s: self.arrival[s.seq_id])
+
+    @abstractmethod
+    def rank(self, seq: Sequence) -> tuple:
+        """Sort key: the order running sequences are served in."""
+
+    @abstractmethod
+    def queue_of(self, seq: Sequence) -> str:
+        """The waiting queue ``seq`` belongs to."""
+
+    @abstractmethod
+    def queue_names(self) -> list[str]:
+        """Waiting queues, best first."""
+
+    def caps(self) -> tuple[TierCap, ...]:
+        return ()
+
+    def min_share_tokens(self) -> int:
+        """Tokens of each step kept for the queues after the best one while they have work."""
+        return 0
+
+    @abstractmethod
+    def victim_for_running(self, needy: Sequence, running: list[Sequence]) -> Sequence:
+        """The sequence to preempt so that running ``needy`` gets a block (may be ``needy``)."""
+
+    def victim_for_waiting(
+        self,
+        waiting: Sequence,
+        reason: str,
+        running: list[Sequence],
+        frees_enough: Callable[[list[Sequence]], bool],
+    ) -> Sequence | None:
+        """The sequence to preempt so that ``waiting`` can be admitted; None: it waits.
+
+        ``frees_enough(seqs)`` tells whether preempting all of ``seqs`` would
+        free the blocks ``waiting`` needs.
+        """
+        return None
+
+
+class FcfsPolicy(Policy):
+    """One queue in arrival order whatever the tier; the latest arrival is preempted (vLLM-like)."""
+
+    name = "fcfs"
+
+    def rank(self, seq: Sequence) -> tuple:
+        return (self.arrival[seq.seq_id],)
+
+    def queue_of(self, seq: Sequence) -> str:
+        return "all"
+
+    def queue_names(self) -> list[str]:
+        return ["all"]
+
+    def victim_for_running(self, needy: Sequence, running: list[Sequence]) -> Sequence:
+        return self.latest(running)
+
+
+class TieredPolicy(Policy):
+    """Better tiers first, FCFS within a tier; KV reserves; worse tiers preempted first."""
+
+    name = "tiered"
+
+    def __init__(self, config: SchedulerConfig, arrival: dict[str, int]) -> None:
+        super().__init__(config, arrival)
+        self.priority = {t.name: t.priority for t in config.tiers}
+
+    def rank(self, seq: Sequence) -> tuple:
+        return (self.priority[seq.tier], self.arrival[seq.seq_id])
+
+    def queue_of(self, seq: Sequence) -> str:
+        return seq.tier
+
+    def queue_names(self) -> list[str]:
+        return [t.name for t in sorted(self.config.tiers, key=lambda t: t.priority)]
+
+    def caps(self) -> tuple[TierCap, ...]:
+        # A tier's reserve is kept from every strictly worse tier: those tiers
+        # together may hold at most what the reserves of it and better ones leave.
+        caps = []
+        for tier in self.config.tiers:
+            if tier.kv_reserve_fraction <= 0:
+                continue
+            reserved = sum(
+                t.kv_reserve_fraction for t in self.config.tiers if t.priority <= tier.priority
+            )
+            worse = frozenset(t.name for t in self.config.tiers if t.priority > tier.priority)
+            if worse:
+                caps.append(TierCap(int(self.config.num_blocks * (1 - reserved)), worse))
+        return tuple(caps)
+
+    def min_share_tokens(self) -> int:
+        return math.ceil(self.config.standard_min_share * self.config.max_num_batched_tokens)
+
+    def _worse(self, seq: Sequence, running: list[Sequence]) -> list[Sequence]:
+        return [s for s in running if self.priority[s.tier] > self.priority[seq.tier]]
+
+    def _most_blocks(self, seqs: list[Sequence]) -> Sequence:
+        return max(seqs, key=lambda s: (len(s.block_table), self.arrival[s.seq_id]))
+
+    def victim_for_running(self, needy: Sequence, running: list[Sequence]) -> Sequence:
+        worse = self._worse(needy, running)
+        if worse:
+            return self._most_blocks(worse)
+        # Never a better tier: among equals the latest arrival goes first.
+        return self.latest([s for s in running if self.priority[s.tier] == self.priority[needy.tier]])
+
+    def victim_for_waiting(
+        self,
+        waiting: Sequence,
+        reason: str,
+        running: list[Sequence],
+        frees_enough: Callable[[list[Sequence]], bool],
+    ) -> Sequence | None:
+        worse = self._worse(waiting, running)
+        if not worse:
+            return None
+        if reason == NO_SLOT:
+            return self.latest(worse)
+        if reason == NO_BLOCKS:
+            # Preempting is pointless if all of the worse tiers' blocks would not do.
+            return self._most_blocks(worse) if frees_enough(worse) else None
+        # NO_ADAPTER: free a slot held only by worse tiers, losing the fewest
+        # sequences (ties: the group with the latest arrival).
+        kept = {s.adapter for s in running if s not in worse}
+        groups: dict[str, list[Sequence]] = {}
+        for s in worse:
+            if s.adapter is not None and s.adapter not in kept:
+                groups.setdefault(s.adapter, []).append(s)
+        if not groups:
+            return None
+        group = min(groups.values(), key=lambda g: (len(g), -self.arrival[self.latest(g).seq_id]))
+        return self.latest(group)
+
+
+def make_policy(config: SchedulerConfig, arrival: dict[str, int]) -> Policy:
+    if config.policy == "fcfs":
+        return FcfsPolicy(config, arrival)
+    if config.policy == "tiered":
+        return TieredPolicy(config, arrival)
+    raise ValueError(f"unknown scheduler policy {config.policy!r}: use 'tiered' or 'fcfs'")

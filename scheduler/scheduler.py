@@ -1,0 +1,362 @@
+"""The step planner: continuous batching with chunked prefill over paged KV blocks.
+
+Each ``schedule()`` builds one step: decodes of running sequences first (one
+token each), then prefill chunks queue by queue under the token budget. Blocks
+for every chunk are allocated before the plan is returned; when a sequence
+needs a block and none is left, the policy names a sequence to preempt by
+recompute. ``update()`` applies the step's sampled tokens afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig, TierLoad
+from scheduler.load import LoadEstimator
+from scheduler.plan import ScheduledChunk, StepPlan
+from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
+from scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class _Step:
+    """The plan under construction and what it has used so far."""
+
+    plan: StepPlan
+    budget: int
+    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+    # A better queue's head could not get blocks or a slot: worse queues admit nobody.
+    admission_closed: bool = False
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        chunk = self.chunks.get(seq.seq_id)
+        if chunk is None:
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, 0)
+            self.chunks[seq.seq_id] = chunk
+            self.plan.chunks.append(chunk)
+        chunk.num_tokens += num_tokens
+        self.budget -= num_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        chunk = self.chunks.pop(seq.seq_id, None)
+        if chunk is not None:
+            self.plan.chunks.remove(chunk)
+            self.budget += chunk.num_tokens
+
+
+class Scheduler:
+    """Plans engine steps under one policy; see the module docstring.
+
+    Not thread-safe: the engine calls it from its step thread only (aborts
+    from other threads must be handed to that thread). "Arrival" means the
+    order of ``add()`` calls.
+    """
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1 or config.max_loras < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive, max_loras >= 0")
+        if not 0 <= config.standard_min_share < 1:
+            raise ValueError("standard_min_share must be in [0, 1)")
+        if sum(t.kv_reserve_fraction for t in config.tiers) >= 1:
+            raise ValueError("the tiers' KV reserves must add up to less than the whole pool")
+        self.config = config
+        self.clock = clock
+        self._priority = {t.name: t.priority for t in config.tiers}
+        self._arrival: dict[str, int] = {}
+        self._arrivals = itertools.count()
+        self.policy: Policy = make_policy(config, self._arrival)
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, self.policy.caps()
+        )
+        self.load_estimator = LoadEstimator(config)
+        self.waiting: dict[str, deque[Sequence]] = {q: deque() for q in self.policy.queue_names()}
+        self.running: list[Sequence] = []
+        self._live: dict[str, Sequence] = {}
+
+    # -- requests ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; ValueError (and nothing changed) if it can never run."""
+        cfg = self.config
+        if seq.seq_id in self._live:
+            raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
+        if seq.tier not in self._priority:
+            raise ValueError(f"unknown tier {seq.tier!r}")
+        if not seq.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if seq.max_tokens < 1 or seq.num_prompt_tokens + seq.max_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"prompt ({seq.num_prompt_tokens}) + max_tokens ({seq.max_tokens}) "
+                f"exceeds max_model_len ({cfg.max_model_len})"
+            )
+        # The last sampled token is never computed, hence the - 1.
+        needed = self.block_manager.blocks_for(seq.num_prompt_tokens + seq.max_tokens - 1)
+        if needed > self.block_manager.cap_for(seq.tier):
+            raise ValueError(f"a {seq.tier} sequence of {needed} blocks can never fit its share of the KV pool")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+            raise ValueError("only a fresh waiting sequence can be added")
+        self._live[seq.seq_id] = seq
+        self._arrival[seq.seq_id] = next(self._arrivals)
+        self.waiting[self.policy.queue_of(seq)].append(seq)
+        self.load_estimator.observe_prompt(seq.tier, seq.num_prompt_tokens)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Remove a sequence and free its blocks at once; None if it is not live."""
+        return self._remove(seq_id, SequenceStatus.ABORTED)
+
+    def finish(self, seq_id: str) -> Sequence | None:
+        """The engine saw a stop condition: free the sequence's blocks."""
+        return self._remove(seq_id, SequenceStatus.FINISHED)
+
+    def _remove(self, seq_id: str, status: SequenceStatus) -> Sequence | None:
+        seq = self._live.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting[self.policy.queue_of(seq)].remove(seq)
+        self.block_manager.forget(seq)
+        self._arrival.pop(seq_id, None)
+        seq.status = status
+        return seq
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._live.get(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    # -- one step ------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan one step; blocks for every chunk are allocated, preemptions already done."""
+        step = _Step(StepPlan(), self.config.max_num_batched_tokens)
+        queues = self.policy.queue_names()
+        prefilling: dict[str, list[Sequence]] = {q: [] for q in queues}
+        for seq in sorted(self.running, key=self.policy.rank):
+            if seq.is_prefilling:
+                prefilling[self.policy.queue_of(seq)].append(seq)
+            elif (
+                step.budget > 0
+                and seq.seq_id not in step.preempted
+                and len(seq.output_token_ids) < seq.max_tokens  # else it waits for the engine's finish()
+                and self._grow_running(seq, seq.num_computed_tokens + 1, step)
+            ):
+                step.add(seq, 1)
+        kept = 0
+        for i, queue in enumerate(queues):
+            keep = self._kept_for_worse(queues[i + 1 :], prefilling, step)
+            kept += keep
+            self._schedule_prefills(queue, prefilling[queue], step, keep, True)
+        if kept and step.budget > 0:
+            # Tokens kept for worse queues that they could not use go back to everyone.
+            prefilling = {q: [] for q in queues}
+            for seq in sorted(self.running, key=self.policy.rank):
+                if seq.is_prefilling:
+                    prefilling[self.policy.queue_of(seq)].append(seq)
+            for queue in queues:
+                self._schedule_prefills(queue, prefilling[queue], step, 0, False)
+        return step.plan
+
+    def _kept_for_worse(self, worse: list[str], prefilling: dict[str, list[Sequence]], step: _Step) -> int:
+        if not any(self.waiting[q] or prefilling[q] for q in worse):
+            return 0
+        given = sum(c.num_tokens for c in step.plan.chunks if self.policy.queue_of(c.seq) in worse)
+        return max(0, self.policy.min_share_tokens() - given)
+
+    def _schedule_prefills(
+        self, queue: str, prefilling: list[Sequence], step: _Step, keep: int, may_preempt: bool
+    ) -> None:
+        """Continue ``queue``'s running prefills, then admit its waiting sequences in order."""
+        for seq in prefilling:
+            room = step.budget - keep
+            if room <= 0:
+                return
+            if seq.seq_id in step.preempted:
+                continue
+            chunk = step.chunks.get(seq.seq_id)
+            start = chunk.end if chunk else seq.num_computed_tokens
+            n = min(seq.num_tokens - start, room)
+            if n <= 0:
+                continue
+            if may_preempt:
+                ok = self._grow_running(seq, start + n, step)
+            else:
+                ok = self.block_manager.can_allocate(seq, start + n)
+                if ok:
+                    self.block_manager.allocate(seq, start + n)
+            if ok:
+                step.add(seq, n)
+        queued = self.waiting[queue]
+        if queued and queued[0].seq_id in step.preempted:
+            # It was preempted for want of blocks this step: it stays first in
+            # line, and worse queues must not take the blocks it will need.
+            step.admission_closed = True
+        i = 0  # admitted sequences leave the queue; skipped ones stay in place
+        while i < len(queued):
+            if step.admission_closed or step.budget - keep <= 0:
+                return
+            seq = queued[i]
+            reason = self._admit(seq, step, keep, may_preempt)
+            if reason in (NO_SLOT, NO_BLOCKS):
+                step.admission_closed = True  # FCFS within a tier: nobody overtakes
+                return
+            if reason == NO_ADAPTER:
+                i += 1  # it waits for a slot; later requests with resident adapters may go
+
+    def _admission_need(self, seq: Sequence, step: _Step, keep: int) -> tuple[str | None, list[int], int]:
+        """(why ``seq`` cannot start now or None, its cached prefix blocks, its chunk)."""
+        cached = self.block_manager.match_prefix(seq)
+        n = min(seq.num_tokens - len(cached) * self.config.block_size, step.budget - keep)
+        if len(self.running) >= self.config.max_num_seqs:
+            return NO_SLOT, cached, n
+        adapters = {s.adapter for s in self.running if s.adapter is not None}
+        if seq.adapter is not None and seq.adapter not in adapters and len(adapters) >= self.config.max_loras:
+            return NO_ADAPTER, cached, n
+        if not self.block_manager.can_allocate(seq, len(cached) * self.config.block_size + n, cached):
+            return NO_BLOCKS, cached, n
+        return None, cached, n
+
+    def _admit(self, seq: Sequence, step: _Step, keep: int, may_preempt: bool) -> str | None:
+        while True:
+            reason, cached, n = self._admission_need(seq, step, keep)
+            if reason is None:
+                break
+            if not may_preempt:
+                return reason
+            victim = self.policy.victim_for_waiting(
+                seq, reason, self.running, lambda seqs: self._frees_enough(seq, step, keep, seqs)
+            )
+            if victim is None:
+                return reason
+            self._preempt(victim, seq, step)
+        start = len(cached) * self.config.block_size
+        self.block_manager.allocate(seq, start + n, cached)
+        seq.num_computed_tokens = start
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self.clock()
+            seq.num_cached_tokens = min(start, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.waiting[self.policy.queue_of(seq)].remove(seq)
+        self.running.append(seq)
+        step.add(seq, n)
+        return None
+
+    def _frees_enough(self, seq: Sequence, step: _Step, keep: int, victims: list[Sequence]) -> bool:
+        bm = self.block_manager
+        cached = bm.match_prefix(seq)
+        tokens = len(cached) * self.config.block_size + min(
+            seq.num_tokens - len(cached) * self.config.block_size,
+            step.budget + sum(step.chunks[v.seq_id].num_tokens for v in victims if v.seq_id in step.chunks) - keep,
+        )
+        need = bm.blocks_for(tokens) - len(cached) + sum(1 for b in cached if bm.ref_count(b) == 0)
+        return need <= bm.num_free_blocks + bm.reclaimable(victims)
+
+    def _grow_running(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
+        """Blocks for ``seq`` up to ``num_tokens`` positions, preempting as the policy says."""
+        if self.block_manager.blocks_for(num_tokens) <= len(seq.block_table):
+            return True
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = self.policy.victim_for_running(seq, self.running)
+            self._preempt(victim, seq, step)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, num_tokens)
+        return True
+
+    def _preempt(self, victim: Sequence, cause: Sequence, step: _Step) -> None:
+        """Recompute later: free its blocks and put it first in its queue."""
+        step.drop(victim)
+        self.block_manager.free(victim)
+        self.running.remove(victim)
+        victim.recompute_until = max(victim.recompute_until, victim.num_computed_tokens)
+        victim.recompute_charged_tier = cause.tier
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = SequenceStatus.WAITING
+        self.waiting[self.policy.queue_of(victim)].appendleft(victim)
+        step.preempted.add(victim.seq_id)
+        step.plan.preempted.append(victim)
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> None:
+        """Apply a step: advance every chunk, append the tokens of chunks that sample."""
+        live = [(c, c.samples) for c in plan.chunks if self._live.get(c.seq.seq_id) is c.seq]
+        for chunk, samples in live:
+            if chunk.seq.status is not SequenceStatus.RUNNING or chunk.start != chunk.seq.num_computed_tokens:
+                raise ValueError(f"plan is stale for sequence {chunk.seq.seq_id}")
+            if samples and chunk.seq.seq_id not in sampled:
+                raise ValueError(f"no sampled token for sequence {chunk.seq.seq_id}")
+        for chunk, samples in live:
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.end
+            if samples:
+                seq.output_token_ids.append(sampled[seq.seq_id])
+            self.block_manager.register_computed(seq)
+
+    # -- load and accounting -------------------------------------------------
+
+    def observe_step(self, duration_s: float, num_tokens: int, num_prefill_tokens: int) -> None:
+        """Feed one finished step's duration into the TTFT prediction."""
+        self.load_estimator.observe_step(duration_s, num_tokens, num_prefill_tokens)
+
+    def load(self) -> dict[str, TierLoad]:
+        """Per tier: queue depth, running, queued prefill tokens and predicted TTFT of a new request."""
+        waiting = dict.fromkeys(self._priority, 0)
+        running = dict.fromkeys(self._priority, 0)
+        queued = dict.fromkeys(self._priority, 0)  # prefill tokens not yet computed
+        for s in self._live.values():
+            if s.status is SequenceStatus.WAITING:
+                waiting[s.tier] += 1
+                queued[s.tier] += s.num_tokens
+            else:
+                running[s.tier] += 1
+                if s.is_prefilling:
+                    queued[s.tier] += s.num_tokens - s.num_computed_tokens
+        result = {}
+        for tier, priority in self._priority.items():
+            if self.policy.name == "tiered":
+                ahead = sum(n for t, n in queued.items() if self._priority[t] <= priority)
+            else:
+                ahead = sum(queued.values())  # FCFS: everyone queued is ahead
+            result[tier] = TierLoad(
+                queue_depth=waiting[tier],
+                running=running[tier],
+                queued_prefill_tokens=queued[tier],
+                predicted_ttft_s=self.load_estimator.predict_ttft(tier, ahead),
+            )
+        return result
+
+    def kv_usage(self) -> tuple[dict[str, int], int]:
+        """Blocks held per tier (a shared block counts for each tier using it) and the pool size."""
+        used = self.block_manager.used_by_tier()
+        return {tier: used.get(tier, 0) for tier in self._priority}, self.config.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.block_manager.num_used_blocks
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any bookkeeping is off; for tests."""
+        cfg = self.config
+        self.block_manager.check_invariants(list(self._live.values()))
+        assert len(self.running) <= cfg.max_num_seqs
+        assert len({s.adapter for s in self.running if s.adapter is not None}) <= cfg.max_loras
+        waiting = [s for q in self.waiting.values() for s in q]
+        assert len(waiting) + len(self.running) == len(self._live)
+        for seq in waiting:
+            assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq.num_computed_tokens == 0
+        for seq in self.running:
+            assert seq.status is SequenceStatus.RUNNING
+            assert self.block_manager.blocks_for(seq.num_computed_tokens) <= len(seq.block_table)
+            assert seq.num_computed_tokens < seq.num_tokens <= cfg.max_model_len
+
+
+def make_scheduler(config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> Scheduler:
+    return Scheduler(config, clock)

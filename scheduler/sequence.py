@@ -1,0 +1,70 @@
+"""The scheduler's view of one request: its tokens, its KV blocks and its progress."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the scheduler sees it.
+
+    Tokens ``[0, num_computed_tokens)`` have their keys and values in the KV
+    cache, in the blocks of ``block_table`` (block ``i`` holds positions
+    ``[i*block_size, (i+1)*block_size)``). The last sampled token is never
+    computed until the next step feeds it, so a running sequence always has
+    ``num_computed_tokens == num_tokens - 1`` between steps.
+    """
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    tier: str = "standard"
+    adapter: str | None = None
+    max_tokens: int = 16
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache at first admission (billed as cached).
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # After a preemption, tokens below this index are recomputed work; the
+    # tier whose request caused the preemption pays for them.
+    recompute_until: int = 0
+    recompute_charged_tier: str | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the one newest token is left to compute."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)

@@ -1,0 +1,75 @@
+"""The throughput runners on a tiny random Llama: exact token counts, per-request timings, step records."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.engine_throughput import ratios, render_markdown
+from bench.workload import BenchRequest
+
+REQUESTS = [BenchRequest(0, [5, 6, 7, 8, 9, 10, 11], 5), BenchRequest(1, [12, 13, 14], 9),
+            BenchRequest(2, list(range(20, 60)), 3), BenchRequest(3, [7, 8], 1)]
+
+
+def _check_timings(result):
+    assert sorted(t.index for t in result.timings) == [0, 1, 2, 3]
+    assert result.output_tokens == sum(r.output_len for r in REQUESTS)
+    for t in result.timings:
+        assert 0 <= t.issued_s <= t.first_token_s <= t.finished_s <= result.wall_s
+
+
+def test_tiergate_runner_counts_exact_tokens_and_classifies_every_step(tiny_llama_dir):
+    from bench.peers.tiergate_runner import TiergateRunner
+
+    runner = TiergateRunner(max_concurrency=2, context_per_seq=64, model=str(tiny_llama_dir))
+    try:
+        runner.warm_up()
+        runner.run(REQUESTS[:2], concurrency=1)
+        result = runner.run(REQUESTS, concurrency=2)  # the same prompts again: no prefix-cache help
+    finally:
+        runner.close()
+    _check_timings(result)
+    steps = runner.recorder.steps
+    assert sum(s.prefill_tokens for s in steps) == sum(r.prompt_len for r in REQUESTS)
+    assert sum(s.decode_rows for s in steps) == sum(r.output_len - 1 for r in REQUESTS)
+    assert all(s.prefill_tokens + s.decode_rows <= s.context_tokens for s in steps)
+    assert 0 < result.extra["kv_blocks_peak"] <= result.extra["kv_blocks_total"]
+    assert 0 <= result.extra["kv_waste"] < 1
+
+
+def test_hf_runner_credits_each_request_only_its_own_tokens(tiny_llama_dir):
+    from bench.peers.hf_transformers import HFTransformersRunner
+
+    runner = HFTransformersRunner(tiny_llama_dir, threads=1)
+    result = runner.run(REQUESTS, concurrency=2)
+    _check_timings(result)
+    by_index = {t.index: t for t in result.timings}
+    # Requests 0 and 1 share a batch that runs 9 steps; request 0 is done after its 5th.
+    assert by_index[0].finished_s < by_index[1].finished_s
+    assert by_index[2].issued_s >= by_index[1].finished_s
+
+
+def _summary(engine, c, tok_s):
+    return {"engine": engine, "concurrency": c, "requests": 4, "output_tokens": 10, "wall_s": 1.0,
+            "output_tokens_per_s": tok_s, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "tpot_p50_s": 0.01,
+            "tpot_p99_s": 0.02}
+
+
+def test_ratios_and_report_compare_tiergate_with_each_peer():
+    summaries = {"tiergate": {1: _summary("tiergate", 1, 40.0), 32: _summary("tiergate", 32, 300.0)},
+                 "llama.cpp-F32": {1: _summary("llama.cpp-F32", 1, 50.0), 32: _summary("llama.cpp-F32", 32, 250.0)},
+                 "hf-transformers": {32: _summary("hf-transformers", 32, 100.0)}}
+    r = ratios(summaries)
+    assert r["llama.cpp-F32"] == {1: pytest.approx(0.8), 32: pytest.approx(1.2)}
+    assert r["hf-transformers"] == {32: pytest.approx(3.0)}
+    result = {
+        "concurrency": [1, 32], "copy_bandwidth_gbs": 20.0, "f32_weight_bytes": 540e6,
+        "ratios": {p: {str(c): v for c, v in by.items()} for p, by in r.items()},
+        "engines": [{"engine": e, "peak_rss_mb": 900.0, "runs": [{"summary": s} for s in by.values()]}
+                    for e, by in summaries.items()] + [{"engine": "llama.cpp-Q4_1", "error": "worker exited with 1"}],
+    }
+    text = render_markdown(result)
+    assert "| tiergate | 32 | 4 | 300.0 |" in text
+    assert "| llama.cpp-F32 | 0.80x | 1.20x |" in text
+    assert "0.80x, **not met**" in text and "3.00x, met" in text
+    assert "worker exited with 1" in text

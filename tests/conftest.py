@@ -1,0 +1,15 @@
+"""Shared fixtures; in CI (CI set) a skipped test fails the run: service tests are required there."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter else []
+    if os.environ.get("CI") and skipped and exitstatus == 0:
+        reporter.write_line(f"CI: {len(skipped)} test(s) skipped; service tests are required in CI", red=True)
+        session.exitstatus = 1

@@ -1,0 +1,155 @@
+"""Shared engine fixtures: tiny random Llama checkpoints with a tiny tokenizer, the bundled
+model cached once per session, and a minimal block pool and step driver for ModelRunner.
+
+The tiny models are saved with ``save_pretrained`` exactly as a hub checkpoint
+would be, so the loader and the reference (HF ``LlamaForCausalLM``) read the
+same files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from scheduler.plan import ScheduledChunk, StepPlan
+from scheduler.sequence import Sequence
+
+TINY_VOCAB = 320
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+)
+
+# name -> (config class, model class, config overrides)
+TINY_CONFIGS = {
+    "gqa_untied": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "mha_tied": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama3_rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            # A short original context so the scaling changes frequencies the tests reach.
+            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32),
+        ),
+    ),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+}
+
+
+def write_tiny_tokenizer(folder: Path) -> None:
+    words = [f"w{i}" for i in range(TINY_VOCAB - len(SPECIAL_TOKENS))]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def build_tiny_model(folder: Path, kind: str, seed: int = 0, num_layers: int = 3) -> Path:
+    config_cls, model_cls, overrides = TINY_CONFIGS[kind]
+    config = config_cls(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        # Larger than HF's 0.02 so logits spread over several units and a wrong kernel shows.
+        initializer_range=0.2,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model_cls(config).eval().save_pretrained(folder)
+    write_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One saved checkpoint per tiny config, built once per session."""
+    return {kind: build_tiny_model(tmp_path_factory.mktemp(kind), kind) for kind in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def engine_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where GGUF conversions land; shared by the session so the bundled model converts once."""
+    return tmp_path_factory.mktemp("tiergate-cache")
+
+
+@pytest.fixture(scope="session")
+def bundled_model(engine_cache_dir: Path):
+    from engine.loader import load_model
+
+    return load_model("bundled", cache_dir=engine_cache_dir)
+
+
+class BlockPool:
+    """Hands out KV block ids; the real block manager lives in scheduler/."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = list(range(num_blocks - 1, -1, -1))
+
+    def grow(self, seq: Sequence, num_tokens: int, block_size: int) -> None:
+        while len(seq.block_table) * block_size < num_tokens:
+            seq.block_table.append(self.free.pop())
+
+    def release(self, seq: Sequence) -> None:
+        self.free.extend(reversed(seq.block_table))
+        seq.block_table = []
+
+
+def chunk(seq: Sequence, start: int, num_tokens: int, pool: BlockPool, block_size: int) -> ScheduledChunk:
+    pool.grow(seq, start + num_tokens, block_size)
+    return ScheduledChunk(seq=seq, start=start, num_tokens=num_tokens)
+
+
+def finish_step(plan: StepPlan, logits: torch.Tensor) -> None:
+    """Advance every chunk's sequence as the scheduler would, appending greedy tokens."""
+    sampling = [c for c in plan.chunks if c.samples]
+    assert logits.shape[0] == len(sampling)
+    for c in plan.chunks:
+        c.seq.num_computed_tokens = c.end
+    for c, row in zip(sampling, logits):
+        c.seq.output_token_ids.append(int(row.argmax()))
+
+
+class HFReference:
+    """Last-position logits of HF's own model for a token prefix, in float32."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+@pytest.fixture
+def assert_matches_hf() -> Callable[[HFReference, StepPlan, torch.Tensor], None]:
+    def check(ref: HFReference, plan: StepPlan, logits: torch.Tensor, atol: float = 1e-3) -> None:
+        sampling = [c for c in plan.chunks if c.samples]
+        assert logits.shape[0] == len(sampling)
+        for c, row in zip(sampling, logits):
+            expected = ref.logits(c.seq.all_token_ids[: c.end])
+            assert expected.abs().max() > 0.5, "reference logits too flat to catch a wrong kernel"
+            diff = (row - expected).abs().max().item()
+            assert diff < atol, f"seq {c.seq.seq_id} chunk [{c.start}, {c.end}): max abs diff {diff}"
+
+    return check

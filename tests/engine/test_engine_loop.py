@@ -1,0 +1,249 @@
+"""The engine front and step loop: continuous batching, preemption, prefix cache, aborts, failures.
+
+Every generation is checked against HF transformers' own greedy `generate` on
+the same weights, one request at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.events import FinishEvent, StepEvent
+from engine.request import EngineRequest, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
+    return tiny_model_dirs["gqa_untied"]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model_dir: Path):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                    eos_token_id=None, pad_token_id=0,
+                )
+            cache[key] = out[0, len(prompt):].tolist()
+        return cache[key]
+
+    return generate
+
+
+@pytest.fixture
+def make_engine(model_dir: Path, engine_cache_dir: Path):
+    engines: list[Engine] = []
+
+    def make(**overrides) -> tuple[Engine, list]:
+        settings = dict(
+            model=str(model_dir), block_size=4, num_kv_blocks=256, max_num_seqs=16,
+            max_num_batched_tokens=64, max_loras=0, cache_dir=str(engine_cache_dir),
+        )
+        settings.update(overrides)
+        engine = Engine(EngineConfig(**settings)).start()
+        events: list = []
+        engine.add_listener(events.append)
+        engines.append(engine)
+        return engine, events
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 300) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def _wait_idle(engine: Engine, timeout: float = 5.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError("engine still holds sequences or blocks")
+
+
+def test_requests_joining_and_leaving_each_get_their_own_greedy_tokens(make_engine, hf_greedy):
+    engine, events = make_engine()
+    prompts = _prompts(8)
+    max_tokens = [5 + 3 * i for i in range(8)]
+
+    async def run_one(i: int) -> list[int]:
+        await asyncio.sleep(0.01 * i)  # staggered arrivals join a running batch
+        ids: list[int] = []
+        request = EngineRequest(f"r{i}", prompts[i], SamplingParams(max_tokens=max_tokens[i], **GREEDY))
+        async for delta in engine.generate(request):
+            ids.extend(delta.token_ids)
+        return ids
+
+    async def main():
+        return await asyncio.gather(*(run_one(i) for i in range(8)))
+
+    outputs = asyncio.run(main())
+    for i, ids in enumerate(outputs):
+        assert ids == hf_greedy(prompts[i], max_tokens[i]), f"request {i}"
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert any(len({it.request_id for it in s.items}) > 1 for s in steps), "never batched"
+    assert any(it.tokens > 1 for s in steps for it in s.items), "never prefilled in chunks"
+    _wait_idle(engine)
+
+
+def test_preempted_requests_resume_with_identical_output(make_engine, hf_greedy):
+    # 24 blocks of 4 tokens cannot hold eight 40-token sequences: preemption must happen.
+    engine, events = make_engine(num_kv_blocks=24, policy="fcfs")
+    prompts = _prompts(8, seed=1, lo=20, hi=30)
+    requests = [EngineRequest(f"p{i}", p, SamplingParams(max_tokens=16, **GREEDY)) for i, p in enumerate(prompts)]
+    outputs = engine.generate_batch_sync(requests)
+    for prompt, (_, ids) in zip(prompts, outputs):
+        assert ids == hf_greedy(prompt, 16)
+    finishes = [e for e in events if isinstance(e, FinishEvent)]
+    assert sum(f.num_preemptions for f in finishes) > 0
+    assert any(it.is_recompute for e in events if isinstance(e, StepEvent) for it in e.items)
+    _wait_idle(engine)
+
+
+def test_a_shared_prefix_is_served_from_the_cache(make_engine, hf_greedy):
+    engine, _ = make_engine()
+    prefix = _prompts(1, seed=2, lo=33, hi=34)[0]
+    first = prefix + [7, 8, 9]
+    second = prefix + [10, 11]
+    engine.generate_batch_sync([EngineRequest("a", first, SamplingParams(max_tokens=4, **GREEDY))])
+
+    async def run():
+        deltas = [d async for d in engine.generate(EngineRequest("b", second, SamplingParams(max_tokens=6, **GREEDY)))]
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert deltas[-1].usage.cached_tokens >= 32  # eight full blocks of the shared prefix
+    assert [t for d in deltas for t in d.token_ids] == hf_greedy(second, 6)
+
+
+def test_abort_frees_the_requests_blocks_within_a_step(make_engine):
+    engine, events = make_engine()
+
+    async def run():
+        request = EngineRequest("long", _prompts(1, seed=3)[0], SamplingParams(max_tokens=200, **GREEDY))
+        stream = engine.submit(request)
+        async for delta in stream:
+            if delta.token_ids:
+                break
+        await stream.aclose()
+
+    asyncio.run(run())
+    _wait_idle(engine, timeout=2.0)
+    finish = [e for e in events if isinstance(e, FinishEvent)][-1]
+    assert finish.status == "cancelled" and finish.completion_tokens >= 1
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(make_engine, hf_greedy, monkeypatch):
+    engine, events = make_engine()
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky_execute(plan, lora=None):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected kernel failure")
+        return real_execute(plan, lora)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky_execute)
+    collector_prompt = _prompts(1, seed=4)[0]
+    with pytest.raises(Exception, match="injected kernel failure"):
+        engine.generate_batch_sync([EngineRequest("doomed", collector_prompt, SamplingParams(max_tokens=4, **GREEDY))])
+    assert [e.status for e in events if isinstance(e, FinishEvent)] == ["error"]
+    _wait_idle(engine)
+    (_, ids), = engine.generate_batch_sync([EngineRequest("fine", collector_prompt, SamplingParams(max_tokens=4, **GREEDY))])
+    assert ids == hf_greedy(collector_prompt, 4)
+
+
+def test_a_seed_gives_the_same_tokens_alone_and_in_a_busy_batch(make_engine):
+    engine, _ = make_engine()
+    prompt = _prompts(1, seed=5)[0]
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    (_, alone), = engine.generate_batch_sync([EngineRequest("alone", prompt, seeded)])
+    others = [
+        EngineRequest(f"o{i}", p, SamplingParams(max_tokens=12, temperature=0.9, ignore_eos=True))
+        for i, p in enumerate(_prompts(5, seed=6))
+    ]
+    outputs = engine.generate_batch_sync(others[:2] + [EngineRequest("busy", prompt, seeded)] + others[2:])
+    assert outputs[2][1] == alone
+
+
+def test_stop_tokens_stop_strings_and_max_tokens_set_the_finish_reason(make_engine, hf_greedy):
+    engine, _ = make_engine()
+    prompt = _prompts(1, seed=7)[0]
+    reference = hf_greedy(prompt, 10)
+
+    async def final(params: SamplingParams):
+        deltas = [d async for d in engine.generate(EngineRequest(f"s{random.random()}", prompt, params))]
+        return "".join(d.text for d in deltas), deltas[-1]
+
+    text, last = asyncio.run(final(SamplingParams(max_tokens=10, **GREEDY)))
+    assert last.finish_reason == "length" and last.usage.completion_tokens == 10
+
+    _, last = asyncio.run(final(SamplingParams(max_tokens=10, stop_token_ids=(reference[3],), **GREEDY)))
+    assert last.finish_reason == "stop" and last.usage.completion_tokens == reference.index(reference[3]) + 1
+
+    stop_word = engine.tokenizer.decode([reference[4]])
+    cut, last = asyncio.run(final(SamplingParams(max_tokens=10, stop=(stop_word,), **GREEDY)))
+    assert last.finish_reason == "stop" and stop_word not in cut and text.startswith(cut)
+
+
+def test_step_events_account_for_every_computed_token_and_all_busy_time(make_engine):
+    engine, events = make_engine()
+    prompts = _prompts(5, seed=8)
+    engine.generate_batch_sync(
+        [EngineRequest(f"m{i}", p, SamplingParams(max_tokens=6, **GREEDY)) for i, p in enumerate(prompts)]
+    )
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    computed = sum(it.tokens for s in steps for it in s.items)
+    # Each request computes its prompt and all but its last sampled token.
+    assert computed == sum(len(p) + 6 - 1 for p in prompts)
+    assert sum(s.duration_s for s in steps) == pytest.approx(engine.busy_seconds)
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, message",
+    [
+        (dict(prompt_token_ids=[]), "empty"),
+        (dict(prompt_token_ids=[5] * 500, params=SamplingParams(max_tokens=100)), "context length"),
+        (dict(prompt_token_ids=[5, 10_000]), "token ids"),
+        (dict(prompt_token_ids=[5], tier="gold"), "unknown tier"),
+        (dict(prompt_token_ids=[5], params=SamplingParams(max_tokens=0)), "max_tokens"),
+        (dict(prompt_token_ids=[5], params=SamplingParams(top_p=0)), "top_p"),
+    ],
+)
+def test_bad_requests_are_refused_before_they_reach_the_scheduler(make_engine, request_kwargs, message):
+    engine, _ = make_engine()
+    with pytest.raises(ValueError, match=message):
+        engine.generate_batch_sync([EngineRequest("bad", **request_kwargs)])
+    assert not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0
+
+
+def test_the_bundled_model_answers_a_chat_question(bundled_model, engine_cache_dir):
+    engine = Engine(EngineConfig(model="bundled", max_loras=0, cache_dir=str(engine_cache_dir))).start()
+    try:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+        (text, _), = engine.generate_batch_sync([EngineRequest("q", prompt, SamplingParams(max_tokens=24, temperature=0))])
+    finally:
+        engine.shutdown()
+    assert "Paris" in text

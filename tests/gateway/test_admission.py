@@ -1,0 +1,53 @@
+"""Admission control: refusals by predicted TTFT against the SLO, bounded queues, standard shed first."""
+
+from __future__ import annotations
+
+from gateway.admission import AdmissionController, AdmissionPolicy
+from scheduler.config import TierLoad, default_tiers
+
+
+def load(premium_ttft=0.0, standard_ttft=0.0, premium_queue=0, standard_queue=0):
+    return {
+        "premium": TierLoad(premium_queue, 0, 0, premium_ttft),
+        "standard": TierLoad(standard_queue, 0, 0, standard_ttft),
+    }
+
+
+def controller(**policy) -> AdmissionController:
+    return AdmissionController(default_tiers(), AdmissionPolicy(**policy))
+
+
+def test_idle_engine_admits_everyone():
+    c = controller()
+    assert c.check("premium", load()) is None
+    assert c.check("standard", load()) is None
+
+
+def test_premium_over_its_slo_is_refused_with_drain_time():
+    refusal = controller().check("premium", load(premium_ttft=2.5, premium_queue=3))
+    assert refusal.reason == "slo"
+    assert refusal.retry_after_s == 2.0  # 2.5 s predicted minus the 0.5 s SLO
+
+
+def test_standard_is_shed_before_premium_misses_its_slo():
+    c = controller(standard_shed_fraction=0.8)
+    busy = load(premium_ttft=0.45, premium_queue=2)  # under premium's 0.5 s SLO, past 80 % of it
+    assert c.check("premium", busy) is None
+    assert c.check("standard", busy).reason == "slo"
+
+
+def test_standard_wait_is_bounded_too():
+    assert controller(standard_max_wait_s=10).check("standard", load(standard_ttft=11, standard_queue=1)).reason == "slo"
+
+
+def test_without_a_backlog_a_slow_engine_still_admits():
+    # One prefill on a slow CPU can exceed the SLO by itself; refusing would not make it faster.
+    assert controller().check("premium", load(premium_ttft=0.9)) is None
+    assert controller().check("standard", load(premium_ttft=0.9, standard_ttft=40)) is None
+
+
+def test_queues_are_bounded_and_standard_bound_is_smaller():
+    c = controller(max_queued=10, standard_queue_fraction=0.5)
+    assert c.check("standard", load(standard_queue=5)).reason == "overload"
+    assert c.check("premium", load(premium_queue=5)) is None
+    assert c.check("premium", load(premium_queue=10)).reason == "overload"

@@ -1,0 +1,103 @@
+"""Request validation: each kind of bad input is a 4xx naming its parameter, never a 500."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import APIError
+from gateway.schemas import parse_chat, parse_completion, parse_json_body
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+def error_of(fn, body) -> APIError:
+    with pytest.raises(APIError) as e:
+        fn(body)
+    return e.value
+
+
+def test_minimal_chat_parses_with_openai_defaults():
+    r = parse_chat(CHAT)
+    assert (r.kind, r.model, r.temperature, r.top_p, r.max_tokens, r.logprobs, r.stream) == (
+        "chat", "m", 1.0, 1.0, None, None, False)
+    assert r.messages[0].content == "hi"
+
+
+def test_content_parts_are_joined_and_nulls_mean_absent():
+    r = parse_chat({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                        {"type": "text", "text": "b"}]}],
+                    "temperature": None, "max_tokens": None})
+    assert r.messages[0].content == "ab" and r.temperature == 1.0
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert parse_chat({**CHAT, "max_tokens": 5, "max_completion_tokens": 7}).max_tokens == 7
+
+
+def test_chat_logprobs_map_to_engine_logprobs():
+    assert parse_chat({**CHAT, "logprobs": True}).logprobs == 0
+    assert parse_chat({**CHAT, "logprobs": True, "top_logprobs": 3}).logprobs == 3
+    assert parse_completion({**COMPLETION, "logprobs": 2}).logprobs == 2
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "max_tokens": "10"}, "max_tokens"),
+        ({**CHAT, "max_tokens": True}, "max_tokens"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens"),
+        ({**CHAT, "temperature": "hot"}, "temperature"),
+        ({**CHAT, "temperature": 3}, "temperature"),
+        ({**CHAT, "top_p": 0}, "top_p"),
+        ({**CHAT, "seed": 1.5}, "seed"),
+        ({**CHAT, "seed": 2**64}, "seed"),
+        ({**CHAT, "stop": 5}, "stop"),
+        ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({**CHAT, "user": 7}, "user"),
+        ({"messages": CHAT["messages"]}, "model"),
+        ({"model": "m"}, "messages"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": "hi"}, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ],
+)
+def test_bad_chat_field_is_400_naming_the_parameter(body, param):
+    e = error_of(parse_chat, body)
+    assert e.status == 400 and e.param == param and e.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m"}, "prompt"),
+        ({"model": "m", "prompt": 3}, "prompt"),
+        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": [1, -2]}, "prompt"),
+        ({**COMPLETION, "logprobs": 6}, "logprobs"),
+        ({**COMPLETION, "logprobs": True}, "logprobs"),
+        ({**COMPLETION, "echo": True}, "echo"),
+        ({**COMPLETION, "best_of": 3}, "best_of"),
+    ],
+)
+def test_bad_completion_field_is_400_naming_the_parameter(body, param):
+    e = error_of(parse_completion, body)
+    assert e.status == 400 and e.param == param
+
+
+def test_token_id_prompts_and_single_string_lists_are_accepted():
+    assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == (1, 2, 3)
+    assert parse_completion({"model": "m", "prompt": ["one"]}).prompt == "one"
+
+
+@pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b"\xff\xfe", b"null", b'"text"'])
+def test_malformed_json_is_400(raw):
+    e = error_of(parse_json_body, raw)
+    assert e.status == 400 and e.body()["error"]["code"] == "invalid_json"
