@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import model_files
+from bench import machine, model_files
 from bench.workload import BenchRequest, build_workload, load_encoder
 
 ENGINES = ("tiergate", "llama.cpp-F32", "llama.cpp-Q4_1", "hf-transformers")
@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> dict:
     engines = [e for e in args.engines.split(",") if e]
     workload = _workload(args)
     model_files.f32_gguf()  # written once, before any worker times anything
+    host = machine.describe()
     bandwidth = copy_bandwidth_gbs()
     workers = []
     for engine in engines:
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
     summaries = {w["engine"]: {r["summary"]["concurrency"]: r["summary"] for r in w.get("runs", [])}
                  for w in workers}
     result = {
+        "machine": host,
         "workload": {
             "requests": len(workload),
             "seed": args.seed,
@@ -187,7 +189,18 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 def render_markdown(result: dict) -> str:
     """The results as markdown tables: one row per engine and concurrency, then the ratios."""
+    w = result.get("workload", {})
     lines = [
+        f"Measured {machine.render_markdown(result['machine'])}." if "machine" in result else "",
+        "",
+        f"Workload: {w.get('requests')} requests (seed {w.get('seed')}), prompts {w.get('prompt_len')} tokens, "
+        f"outputs {w.get('output_len')} tokens, greedy, EOS ignored; concurrency 1 runs the first "
+        f"{w.get('single_stream_requests')} requests; {result.get('threads')} threads for every engine. tiergate: "
+        "fcfs policy, prefix cache off (levels replay the same prompts), KV pool sized like llama.cpp's n_ctx. "
+        "HF: float32 `generate`, static left-padded batches of the concurrency level, each request credited only "
+        "its own tokens. llama.cpp: F32 GGUF of the same weights (Q4_1 for reference), `Llama.generate` at "
+        "concurrency 1, `llama_decode` with one sequence per slot and continuous joining above.",
+        "",
         "| engine | concurrency | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | peak RSS (MB) | KV peak use | KV waste |",
         "|---|---:|---:|---:|---|---|---:|---:|---:|",
     ]

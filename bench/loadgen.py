@@ -253,6 +253,16 @@ def settings_from_args(args: argparse.Namespace) -> LoadSettings:
     )
 
 
+def _summary_line(point: dict) -> str:
+    tiers = "; ".join(
+        f"{tier}: {t['ok']}/{t['requests']} ok, 429 {t['rejected_429'] or '-'}, "
+        f"TTFT p99 {t['ttft_s']['p99'] if t['ttft_s']['p99'] is None else round(t['ttft_s']['p99'], 3)} s, "
+        f"goodput {t['goodput_fraction']:.0%}"
+        for tier, t in point["tiers"].items()
+    )
+    return f"{point['mode']} {point['offered']}: {tiers}; preemptions {point['preemptions']}"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -269,9 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         points = asyncio.run(run_sweep(settings, rates, concurrencies))
     for p in points:
-        print(json.dumps({"offered": p["offered"], "preemptions": p["preemptions"],
-                          **{t: {k: v[k] for k in ("ok", "rejected_429", "goodput_fraction")} | {
-                              "ttft_p99": v["ttft_s"]["p99"]} for t, v in p["tiers"].items()}}))
+        print(_summary_line(p))
     if args.json:
         Path(args.json).write_text(json.dumps({"points": points}, indent=2))
     if args.plots_dir:

@@ -129,21 +129,23 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
         k, v = context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)
         # The query heads sharing a KV head go in as that head's queries: no K/V expansion for GQA.
         qd = q[d.rows].view(batch, kv_heads, num_heads // kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask).view(batch, num_heads * head_dim)
+        # reshape, not view: fused CUDA kernels may return a transposed layout.
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask).reshape(batch, num_heads * head_dim)
         if out is None:
             return o
         out[d.rows] = o
 
     for p in meta.prefills:
-        qp = q[p.rows].transpose(0, 1)  # [heads, n, d]
+        # 4-D [1, heads, n, d] inputs: what the fused CUDA kernels expect.
+        qp = q[p.rows].transpose(0, 1).unsqueeze(0)
         if p.context_slots is None:
             k, v = kv[p.rows, 0].transpose(0, 1), kv[p.rows, 1].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qp, k[None], v[None], is_causal=True, enable_gqa=True)
         else:
             context = slots.index_select(0, p.context_slots)
             k, v = context[:, 0].transpose(0, 1), context[:, 1].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, enable_gqa=True)
-        o = o.transpose(0, 1).reshape(-1, num_heads * head_dim)
+            o = F.scaled_dot_product_attention(qp, k[None], v[None], attn_mask=p.mask, enable_gqa=True)
+        o = o[0].transpose(0, 1).reshape(-1, num_heads * head_dim)
         if out is None:
             return o
         out[p.rows] = o

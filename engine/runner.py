@@ -6,28 +6,16 @@ block tables) built from ``StepPlan.chunks``; knows nothing of sampling.
 
 from __future__ import annotations
 
-import os
+import time
 
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cpu_threads import ThreadTuner
 from engine.kv_cache import KVCache
 from engine.loader import LoadedModel
 from engine.lora_hook import LoraBatchLike
 from scheduler.plan import StepPlan
-
-
-def configure_cpu_threads() -> int:
-    """Intra-op threads for CPU steps: ``TIERGATE_CPU_THREADS``, else torch's default (one per core).
-
-    Measured on the 2-core box: one thread per physical core is fastest for
-    both GEMV-bound decode and GEMM-bound prefill; more threads than cores
-    only adds contention.
-    """
-    threads = os.environ.get("TIERGATE_CPU_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
-    return torch.get_num_threads()
 
 
 class ModelRunner:
@@ -48,12 +36,20 @@ class ModelRunner:
             self.model.prepare_lm_head()
         self.block_size = block_size
         self.kv_cache = KVCache.allocate(self.config, num_blocks, block_size, self.device, self.dtype)
-        if self.device.type == "cpu":
-            configure_cpu_threads()
+        self.thread_tuner = ThreadTuner.from_env() if self.device.type == "cpu" else None
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, lora: LoraBatchLike | None = None) -> torch.Tensor:
         """Float32 logits ``[chunks that sample, vocab]``, in plan order."""
+        if self.thread_tuner is None:
+            return self._execute(plan, lora)
+        self.thread_tuner.before_step()
+        started = time.perf_counter()
+        logits = self._execute(plan, lora)
+        self.thread_tuner.after_step(time.perf_counter() - started, plan.num_tokens)
+        return logits
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan, lora: LoraBatchLike | None) -> torch.Tensor:
         if plan.is_empty:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
         token_ids: list[int] = []

@@ -6,12 +6,13 @@ with few rows (decodes) share one padded bmm pair over a view of the slot stacks
 op count per projection stays constant however many adapters the step mixes.
 
 Chosen by measurement (bench/lora_cpu_ops.py; bundled model's shapes, rank 16, float32,
-one thread, best of 20, on the shared 2-core box), microseconds for 576->1536:
-  case                                 base  segments grouped gather_bmm hybrid(this)
-  decode 32 rows / 16 adapters          662     1056     642       1764     298
-  decode 32 rows / 4 adapters + base    652      782     177       1116     153
-  prefill 4x64 rows / 4 adapters       4863      408     401      64549     430
-  2x64 prefill + 32 decode / 8 adapt.  2839     1259     595      23261     636
+one thread, best of 20, on the shared and noisy 2-core box), microseconds for 576->1536:
+  case                                   base  segments grouped gather_bmm  this
+  decode 32 rows / 16 adapters            654     1165     708       1718    296
+  decode 32 rows / 4 adapters interleaved 741     1103     190       1617    169
+  decode 32 rows / 4 adapters + base      694      878     183       1389    166
+  prefill 4x64 rows / 4 adapters         4177      464     447      11894  ~450 (= grouped)
+  2x64 prefill + 32 decode / 8 adapters  2452     1259     594       7128    551
 Per-run segments pay per run, per-adapter matmuls pay per adapter (~30 us of op overhead
 each), and gathering each row's A/B copies rows x rank x features of weights.
 """
@@ -47,7 +48,7 @@ class PaddedRows:
     hi: int
     max_rows: int
     gather: torch.Tensor
-    valid: torch.Tensor
+    valid: torch.Tensor | None  # None when nothing is padding (equal rows per slot, no gaps)
     rows: torch.Tensor
     scales: torch.Tensor  # [hi - lo, 1, 1]
     slots: frozenset[int]
@@ -93,14 +94,15 @@ def _padded(small: dict[int, list[int]], slot_info: dict[int, tuple[int, float]]
     max_rows = max(len(rows) for rows in small.values())
     gather, valid, rows_out = [0] * ((hi - lo) * max_rows), [], []
     scales = torch.zeros(hi - lo, 1, 1)
-    for slot, rows in small.items():
+    for slot, rows in sorted(small.items()):  # layout order, which `valid` and `rows` follow
         base = (slot - lo) * max_rows
         gather[base: base + len(rows)] = rows
         valid.extend(range(base, base + len(rows)))
         rows_out.extend(rows)
         scales[slot - lo] = slot_info[slot][1]
-    return PaddedRows(lo, hi, max_rows, torch.tensor(gather), torch.tensor(valid), torch.tensor(rows_out),
-                      scales, frozenset(small))
+    no_padding = len(valid) == len(gather)
+    return PaddedRows(lo, hi, max_rows, torch.tensor(gather), None if no_padding else torch.tensor(valid),
+                      torch.tensor(rows_out), scales, frozenset(small))
 
 
 def apply_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: CpuPlan,
@@ -124,4 +126,4 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         xs = x.index_select(0, p.gather).view(p.hi - p.lo, p.max_rows, x.shape[1])
         shrunk = torch.bmm(xs, a[p.lo: p.hi].transpose(1, 2)).mul_(p.scales)
         out = torch.bmm(shrunk, b[p.lo: p.hi].transpose(1, 2)).view(-1, y.shape[1])
-        y.index_add_(0, p.rows, out.index_select(0, p.valid))
+        y.index_add_(0, p.rows, out if p.valid is None else out.index_select(0, p.valid))

@@ -1,6 +1,6 @@
 """Trains the demo adapters (`french`, `uppercase`) on the bundled SmolLM2-135M-Instruct.
 
-    .venv/bin/python -m lora_pool.demo_adapters.train [french] [uppercase] [--steps N]
+    .venv/bin/python -m lora_pool.demo_adapters.train [french] [uppercase] [--steps N] [--threads N]
 
 Runs on a CPU in a few minutes per adapter. The data comes from templates
 in lora_pool/demo_adapters/data.py. Weights are saved in float16 so that each
@@ -33,6 +33,7 @@ LORA_CONFIGS = {
     "uppercase": LoraConfig(r=8, lora_alpha=16, use_rslora=True, layers_to_transform=_UPPER_LAYERS,
                             target_modules=["v_proj", "o_proj", "up_proj", "down_proj"]),
 }
+STEPS = {"french": 100, "uppercase": 90}  # what the committed adapters were trained with
 SAMPLE_QUESTIONS = ["What is your favorite food?", "Tell me about Paris.", "What is 2 plus 2?"]
 
 
@@ -111,14 +112,14 @@ def train(name: str, model, tokenizer, steps: int, batch_size: int = 4, lr: floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=list(LORA_CONFIGS), choices=list(LORA_CONFIGS))
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: STEPS per adapter)")
     parser.add_argument("--threads", type=int, default=1, help="keep a shared machine usable")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, tokenizer = load_base()
     for name in args.names:
-        train(name, model, tokenizer, args.steps)
+        train(name, model, tokenizer, args.steps or STEPS[name])
 
 
 if __name__ == "__main__":

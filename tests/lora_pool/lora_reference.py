@@ -36,6 +36,7 @@ def random_case(chunks: list[tuple[int, int]], fan_in: int, fan_out: int, ranks:
 # chunk lists: (slot or -1, rows), in row order
 CASES = {
     "decode_interleaved": [(i % 3, 1) for i in range(7)] + [(-1, 1)],
+    "decode_even_slots_out_of_order": [(2, 1), (0, 1), (1, 1), (2, 1), (0, 1), (1, 1)],  # no padding
     "prefill_segments": [(1, 5), (-1, 3), (0, 17), (1, 2)],
     "mixed": [(2, 9), (0, 1), (-1, 1), (2, 1), (1, 4), (0, 1)],
     "long_prefill": [(0, 70), (-1, 2), (1, 3)],  # segments longer than one kernel block

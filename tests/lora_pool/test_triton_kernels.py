@@ -17,4 +17,4 @@ def test_triton_kernels_match_float64_reference_under_the_interpreter():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "all kernels match" in run.stdout
-    assert run.stdout.count(" ok") == 6
+    assert run.stdout.count(" ok") == 7
