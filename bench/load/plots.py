@@ -27,11 +27,13 @@ def plot_sweep(points: list[dict], offered_label: str, out_dir: Path, prefix: st
     tiers = sorted({tier for p in points for tier in p["tiers"]})
     panels = [("TTFT", ("ttft_s",)), ("TPOT", ("tpot_s",)), ("end-to-end", ("e2e_s",))]
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
+    colors = {tier: f"C{i}" for i, tier in enumerate(tiers)}  # a tier keeps its colour in every panel
     for ax, (name, path) in zip(axes, panels):
         for tier in tiers:
             for q, style in (("p50", "--"), ("p99", "-")):
                 xs, ys = _series(points, tier, path + (q,))
-                ax.plot(xs, [float("nan") if y is None else y for y in ys], style, marker="o", label=f"{tier} {q}")
+                ax.plot(xs, [float("nan") if y is None else y for y in ys], style, color=colors[tier], marker="o",
+                        label=f"{tier} {q}")
         ax.set_title(f"{name} latency")
         ax.set_xlabel(offered_label)
         ax.set_ylabel("seconds")
@@ -46,9 +48,9 @@ def plot_sweep(points: list[dict], offered_label: str, out_dir: Path, prefix: st
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for tier in tiers:
         xs, ys = _series(points, tier, ("goodput_rps",))
-        axes[0].plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=tier)
+        axes[0].plot(xs, [float("nan") if y is None else y for y in ys], color=colors[tier], marker="o", label=tier)
         xs, ys = _series(points, tier, ("goodput_fraction",))
-        axes[1].plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=tier)
+        axes[1].plot(xs, [float("nan") if y is None else y for y in ys], color=colors[tier], marker="o", label=tier)
     axes[0].set_title("goodput (requests/s within the tier's SLO)")
     axes[0].set_ylabel("requests / s")
     axes[1].set_title("share of requests within the tier's SLO")
