@@ -147,20 +147,16 @@ def ratios(summaries: dict[str, dict[int, dict]]) -> dict[str, dict[int, float]]
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Every engine in its own subprocess; returns the combined results."""
+    """Every engine in its own subprocess; returns the combined results.
+
+    With --json the file is rewritten after each engine, so a run cut short
+    still leaves the engines it finished.
+    """
     engines = [e for e in args.engines.split(",") if e]
     workload = _workload(args)
     model_files.f32_gguf()  # written once, before any worker times anything
-    host = machine.describe()
-    bandwidth = copy_bandwidth_gbs()
-    workers = []
-    for engine in engines:
-        print(f"engine_throughput: {engine}", file=sys.stderr, flush=True)
-        workers.append(_spawn_worker(engine, args))
-    summaries = {w["engine"]: {r["summary"]["concurrency"]: r["summary"] for r in w.get("runs", [])}
-                 for w in workers}
     result = {
-        "machine": host,
+        "machine": machine.describe(),
         "workload": {
             "requests": len(workload),
             "seed": args.seed,
@@ -172,14 +168,24 @@ def run(args: argparse.Namespace) -> dict:
         },
         "concurrency": [int(c) for c in args.concurrency.split(",")],
         "threads": args.threads,
-        "copy_bandwidth_gbs": bandwidth,
+        "copy_bandwidth_gbs": copy_bandwidth_gbs(),
         "f32_weight_bytes": model_files.f32_gguf().stat().st_size,
-        "engines": workers,
-        "ratios": {peer: {str(c): r for c, r in by_c.items()} for peer, by_c in ratios(summaries).items()},
+        "engines": [],
+        "ratios": {},
+        "complete": False,
     }
-    tiergate = next((w for w in workers if w["engine"] == "tiergate" and "step_cost" in w), None)
-    if tiergate:
-        result["step_cost"] = tiergate["step_cost"]
+    for engine in engines:
+        print(f"engine_throughput: {engine}", file=sys.stderr, flush=True)
+        worker = _spawn_worker(engine, args)
+        result["engines"].append(worker)
+        if "step_cost" in worker:
+            result["step_cost"] = worker["step_cost"]
+        summaries = {w["engine"]: {r["summary"]["concurrency"]: r["summary"] for r in w.get("runs", [])}
+                     for w in result["engines"]}
+        result["ratios"] = {peer: {str(c): r for c, r in by_c.items()} for peer, by_c in ratios(summaries).items()}
+        result["complete"] = engine == engines[-1]
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
 
@@ -192,7 +198,7 @@ def render_markdown(result: dict) -> str:
     w = result.get("workload", {})
     lines = [
         f"Measured {machine.render_markdown(result['machine'])}." if "machine" in result else "",
-        "",
+        "" if result.get("complete", True) else "\n**Partial run: the engines missing below did not finish.**\n",
         f"Workload: {w.get('requests')} requests (seed {w.get('seed')}), prompts {w.get('prompt_len')} tokens, "
         f"outputs {w.get('output_len')} tokens, greedy, EOS ignored; concurrency 1 runs the first "
         f"{w.get('single_stream_requests')} requests; {result.get('threads')} threads for every engine. tiergate: "
@@ -305,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     if "step_cost" in result:
         OUT_DIR.mkdir(exist_ok=True)
         STEP_COST_PATH.write_text(json.dumps(result["step_cost"], indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
     return 0 if all("error" not in w for w in result["engines"]) else 1
 
 

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from tokenizers import Tokenizer
@@ -168,8 +168,16 @@ class Engine:
     def register_adapter(self, name: str, path: str) -> None:
         self._require_lora().register(name, path)
 
-    def unregister_adapter(self, name: str) -> None:
-        self._require_lora().unregister(name)
+    def unregister_adapter(self, name: str, timeout: float = 30.0) -> None:
+        """Unload an adapter; requests still using it end with an error first (on the engine thread)."""
+        pool = self._require_lora()
+        if not self.is_running:
+            pool.unregister(name)
+            return
+        done: Future[None] = Future()
+        self._inbox.put(("unregister", (name, done)))
+        self._wakeup.set()
+        done.result(timeout)
 
     def list_adapters(self) -> list[str]:
         return self.lora_pool.list() if self.lora_pool is not None else []
@@ -204,11 +212,17 @@ class Engine:
                 f"prompt ({prompt_len} tokens) plus max_tokens ({request.params.max_tokens}) "
                 f"exceeds the context length of {self.max_model_len} tokens"
             )
+        if request.tier not in {t.name for t in self.config.tiers}:
+            raise ValueError(f"unknown tier {request.tier!r}")
+        fits = self.scheduler.max_sequence_tokens(request.tier)
+        if prompt_len + request.params.max_tokens > fits:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({request.params.max_tokens}) exceeds the "
+                f"{fits} tokens a {request.tier} request can hold in this server's KV cache"
+            )
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if request.tier not in {t.name for t in self.config.tiers}:
-            raise ValueError(f"unknown tier {request.tier!r}")
         if request.adapter is not None and request.adapter not in self.list_adapters():
             raise ValueError(f"unknown adapter {request.adapter!r}")
 
@@ -244,14 +258,19 @@ class Engine:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stopping.is_set():
-            self._drain_inbox()
-            plan = self.scheduler.schedule()
-            if plan.is_empty:
-                self._publish_snapshots()
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
-            self._run_step(plan)
+            try:
+                self._drain_inbox()
+                plan = self.scheduler.schedule()
+                if plan.is_empty:
+                    self._publish_snapshots()
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                self._run_step(plan)
+            except Exception:  # a bug outside the forward pass: fail what is in flight, keep serving
+                log.exception("engine loop iteration failed")
+                for request_id in list(self._states):
+                    self._end_request(request_id, status="error", finish_reason="error", error="internal engine error")
         self._drain_inbox()
         for request_id in list(self._states):
             self._end_request(request_id, status="cancelled", finish_reason="abort")
@@ -265,13 +284,42 @@ class Engine:
             if kind == "add":
                 state, error = payload
                 if error is not None:
-                    state.sink(Delta(text="", finish_reason="error", usage=state.usage(), error=str(error)))
-                    self._emit(state.finish_event("error", "error"))
+                    self._refuse(state, str(error))
+                    continue
+                adapter = state.request.adapter
+                if adapter is not None and adapter not in self.lora_pool.list():
+                    self._refuse(state, f"adapter {adapter!r} was unloaded")
+                    continue
+                if state.request_id in self._states:
+                    self._refuse(state, f"request id {state.request_id!r} is already in flight")
+                    continue
+                try:
+                    self.scheduler.add(state.seq)
+                except ValueError as exc:  # checked at admission too; never let it take the loop down
+                    self._refuse(state, str(exc))
                     continue
                 self._states[state.request_id] = state
-                self.scheduler.add(state.seq)
             elif kind == "abort" and payload in self._states:
                 self._end_request(payload, status="cancelled", finish_reason="abort")
+            elif kind == "unregister":
+                self._unregister_on_loop(*payload)
+
+    def _refuse(self, state: RequestState, error: str) -> None:
+        """End a request that never reached the scheduler."""
+        self._emit(state.finish_event("error", "error"))
+        state.sink(Delta(text="", finish_reason="error", usage=state.usage(), error=error))
+
+    def _unregister_on_loop(self, name: str, done: Future) -> None:
+        users = [rid for rid, state in self._states.items() if state.request.adapter == name]
+        for request_id in users:
+            error = f"adapter {name!r} was unloaded"
+            self._end_request(request_id, status="error", finish_reason="error", error=error)
+        try:
+            self.lora_pool.unregister(name)
+        except Exception as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
 
     def _run_step(self, plan: StepPlan) -> None:
         sampling = [c for c in plan.chunks if c.samples]

@@ -81,6 +81,12 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------
 
+    def max_sequence_tokens(self, tier: str) -> int:
+        """The longest prompt + max_tokens a sequence of ``tier`` can ever hold (static; any thread)."""
+        # The last sampled token is never computed, hence the + 1.
+        fits = self.block_manager.cap_for(tier) * self.config.block_size + 1
+        return min(fits, self.config.max_model_len)
+
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; ValueError (and nothing changed) if it can never run."""
         cfg = self.config

@@ -247,3 +247,30 @@ def test_the_bundled_model_answers_a_chat_question(bundled_model, engine_cache_d
     finally:
         engine.shutdown()
     assert "Paris" in text
+
+
+def test_a_request_larger_than_its_tiers_share_of_the_pool_is_refused_at_admission(make_engine):
+    # 64 blocks of 4 tokens: standard may hold 70% of them, about 180 tokens.
+    engine, _ = make_engine(num_kv_blocks=64)
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.generate_batch_sync([EngineRequest("huge", [5] * 100, SamplingParams(max_tokens=150), tier="standard")])
+    (_, ids), = engine.generate_batch_sync(
+        [EngineRequest("fits", [5] * 100, SamplingParams(max_tokens=150, ignore_eos=True), tier="premium")]
+    )
+    assert len(ids) == 150 and engine.is_running
+
+
+def test_a_request_id_already_in_flight_is_refused_and_the_first_keeps_running(make_engine):
+    engine, _ = make_engine()
+    params = SamplingParams(max_tokens=30, **GREEDY)
+
+    async def run():
+        first = engine.submit(EngineRequest("same", [5, 6, 7], params))
+        second = engine.submit(EngineRequest("same", [8, 9], params))
+        second_deltas = [d async for d in second]
+        first_deltas = [d async for d in first]
+        return first_deltas, second_deltas
+
+    first, second = asyncio.run(run())
+    assert "already in flight" in second[-1].error
+    assert sum(len(d.token_ids) for d in first) == 30 and first[-1].finish_reason == "length"

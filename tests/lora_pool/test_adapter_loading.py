@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import ALL_TARGETS
+from tests.lora_pool.conftest import ALL_TARGETS
 from safetensors.torch import load_file, save_file
 
 from lora_pool import AdapterError, LoraPool

@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 import torch
-from conftest import ALL_TARGETS
+from tests.lora_pool.conftest import ALL_TARGETS
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -151,3 +151,29 @@ async def generate_all(engine: Engine, requests: list[EngineRequest]) -> list[tu
         return tokens, logprobs
 
     return await asyncio.gather(*(one(r) for r in requests))
+
+
+def test_unloading_an_adapter_ends_its_requests_and_the_rest_keep_running(base_dir, adapter_dirs):
+    config = EngineConfig(model=str(base_dir), max_loras=4, max_lora_rank=16, num_kv_blocks=256, block_size=4)
+    with Engine(config) as engine:
+        for name in ("attn_r4", "mlp_r2"):
+            engine.register_adapter(name, str(adapter_dirs[name]))
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+        async def run() -> dict[str, str | None]:
+            streams = {name: engine.submit(EngineRequest(name, [5, 6, 7], params, adapter=name))
+                       for name in ("attn_r4", "mlp_r2")}
+            first = await streams["attn_r4"].__anext__()  # the adapter's request is running
+            assert first.error is None
+            await asyncio.to_thread(engine.unregister_adapter, "attn_r4")
+            last_unloaded = [d async for d in streams["attn_r4"]][-1]
+            await streams["mlp_r2"].aclose()
+            return {"unloaded": last_unloaded.error}
+
+        result = asyncio.run(run())
+        assert "was unloaded" in result["unloaded"]
+        assert engine.list_adapters() == ["mlp_r2"]
+        (_, ids), = engine.generate_batch_sync([EngineRequest("after", [5, 6], SamplingParams(max_tokens=3), adapter="mlp_r2")])
+        assert len(ids) == 3
+        with pytest.raises(ValueError, match="unknown adapter"):
+            engine.generate_batch_sync([EngineRequest("gone", [5, 6], SamplingParams(max_tokens=3), adapter="attn_r4")])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_TARGETS, TINY, tiny_model
+from tests.lora_pool.conftest import ALL_TARGETS, TINY, tiny_model
 from peft import PeftModel
 from torch import nn
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_reference import CASES, random_case, reference
+from tests.lora_pool.lora_reference import CASES, random_case, reference
 
 from lora_pool import ops
 
