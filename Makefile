@@ -29,8 +29,10 @@ test: $(STAMP) promtool
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q
 
+# llama-cpp-python compiles for about 12 minutes; pip keeps the wheel it builds in
+# its cache, and a wheel left in ~/.cache/tiergate-wheels is taken as is.
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q --find-links $(HOME)/.cache/tiergate-wheels -e '.[test,bench]'
 	touch $@
 
 bench: $(BENCH_STAMP)

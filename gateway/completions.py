@@ -135,7 +135,7 @@ async def _generate(request: Request, kind: str) -> Response:
     )
     with request_context(request_id, tenant=tenant.tenant, tier=tenant.tier, trace_id=trace.trace_id):
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                seed=req.seed, stop=req.stop, logprobs=req.logprobs)
+                                seed=req.seed, stop=req.stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos)
         stream = await _submit(gw, admitted, EngineRequest(request_id, prompt, params, tenant.tier, adapter), trace)
         job = Job(admitted, stream, gw, trace)
         headers = {"x-request-id": request_id, **decision.headers()}

@@ -43,6 +43,7 @@ class GenerationRequest:
     user: str | None = None
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's extension: benches ask for exact output lengths
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -165,6 +166,7 @@ def _common(body: dict) -> dict[str, Any]:
         user=_str_field(body, "user"),
         stream=stream,
         include_usage=include_usage,
+        ignore_eos=_bool_field(body, "ignore_eos"),
     )
 
 

@@ -101,3 +101,9 @@ def test_token_id_prompts_and_single_string_lists_are_accepted():
 def test_malformed_json_is_400(raw):
     e = error_of(parse_json_body, raw)
     assert e.status == 400 and e.body()["error"]["code"] == "invalid_json"
+
+
+def test_ignore_eos_is_accepted_as_vllms_extension_and_must_be_a_boolean():
+    assert parse_completion({**COMPLETION, "ignore_eos": True}).ignore_eos is True
+    assert parse_chat(CHAT).ignore_eos is False
+    assert error_of(parse_chat, {**CHAT, "ignore_eos": "yes"}).param == "ignore_eos"
