@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from tokenizers import Tokenizer
 
+from engine.admission import validate_request
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import FinishEvent, StepEvent, StepItem
@@ -80,6 +81,8 @@ class Engine:
                 standard_min_share=config.standard_min_share,
             )
         )
+        # Static per tier, computed once so admission need not touch the scheduler's state.
+        self._tier_capacity = {t.name: self.scheduler.max_sequence_tokens(t.name) for t in config.tiers}
         self.lora_pool = self._make_lora_pool(config)
         self._timer = StepTimer(config.device)
         self._listeners: list[Listener] = []
@@ -203,29 +206,9 @@ class Engine:
 
     # ---- admission -------------------------------------------------------
     def _admit(self, request: EngineRequest, sink: Callable[[Delta], None]) -> None:
-        request.params.validate()
-        prompt_len = len(request.prompt_token_ids)
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty")
-        if prompt_len + request.params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({request.params.max_tokens}) "
-                f"exceeds the context length of {self.max_model_len} tokens"
-            )
-        if request.tier not in {t.name for t in self.config.tiers}:
-            raise ValueError(f"unknown tier {request.tier!r}")
-        fits = self.scheduler.max_sequence_tokens(request.tier)
-        if prompt_len + request.params.max_tokens > fits:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({request.params.max_tokens}) exceeds the "
-                f"{fits} tokens a {request.tier} request can hold in this server's KV cache"
-            )
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if request.adapter is not None and request.adapter not in self.list_adapters():
-            raise ValueError(f"unknown adapter {request.adapter!r}")
-
+        validate_request(
+            request, self.max_model_len, self._tier_capacity, self.model_config.vocab_size, self.list_adapters()
+        )
         seq = Sequence(
             seq_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),

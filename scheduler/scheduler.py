@@ -101,9 +101,8 @@ class Scheduler:
                 f"prompt ({seq.num_prompt_tokens}) + max_tokens ({seq.max_tokens}) "
                 f"exceeds max_model_len ({cfg.max_model_len})"
             )
-        # The last sampled token is never computed, hence the - 1.
-        needed = self.block_manager.blocks_for(seq.num_prompt_tokens + seq.max_tokens - 1)
-        if needed > self.block_manager.cap_for(seq.tier):
+        if seq.num_prompt_tokens + seq.max_tokens > self.max_sequence_tokens(seq.tier):
+            needed = self.block_manager.blocks_for(seq.num_prompt_tokens + seq.max_tokens - 1)
             raise ValueError(f"a {seq.tier} sequence of {needed} blocks can never fit its share of the KV pool")
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
             raise ValueError("only a fresh waiting sequence can be added")
