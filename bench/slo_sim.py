@@ -16,7 +16,13 @@ not only compute, is contended. ``--cost-model PATH`` loads coefficients
 fitted to the real engine from JSON: {"base_s", "per_prefill_token_s",
 "per_decode_seq_s", "per_context_token_s"}.
 
-    .venv/bin/python -m bench.slo_sim [--json out.json] [--cost-model fit.json]
+The SLOs (premium 0.5 s, standard's 5 s yardstick) are stated for the GPU
+coefficients. With a fitted cost model they are scaled by how much slower that
+machine is: the GPU coefficients' capacity over the fitted model's capacity on
+the same workload (``--slo-scale auto``, the default), so "2x load" and "within
+SLO" mean the same queueing on both machines. ``--slo-scale 1`` keeps them as is.
+
+    .venv/bin/python -m bench.slo_sim [--json out.json] [--cost-model fit.json] [--slo-scale auto|X]
 """
 
 from __future__ import annotations
@@ -205,6 +211,15 @@ def capacity_req_per_s(s: SimSettings, cost: CostModel) -> float:
     return len(requests) / makespan
 
 
+def slo_scale(s: SimSettings, cost: CostModel) -> dict:
+    """How much slower ``cost``'s machine serves this workload than the GPU coefficients' one."""
+    if cost == CostModel():
+        return {"factor": 1.0}
+    sample = replace(s, num_requests=min(s.num_requests, 600))
+    reference = capacity_req_per_s(sample, CostModel())
+    return {"factor": reference / capacity_req_per_s(sample, cost), "reference_capacity_req_per_s": reference}
+
+
 def run(s: SimSettings, cost: CostModel, loads: tuple[float, ...] = LOADS) -> dict:
     capacity = capacity_req_per_s(replace(s, num_requests=min(s.num_requests, 600)), cost)
     rows = []
@@ -224,7 +239,7 @@ def goals(rows: list[dict], s: SimSettings) -> list[dict]:
     out = []
     if 2.0 in by_load:
         t, f = by_load[2.0]["tiered"]["premium"], by_load[2.0]["fcfs"]["premium"]
-        out.append({"goal": f"2x load: premium TTFT p99 within its {s.premium_slo_s} s SLO",
+        out.append({"goal": f"2x load: premium TTFT p99 within its {s.premium_slo_s:.3g} s SLO",
                     "value": t["ttft_p99_s"], "met": t["ttft_p99_s"] <= s.premium_slo_s})
         ratio = f["ttft_p99_s"] / max(t["ttft_p99_s"], 1e-9)
         out.append({"goal": "2x load: premium TTFT p99 at least 5x lower than fcfs", "value": ratio, "met": ratio >= 5})
@@ -236,8 +251,14 @@ def goals(rows: list[dict], s: SimSettings) -> list[dict]:
 
 
 def print_table(result: dict) -> None:
-    print(f"capacity {result['capacity_req_per_s']:.2f} req/s; SLO premium {result['settings']['premium_slo_s']} s, "
-          f"standard yardstick {result['settings']['standard_slo_s']} s; cost {result['cost_model']}")
+    print(f"capacity {result['capacity_req_per_s']:.2f} req/s; SLO premium {result['settings']['premium_slo_s']:.3g} s, "
+          f"standard yardstick {result['settings']['standard_slo_s']:.3g} s; cost {result['cost_model']}")
+    scale = result.get("slo_scale")
+    if scale and scale["factor"] != 1:
+        print(f"SLOs scaled x{scale['factor']:.1f} from the GPU settings' {scale['reference_premium_slo_s']} s / "
+              f"{scale['reference_standard_slo_s']} s: GPU coefficients' capacity "
+              f"{scale['reference_capacity_req_per_s']:.2f} req/s over this cost model's "
+              f"{result['capacity_req_per_s']:.3f} req/s")
     head = "{:>5} {:<9}|{:>8} {:>8} {:>5} {:>6} {:>5} |{:>8} {:>8} {:>5} {:>6} {:>5}"
     cols = ("p50 s", "p99 s", "good", "preem", "pred")
     print(f"{'':15}|{'tiered':^41}|{'fcfs':^41}")
@@ -265,13 +286,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--premium-slo", type=float, default=SimSettings.premium_slo_s)
     p.add_argument("--standard-slo", type=float, default=SimSettings.standard_slo_s)
     p.add_argument("--num-blocks", type=int, default=SimSettings.num_blocks, help="KV pool, blocks of 16 tokens")
+    p.add_argument("--slo-scale", default="auto",
+                   help="multiply both SLOs by this; auto: GPU coefficients' capacity over the cost model's")
     args = p.parse_args(argv)
     if args.requests < 10:
         p.error("--requests must be at least 10")
-    cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
+    try:
+        fixed_scale = None if args.slo_scale == "auto" else float(args.slo_scale)
+    except ValueError:
+        p.error("--slo-scale wants 'auto' or a positive number")
+    if fixed_scale is not None and fixed_scale <= 0:
+        p.error("--slo-scale wants 'auto' or a positive number")
+    try:
+        cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
+    except (OSError, ValueError, TypeError) as exc:
+        p.error(f"--cost-model {args.cost_model}: {exc}")
     settings = SimSettings(seed=args.seed, num_requests=args.requests, num_blocks=args.num_blocks,
                            premium_slo_s=args.premium_slo, standard_slo_s=args.standard_slo)
-    result = run(settings, cost)
+    scale = slo_scale(settings, cost) if fixed_scale is None else {"factor": fixed_scale}
+    scaled = replace(settings, premium_slo_s=settings.premium_slo_s * scale["factor"],
+                     standard_slo_s=settings.standard_slo_s * scale["factor"])
+    result = run(scaled, cost)
+    result["slo_scale"] = {**scale, "reference_premium_slo_s": settings.premium_slo_s,
+                           "reference_standard_slo_s": settings.standard_slo_s}
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -40,6 +40,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def port_number(text: str) -> int:
     value = positive_int(text)
     if value > 65535:
@@ -65,6 +75,8 @@ def build_parser() -> OneLineParser:
     s.add_argument("--host")
     s.add_argument("--port", type=port_number)
     s.add_argument("--policy", choices=["tiered", "fcfs"], dest="scheduler_policy")
+    s.add_argument("--premium-ttft-slo", type=positive_float, dest="premium_ttft_slo_s", metavar="SECONDS",
+                   help="premium tier's time-to-first-token SLO (default 0.5 on a GPU, 2 on a CPU)")
     s.add_argument("--demo", action="store_true", help="create demo tenants, keys and adapters, then serve")
 
     db = sub.add_parser("db", help="database schema").add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -108,7 +120,7 @@ def build_parser() -> OneLineParser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    names = ("database_url", "model", "device", "host", "port", "scheduler_policy")
+    names = ("database_url", "model", "device", "host", "port", "scheduler_policy", "premium_ttft_slo_s")
     return load_settings({n: getattr(args, n, None) for n in names})
 
 

@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 from billing.db import create_engine_for, upgrade
 from billing.ledger import Ledger
 from engine.config import EngineConfig
+from scheduler.config import TierConfig
 from gateway.app import create_app
 from gateway.services import Gateway
 from gateway.settings import Settings
@@ -33,6 +34,15 @@ class Built:
     app: Starlette
     engine: object
     db: Database
+
+
+def tiers(settings: Settings) -> tuple[TierConfig, ...]:
+    """The two tiers billing knows, with the premium SLO and reserve the settings give."""
+    return (
+        TierConfig("premium", priority=0, ttft_slo_s=settings.premium_slo_s,
+                   kv_reserve_fraction=settings.premium_kv_reserve),
+        TierConfig("standard", priority=1, ttft_slo_s=None),
+    )
 
 
 def build(settings: Settings, migrate: bool = True) -> Built:
@@ -49,6 +59,7 @@ def build(settings: Settings, migrate: bool = True) -> Built:
             policy=settings.scheduler_policy,
             max_model_len=settings.max_model_len,
             max_loras=settings.max_loras,
+            tiers=tiers(settings),
         )
     )
     ledger = Ledger(db, settings.spool_path)

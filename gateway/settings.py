@@ -23,6 +23,10 @@ class Settings:
     device: str = "cpu"
     admin_token: str | None = None  # None: the /admin API is closed
     scheduler_policy: str = "tiered"
+    # The premium tier's TTFT SLO (admission sheds over it) and its KV reserve. None: 0.5 s on a
+    # GPU, 2 s on a CPU, where one step of the bundled model at full batch takes ~0.3 s.
+    premium_ttft_slo_s: float | None = None
+    premium_kv_reserve: float = 0.30
     host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int = 2048
@@ -42,13 +46,28 @@ class Settings:
             raise SettingsError(f"scheduler policy must be tiered or fcfs, not {self.scheduler_policy!r}")
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, not {self.port}")
+        if self.premium_ttft_slo_s is not None and not self.premium_ttft_slo_s > 0:
+            raise SettingsError(f"premium_ttft_slo_s must be positive, not {self.premium_ttft_slo_s}")
+        if not 0 <= self.premium_kv_reserve < 1:
+            raise SettingsError(f"premium_kv_reserve must be in [0, 1), not {self.premium_kv_reserve}")
         for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
 
 
+    @property
+    def premium_slo_s(self) -> float:
+        """The premium TTFT SLO in force: the setting, else the device's default."""
+        if self.premium_ttft_slo_s is not None:
+            return self.premium_ttft_slo_s
+        return 2.0 if self.device == "cpu" else 0.5
+
+
+_KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float}
+
+
 def _convert(name: str, raw: str, default: Any) -> Any:
-    kind = type(default) if default is not None else str
+    kind = type(default) if default is not None else _KINDS_OF_NONE_DEFAULTS.get(name, str)
     try:
         return kind(raw)
     except ValueError:

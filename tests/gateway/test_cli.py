@@ -96,6 +96,7 @@ def test_report_formats(tg):
         ("report", "--from", "2026-01-01", "--to", "2026-01-02", "--group-by", "planet"),
         ("serve", "--port", "99999"),
         ("serve", "--device", "tpu"),
+        ("serve", "--premium-ttft-slo", "0"),
         ("frobnicate",),
         (),
     ],
@@ -142,3 +143,20 @@ def test_settings_come_from_flags_then_environment_then_defaults():
         load_settings(environ={"TIERGATE_PORT": "eighty"})
     with pytest.raises(SettingsError, match="policy"):
         load_settings(environ={"TIERGATE_SCHEDULER_POLICY": "random"})
+
+
+def test_the_premium_slo_and_reserve_come_from_settings_into_the_engines_tiers():
+    from gateway.server import tiers
+    from gateway.settings import SettingsError, load_settings
+
+    settings = load_settings({"premium_ttft_slo_s": 2.0},
+                             environ={"TIERGATE_PREMIUM_KV_RESERVE": "0.25", "TIERGATE_PREMIUM_TTFT_SLO_S": "9"})
+    premium, standard = tiers(settings)
+    assert (premium.name, premium.ttft_slo_s, premium.kv_reserve_fraction) == ("premium", 2.0, 0.25)
+    assert (standard.name, standard.ttft_slo_s, standard.kv_reserve_fraction) == ("standard", None, 0.0)
+    assert tiers(load_settings(environ={}))[0].ttft_slo_s == 2.0  # the CPU default
+    assert tiers(load_settings(environ={"TIERGATE_DEVICE": "cuda"}))[0].ttft_slo_s == 0.5
+    with pytest.raises(SettingsError, match="TIERGATE_PREMIUM_TTFT_SLO_S"):
+        load_settings(environ={"TIERGATE_PREMIUM_TTFT_SLO_S": "soon"})
+    with pytest.raises(SettingsError, match="premium_kv_reserve"):
+        load_settings(environ={"TIERGATE_PREMIUM_KV_RESERVE": "1.5"})
