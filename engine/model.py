@@ -2,8 +2,8 @@
 
 Rows are the step's tokens, flattened in plan order with no padding. q/k/v and
 gate/up are fused into one weight each at load time so each is one matmul;
-LoRA deltas are added to column slices of the fused outputs through the
-``LoraBatchLike`` hook. The LM head runs only on the rows that sample.
+LoRA deltas are added to the fused outputs, one hook call per fused group, through
+the ``LoraBatchLike`` hook. The LM head runs only on the rows that sample.
 """
 
 from __future__ import annotations
@@ -174,9 +174,7 @@ class LlamaModel(nn.Module):
             x = F.rms_norm(h, hidden, layer.input_norm, eps)
             qkv = torch.mm(x, layer.qkv)
             if lora is not None:
-                for proj in ("q", "k", "v"):
-                    lo, hi = self._slices[proj]
-                    lora.apply(i, proj, x, qkv[:, lo:hi])
+                lora.apply(i, "qkv", x, qkv)
             _apply_rope_(qkv[:, :qk_size].view(tokens, heads + kv_heads, head_dim), cos, sin)
             q = qkv[:, :q_size].view(tokens, heads, head_dim)
             kv = qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim)
@@ -188,8 +186,7 @@ class LlamaModel(nn.Module):
             x = F.rms_norm(h, hidden, layer.post_norm, eps)
             gate_up = torch.mm(x, layer.gate_up)
             if lora is not None:
-                lora.apply(i, "gate", x, gate_up[:, :inter])
-                lora.apply(i, "up", x, gate_up[:, inter:])
+                lora.apply(i, "gate_up", x, gate_up)
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             down = torch.mm(act, layer.down)
             if lora is not None:

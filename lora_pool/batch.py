@@ -3,6 +3,9 @@
 Built by `LoraPool.batch_for` once per step; implements engine/lora_hook.py's
 LoraBatchLike structurally. Row bookkeeping (groups of rows per slot, sorted order
 for the kernels) is done here once, not in every one of the step's `apply` calls.
+`apply` takes a single projection or a fused group ("qkv", "gate_up"): on CPU a group
+shares one shrink over its fused A stacks; on CUDA the kernels run per projection on
+column slices of the fused output.
 """
 
 from __future__ import annotations
@@ -23,13 +26,17 @@ class LoraBatch:
         """`chunk_slots`: each chunk's (slot, or -1 without adapter, number of rows) in row order."""
         self._a = pool.a
         self._b = pool.b
+        self._cpu_views = pool.cpu_views
         row_slots = [slot for slot, rows in chunk_slots for _ in range(rows)]
         self.num_rows = len(row_slots)
         self.row_slots = row_slots
         self.specs = specs
-        # Per projection, the slots of this step whose adapter touches it (others are skipped).
-        self.slots_by_proj = {proj: [s for s in sorted(specs) if proj in specs[s].targets]
-                              for proj in pool.a}
+        # Per projection or fused group, the slots of this step whose adapter touches it
+        # (others are skipped), and the width of the output it writes.
+        self.slots_by_name = {name: [s for s in sorted(specs)
+                                     if not specs[s].targets.isdisjoint(ops.projections_of(name))]
+                              for name in pool.hook_widths}
+        self._width = pool.hook_widths
         if pool.device.type == "cuda":
             from lora_pool.triton_ops import KernelPlan  # triton is only needed on CUDA
 
@@ -39,16 +46,27 @@ class LoraBatch:
             self._cpu_plan = ops.plan_rows(row_slots, {s: (spec.rank, spec.scale) for s, spec in specs.items()})
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """In place: y += (x @ A[slot].T) @ B[slot].T * scale[slot] for each row with an adapter."""
-        slots = self.slots_by_proj[proj]
+        """In place: y += (x @ A[slot].T) @ B[slot].T * scale[slot] for each row with an adapter.
+
+        `proj` is a projection or a fused group; for a group `y` holds its projections'
+        outputs side by side in the group's order.
+        """
+        slots = self.slots_by_name[proj]
         if not slots:
             return
         if x.shape[0] != self.num_rows or y.shape[0] != self.num_rows:
             raise ValueError(f"LoRA batch has {self.num_rows} rows but x has {x.shape[0]}, y {y.shape[0]}")
-        a, b = self._a[proj][layer], self._b[proj][layer]
+        if y.shape[1] != self._width[proj]:
+            raise ValueError(f"LoRA {proj!r} writes {self._width[proj]} columns but y has {y.shape[1]}")
+        projs = ops.projections_of(proj)
         if self._kernel_plan is not None:
             from lora_pool.triton_ops import apply_lora
 
-            apply_lora(x, y, a, b, self._kernel_plan)
-        else:
-            ops.apply_lora(x, y, a, b, self._cpu_plan, slots)
+            col = 0
+            for p in projs:
+                width = self._b[p].shape[2]
+                if self.slots_by_name[p]:
+                    apply_lora(x, y[:, col: col + width], self._a[p][layer], self._b[p][layer], self._kernel_plan)
+                col += width
+            return
+        ops.apply_group(x, y, self._cpu_views[proj][layer], self._cpu_plan, slots)

@@ -1,7 +1,8 @@
 """The adapter pool: registry, host cache, device slots, and the per-step LoRA batch.
 
 `max_loras` device slots hold stacked weights per projection (A [layers, slots, rank,
-in], B [layers, slots, out, rank], zero-padded to `max_lora_rank`) and a scale per slot.
+in], B [layers, slots, out, rank], zero-padded to `max_lora_rank`; on CPU transposed
+views with q/k/v and gate/up A fused, see lora_pool/ops.py) and a scale per slot.
 `batch_for` makes a step's adapters resident, pinning them against eviction by each
 other, and evicts the least recently used unpinned slot when it needs room.
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from lora_pool import ops
 from lora_pool.adapter import AdapterError, AdapterSpec, AdapterWeights, BaseShapes, inspect_adapter, load_adapter
 from lora_pool.batch import LoraBatch
 from lora_pool.host_cache import HostCache
@@ -39,12 +41,22 @@ class LoraPool:
         self.max_lora_rank = max_lora_rank
         self.device = torch.device(device)
         self.dtype = dtype
-        self.a = {proj: torch.zeros(shapes.num_layers, max_loras, max_lora_rank, fan_in, dtype=dtype,
-                                    device=self.device)
-                  for proj, (fan_in, _) in shapes.projections.items()}
-        self.b = {proj: torch.zeros(shapes.num_layers, max_loras, fan_out, max_lora_rank, dtype=dtype,
-                                    device=self.device)
-                  for proj, (_, fan_out) in shapes.projections.items()}
+        # Indexed alike on every device; on CPU they are views of ops.cpu_stacks' layout, and
+        # `fused_a` holds the fused qkv and gate/up A stacks behind those views.
+        self.hook_widths = ops.hook_names(shapes.projections)  # what LoraBatch.apply accepts
+        self.fused_a: dict[str, torch.Tensor] = {}
+        self.cpu_views: dict[str, list[ops.LayerStacks]] = {}
+        if self.device.type == "cpu":
+            self.a, self.b, self.fused_a = ops.cpu_stacks(shapes.projections, shapes.num_layers, max_loras,
+                                                          max_lora_rank, dtype)
+            self.cpu_views = ops.layer_views(self.a, self.b, self.fused_a, list(self.hook_widths))
+        else:
+            self.a = {proj: torch.zeros(shapes.num_layers, max_loras, max_lora_rank, fan_in, dtype=dtype,
+                                        device=self.device)
+                      for proj, (fan_in, _) in shapes.projections.items()}
+            self.b = {proj: torch.zeros(shapes.num_layers, max_loras, fan_out, max_lora_rank, dtype=dtype,
+                                        device=self.device)
+                      for proj, (_, fan_out) in shapes.projections.items()}
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=self.device)
         self._specs: dict[str, AdapterSpec] = {}
         self._host = HostCache(max_cpu_loras)

@@ -1,8 +1,8 @@
 """The LoRA hook sees every projection with the right input and output columns.
 
-A fake batch adds a dense low-rank delta to all rows; the result must equal HF's
-model with that delta merged into the weights, which pins down the q/k/v and
-gate/up column slices of the fused outputs.
+A fake batch adds a dense low-rank delta to all rows, splitting the fused qkv and
+gate/up calls into their projections; the result must equal HF's model with that
+delta merged into the weights, which pins down the column order of the fused outputs.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.loader import load_model
-from engine.lora_hook import PROJECTIONS
+from engine.lora_hook import FUSED_GROUPS, PROJECTIONS
 from engine.runner import ModelRunner
 from scheduler.plan import StepPlan
 from scheduler.sequence import Sequence
@@ -27,11 +27,14 @@ class DenseLora:
         self.deltas = deltas
         self.calls: list[tuple[int, str]] = []
 
-    def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.calls.append((layer, proj))
-        if (layer, proj) in self.deltas:
+    def apply(self, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        col = 0
+        for proj in FUSED_GROUPS.get(name, (name,)):  # a group's outputs sit side by side in y
+            self.calls.append((layer, proj))
             a, b = self.deltas[(layer, proj)]
-            y += x @ a @ b
+            y[:, col: col + b.shape[1]] += x @ a @ b
+            col += b.shape[1]
+        assert col == y.shape[1], f"{name}: deltas cover {col} of y's {y.shape[1]} columns"
 
 
 def test_lora_deltas_on_every_projection_equal_merged_hf_weights(tiny_model_dirs, assert_matches_hf):

@@ -52,3 +52,30 @@ def test_long_runs_get_their_own_matmuls_and_the_rest_share_a_padded_bmm():
     interleaved = ops.plan_rows([0, 1, 2] * 10, info)  # ten decodes per adapter, scattered
     assert interleaved.groups == {} and interleaved.padded.slots == {0, 1, 2}
     assert ops.plan_rows([0, 0, -1], {0: (3, 1.0)}).padded is None  # one adapter: a plain matmul pair
+
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_group_in_the_cpu_layout_matches_each_projection_reference(case):
+    """A qkv-like group (three projections of different widths sharing x) through one
+    apply_group call over cpu_stacks' fused, transposed stacks, as LoraBatch runs it."""
+    chunks = CASES[case]
+    row_slots = [s for s, n in chunks for _ in range(n)]
+    widths = {"q": 40, "k": 16, "v": 16}
+    projections = {**{p: (24, w) for p, w in widths.items()}, "o": (40, 24), "gate": (24, 32), "up": (24, 32),
+                   "down": (32, 24)}
+    a, b, fused_a = ops.cpu_stacks(projections, num_layers=2, num_slots=3, max_rank=8, dtype=torch.float32)
+    x, _, _, _, scales = random_case(chunks, fan_in=24, fan_out=1, ranks=RANKS, max_rank=8)
+    expected, ys = [], []
+    for seed, (proj, width) in enumerate(widths.items(), start=1):
+        _, y, a_p, b_p, _ = random_case(chunks, fan_in=24, fan_out=width, ranks=RANKS, max_rank=8, seed=seed)
+        a[proj][1].copy_(a_p)
+        b[proj][1].copy_(b_p)
+        expected.append(reference(x, y, a_p, b_p, scales, row_slots, RANKS))
+        ys.append(y)
+    y = torch.cat(ys, dim=1)
+    plan = ops.plan_rows(row_slots, {s: (RANKS[s], float(scales[s])) for s in range(3)})
+    stacks = ops.layer_views(a, b, fused_a, ["qkv"])["qkv"][1]
+    assert stacks.a.data_ptr() == fused_a["qkv"][1].data_ptr()  # the three A stacks are one tensor
+    ops.apply_group(x, y, stacks, plan, [0, 1, 2])
+    torch.testing.assert_close(y.double(), torch.cat(expected, dim=1), rtol=1e-5, atol=1e-4)
