@@ -3,19 +3,38 @@
 write() returns only once the record is durable: committed in the database, or fsynced to the
 spool. Spooled records are replayed at start and by a background thread; inserts skip request
 ids already present (ON CONFLICT DO NOTHING), so a record written twice is stored once.
+
+submit() is the same promise for callers that should not block (the gateway's event loop): a
+writer thread group-commits whatever arrived together in one transaction and resolves each
+caller's future only once its rows are durable. One writer also means this process never
+contends with itself for SQLite's write lock, whose busy handler sleeps whole milliseconds.
+write_now() is for a caller with one row while the ledger is quiet, on a SQLite file only:
+it commits on the caller's thread if that cannot wait (nothing queued, SQLite's lock free),
+because there a commit costs less than the handoff to the writer and back; otherwise it
+declines and the row goes through submit().
+
+On SQLite these commits skip the automatic WAL checkpoint (a few ms of fsync inside one
+unlucky commit); a background thread checkpoints instead. Checkpoints only move committed
+pages from the WAL into the database file, so durability does not change: a committed row
+survives the process being killed (synchronous=NORMAL, see billing.db).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import queue
 import threading
+import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from billing.ledger_inline import InlineSqlite
 from billing.models import RecomputeCharge, UsageEntry
 from billing.spool import Spool
 from billing.usage import UsageRecord
@@ -26,6 +45,18 @@ log = logging.getLogger(__name__)
 UNAVAILABLE = (OperationalError, InterfaceError)
 # The dialects whose INSERT has ON CONFLICT DO NOTHING.
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+# Bounds one group commit, so a flood's backlog cannot become one huge transaction.
+MAX_BATCH_RECORDS = 1000
+# When the checkpointer runs: after this many rows (a row dirties ~5 pages, so about SQLite's own
+# 1000-page threshold), at most this often, and at least this often while rows keep coming.
+CHECKPOINT_EVERY_ROWS = 200
+CHECKPOINT_MIN_INTERVAL_S = 0.05
+CHECKPOINT_INTERVAL_S = 0.5
+# The WAL size (pages) past which the checkpointer briefly holds the writer back: a checkpoint
+# racing with new commits never lets the WAL start over from its beginning, so it would grow.
+WAL_RESET_FRAMES = 4000
+_STOP = object()
+_NO_AUTOCHECKPOINT = "tiergate_no_autocheckpoint"
 
 
 class Ledger:
@@ -38,18 +69,53 @@ class Ledger:
         self._stop = threading.Event()
         self._replay_lock = threading.Lock()
         self._retry_thread: threading.Thread | None = None
+        # A SQLite file: WAL checkpoints are ours, and write_now() may commit on the caller's thread.
+        # (In-memory SQLite has no WAL, and its connections are per thread.)
+        self._sqlite = engine.dialect.name == "sqlite" and engine.url.database not in (None, "", ":memory:")
+        # Statements built once: building an INSERT per row costs more than SQLite's commit.
+        insert = _INSERTS.get(engine.dialect.name)
+        self._statements = None if insert is None else _statements(insert)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._submit_lock = threading.Lock()  # orders submits against close()'s stop marker
+        self._commit_lock = threading.Lock()  # held by the writer per batch; the checkpointer may take it
+        self._writer: threading.Thread | None = None
+        self._checkpointer: threading.Thread | None = None
+        self._unchecked_rows = 0  # rows committed without SQLite's automatic checkpoint since the last one
+        self._checkpoint_due = threading.Event()
+        self._spool_until = 0.0  # monotonic time before which the writer spools without trying the database
+        self._inline: InlineSqlite | None = None  # write_now()'s connection, opened on first use
 
     def start(self) -> None:
-        """Replay what an earlier run spooled, then keep retrying in the background."""
+        """Replay what an earlier run spooled, then keep retrying in the background and start the writer."""
         self.replay()
+        self._stop.clear()
         self._retry_thread = threading.Thread(target=self._retry_loop, name="ledger-replay", daemon=True)
         self._retry_thread.start()
+        with self._submit_lock:
+            self._writer = threading.Thread(target=self._write_loop, name="ledger-writer", daemon=True)
+            self._writer.start()
+        if self._sqlite:
+            self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="ledger-checkpoint", daemon=True)
+            self._checkpointer.start()
 
     def close(self) -> None:
+        """Write everything submitted so far, then stop the background threads."""
+        with self._submit_lock:
+            writer, self._writer = self._writer, None
+            if writer is not None:
+                self._queue.put(_STOP)
+        if writer is not None:
+            writer.join()
+        with self._commit_lock:
+            inline, self._inline = self._inline, None
+            if inline is not None:
+                inline.close()
         self._stop.set()
-        if self._retry_thread is not None:
-            self._retry_thread.join()
-            self._retry_thread = None
+        self._checkpoint_due.set()
+        for thread in (self._retry_thread, self._checkpointer):
+            if thread is not None:
+                thread.join()
+        self._retry_thread = self._checkpointer = None
 
     def __enter__(self) -> Ledger:
         self.start()
@@ -66,12 +132,58 @@ class Ledger:
         """Make `records` durable in one transaction (or one spool pass); True if in the database."""
         try:
             with self.engine.begin() as connection:
-                insert_records(connection, records)
+                self._insert_batch(connection, records)
             return True
         except UNAVAILABLE as exc:
             log.warning("ledger: database unavailable, spooling %d record(s): %s", len(records), _first_line(exc))
             self.spool.append_many(records)
             return False
+
+    @property
+    def writing(self) -> bool:
+        """Whether a writer thread takes submit()'s records (between start() and close())."""
+        return self._writer is not None
+
+    def submit(self, records: list[UsageRecord]) -> Future[bool]:
+        """Queue `records` for the writer; the future resolves as write_many() would, once they are durable.
+
+        Without a running writer (not started, or closed) the records are written before this returns.
+        """
+        future: Future[bool] = Future()
+        with self._submit_lock:
+            if self._writer is not None:
+                self._queue.put((records, future))
+                return future
+        _settle(future, self.write_many, records)
+        return future
+
+    def write_now(self, records: list[UsageRecord]) -> bool:
+        """Commit `records` on the calling thread if that involves no waiting; False: nothing written, submit() them.
+
+        For an event loop with one row to make durable while the ledger is quiet. Only on SQLite,
+        where a commit is an append to the WAL without fsync (the checkpointer does those), and
+        the handoff to the writer thread and back costs more than the commit. Never waits: the
+        writer busy, a batch queued, or SQLite's lock held by anyone (busy_timeout=0 on this
+        connection) all mean False. Never spools: submit() does that, on the writer.
+        """
+        if (not self._sqlite or self._writer is None or not self._queue.empty()
+                or time.monotonic() < self._spool_until or any(r.recompute_by_tier for r in records)):
+            return False
+        if not self._commit_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._inline is None:
+                try:
+                    self._inline = InlineSqlite(self.engine)
+                except Exception as exc:  # the writer's path reports what is wrong, or waits it out
+                    log.warning("ledger: no connection for write_now(): %s", _first_line(exc))
+                    return False
+            if not self._inline.insert(records):
+                return False
+        finally:
+            self._commit_lock.release()
+        self._committed(len(records))
+        return True
 
     def replay(self) -> int:
         """Move spooled records into the database; returns how many were new there (0 if it is down)."""
@@ -91,6 +203,86 @@ class Ledger:
         log.info("ledger: replayed %d spooled record(s), %d new", len(records), inserted)
         return inserted
 
+    # -- the writer thread -------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            batch, stop = self._take_batch()
+            if batch:
+                try:
+                    with self._commit_lock:
+                        self._commit(batch)
+                except Exception as exc:  # the writer must neither die nor leave a caller waiting forever
+                    log.exception("ledger: writer failed on a batch of %d caller(s)", len(batch))
+                    for _, future in batch:
+                        _settle_exception(future, exc)
+            if stop:
+                return
+
+    def _take_batch(self) -> tuple[list[tuple[list[UsageRecord], Future]], bool]:
+        """What arrived together (up to MAX_BATCH_RECORDS), waiting for the first; and whether to stop after it."""
+        item = self._queue.get()
+        batch, size = [], 0
+        while item is not _STOP:
+            batch.append(item)
+            size += len(item[0])
+            if size >= MAX_BATCH_RECORDS:
+                return batch, False
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return batch, False
+        return batch, True
+
+    def _commit(self, batch: list[tuple[list[UsageRecord], Future]]) -> None:
+        records = [record for records, _ in batch for record in records]
+        try:
+            durable_in_db = self._write_from_writer(records)
+        except Exception as exc:
+            if len(batch) == 1:
+                _settle_exception(batch[0][1], exc)
+                return
+            # One bad record must not fail the others that happened to share its transaction.
+            log.exception("ledger: a group commit of %d record(s) failed; writing them one caller at a time",
+                          len(records))
+            for records_of_one, future in batch:
+                _settle(future, self._write_from_writer, records_of_one)
+            return
+        for _, future in batch:
+            if not future.done():  # a future a caller cancelled takes no result; its rows are written all the same
+                future.set_result(durable_in_db)
+
+    def _write_from_writer(self, records: list[UsageRecord]) -> bool:
+        # Right after the database failed, go straight to the spool until the next retry is due:
+        # one writer waiting out a connect or lock timeout per batch would stall every request.
+        if time.monotonic() < self._spool_until:
+            self.spool.append_many(records)
+            return False
+        try:
+            with self.engine.begin() as connection:
+                if self._sqlite and not connection.info.get(_NO_AUTOCHECKPOINT):
+                    connection.exec_driver_sql("PRAGMA wal_autocheckpoint=0")  # the checkpointer's job now
+                    connection.info[_NO_AUTOCHECKPOINT] = True
+                self._insert_batch(connection, records)
+        except UNAVAILABLE as exc:
+            self._spool_until = time.monotonic() + self.retry_interval_s
+            log.warning("ledger: database unavailable, spooling %d record(s): %s", len(records), _first_line(exc))
+            self.spool.append_many(records)
+            return False
+        self._committed(len(records))
+        return True
+
+    def _insert_batch(self, connection: Connection, records: list[UsageRecord]) -> None:
+        """Insert many records with one statement per table; rows already stored are skipped with their charges."""
+        if self._statements is None or any(record.recompute_by_tier for record in records):
+            # Charges go in only with a newly inserted row, which needs each row's own rowcount;
+            # preempted requests are rare, so the slow path is too.
+            insert_records(connection, records)
+            return
+        connection.execute(self._statements[0], [record.ledger_values() for record in records])
+
+    # -- background threads ------------------------------------------------
+
     def _retry_loop(self) -> None:
         while not self._stop.wait(self.retry_interval_s):
             if self.spool.pending():
@@ -99,26 +291,55 @@ class Ledger:
                 except Exception:  # the loop must outlive any one failure; the spool keeps the rows
                     log.exception("ledger: replay failed")
 
+    def _committed(self, rows: int) -> None:
+        if self._sqlite:
+            self._unchecked_rows += rows  # racy by a row or two at worst: it only paces checkpoints
+            if self._unchecked_rows >= CHECKPOINT_EVERY_ROWS:
+                self._checkpoint_due.set()
+
+    def _checkpoint_loop(self) -> None:
+        while True:
+            self._checkpoint_due.wait(CHECKPOINT_INTERVAL_S)
+            if self._stop.is_set():
+                return
+            self._checkpoint_due.clear()
+            if not self._unchecked_rows:
+                continue
+            self._unchecked_rows = 0
+            try:
+                if self._checkpoint() > WAL_RESET_FRAMES:
+                    # Commits kept arriving during the checkpoint: one more with the writer held
+                    # back copies the rest, so the next commit starts the WAL file over.
+                    with self._commit_lock:
+                        self._checkpoint()
+            except UNAVAILABLE as exc:
+                log.debug("ledger: checkpoint postponed: %s", _first_line(exc))
+            except Exception:
+                log.exception("ledger: checkpoint failed")
+            self._stop.wait(CHECKPOINT_MIN_INTERVAL_S)  # a flood of rows must not become a flood of fsyncs
+
+    def _checkpoint(self) -> int:
+        """A passive checkpoint (it never waits for readers or the writer); returns the WAL's size in pages."""
+        with self.engine.connect() as connection:
+            row = connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)").one()
+        return int(row[1])
+
 
 def insert_records(connection: Connection, records: Iterable[UsageRecord]) -> int:
     """Insert records whose request id is not in the ledger yet; returns how many were inserted."""
     insert = _INSERTS.get(connection.dialect.name)
     if insert is None:
         raise NotImplementedError(f"the ledger supports PostgreSQL and SQLite, not {connection.dialect.name}")
+    entry, charge = _statements(insert)
     inserted = 0
     for record in records:
         values = record.ledger_values()
-        stmt = (
-            insert(UsageEntry)
-            .values(**values)
-            .on_conflict_do_nothing(index_elements=["request_id"])
-        )
-        if connection.execute(stmt).rowcount != 1:
+        if connection.execute(entry, values).rowcount != 1:
             continue  # already recorded, charges included (they commit with the row)
         inserted += 1
         if record.recompute_by_tier:
             connection.execute(
-                insert(RecomputeCharge),
+                charge,
                 [
                     {"request_id": record.request_id, "charged_tier": tier, "gpu_seconds": seconds,
                      "finished_at": values["finished_at"]}
@@ -126,6 +347,27 @@ def insert_records(connection: Connection, records: Iterable[UsageRecord]) -> in
                 ],
             )
     return inserted
+
+
+@functools.cache
+def _statements(insert) -> tuple:
+    """(ledger row insert skipping request ids already stored, recompute charge insert)."""
+    return insert(UsageEntry).on_conflict_do_nothing(index_elements=["request_id"]), insert(RecomputeCharge)
+
+
+def _settle(future: Future, write, records: list[UsageRecord]) -> None:
+    try:
+        result = write(records)
+    except Exception as exc:
+        _settle_exception(future, exc)
+        return
+    if not future.done():
+        future.set_result(result)
+
+
+def _settle_exception(future: Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
 
 
 def _first_line(exc: Exception) -> str:

@@ -109,6 +109,18 @@ class UsageMeter:
                 raise UnknownRequest(f"no finish event for request {request_id!r} within {timeout_s}s")
             return self._finished.pop(request_id)
 
+    def take_record(self, request_id: str) -> UsageRecord | None:
+        """A begun request's record if its finish event has arrived (and forgets it), else None; never blocks.
+
+        For a listener placed after the meter on the engine thread. Records of requests never
+        begun (engine-internal ones) stay for pop_unclaimed().
+        """
+        with self._cond:
+            record = self._finished.get(request_id)
+            if record is None or record.tenant is None:
+                return None
+            return self._finished.pop(request_id)
+
     def record_rejected(
         self,
         request_id: str,

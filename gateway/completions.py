@@ -136,14 +136,14 @@ async def _generate(request: Request, kind: str) -> Response:
     with request_context(request_id, tenant=tenant.tenant, tier=tenant.tier, trace_id=trace.trace_id):
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                 seed=req.seed, stop=req.stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos)
+        # Built before the engine has the request: from then on this thread holds the GIL the
+        # engine thread needs for its step, until it awaits the first delta.
+        headers = {"x-request-id": request_id, **decision.headers()}
         stream = await _submit(gw, admitted, EngineRequest(request_id, prompt, params, tenant.tier, adapter), trace)
         job = Job(admitted, stream, gw, trace)
-        headers = {"x-request-id": request_id, **decision.headers()}
         if req.stream:
             return JobStream(job, headers)
-        response = await job.collect()
-        response.headers.update(headers)
-        return response
+        return await job.collect(headers)
 
 
 async def _admit(gw: Gateway, a: Admitted, tenant) -> Decision:

@@ -106,7 +106,7 @@ class Job:
             yield fmt.DONE
             return
 
-    async def collect(self) -> JSONResponse:
+    async def collect(self, headers: dict[str, str] | None = None) -> JSONResponse:
         a = self.a
         texts: list[str] = []
         logprobs: list[TokenLogprob] = []
@@ -133,7 +133,7 @@ class Job:
         else:
             lp = fmt.completion_logprobs(logprobs, 0) if a.want_logprobs else None
             body = fmt.completion_response(a.request_id, self.created, a.model, text, delta.finish_reason, usage, lp)
-        return JSONResponse(body)
+        return JSONResponse(body, headers=headers)
 
     def _usage(self) -> Usage:
         return Usage(prompt_tokens=self.a.prompt_tokens, completion_tokens=self.completion_tokens)

@@ -106,6 +106,7 @@ class GatewayMetrics:
         self._request_tiers: dict[str, str] = {}
         self._finished: set[str] = set()
         self._lock = threading.Lock()  # the request map is written by both the event loop and the engine thread
+        self._children: dict[tuple, Any] = {}  # (metric id, label values) -> series; keys are closed sets
         self._create_series()
 
     def _create_series(self) -> None:
@@ -129,16 +130,25 @@ class GatewayMetrics:
     # -- the gateway's request path --------------------------------------
 
     def observe_ttft(self, tier: str, seconds: float) -> None:
-        self.ttft.labels(self._tier(tier)).observe(seconds)
+        self._child(self.ttft, tier).observe(seconds)
 
     def observe_tpot(self, tier: str, seconds: float) -> None:
-        self.tpot.labels(self._tier(tier)).observe(seconds)
+        self._child(self.tpot, tier).observe(seconds)
 
     def count_request(self, tier: str, status: str) -> None:
-        self.requests.labels(self._tier(tier), _member(status, REQUEST_STATUSES, "status")).inc()
+        self._child(self.requests, tier, _member(status, REQUEST_STATUSES, "status")).inc()
 
     def count_rejection(self, tier: str, reason: str) -> None:
-        self.rejections.labels(self._tier(tier), _member(reason, REJECTION_REASONS, "reason")).inc()
+        self._child(self.rejections, tier, _member(reason, REJECTION_REASONS, "reason")).inc()
+
+    def _child(self, metric: Any, tier: str, *labels: str) -> Any:
+        """The labelled series of a request-path metric."""
+        # From a dict: labels() takes a lock and validates on every call, a measurable share of a 429.
+        key = (id(metric), tier, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self._tier(tier), *labels)
+        return child
 
     def count_tokens(self, tier: str, kind: str, n: int) -> None:
         """Called by ``on_engine_event``; a caller that listens to the engine must not count tokens again."""

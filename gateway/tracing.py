@@ -2,8 +2,9 @@
 
 Each app owns a ``Tracing`` with its own TracerProvider (none is set globally).
 Spans go to OTLP/HTTP only when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the
-traces-specific variable) is set; otherwise they are recorded and dropped, so
-trace ids still reach the logs but nothing leaves the process.
+traces-specific variable) is set; otherwise nothing is recorded (spans are
+unsampled), so trace ids still reach the logs at little cost and nothing leaves
+the process.
 
 The gateway's part, per request::
 
@@ -29,20 +30,26 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine.request import Usage
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class Tracing:
     """The tracer of one app. ``exporter`` (tests) is used as given, synchronously; otherwise OTLP if configured."""
 
     def __init__(self, exporter: SpanExporter | None = None, *, service_name: str = "tiergate") -> None:
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         configured = any(os.environ.get(name) for name in _ENDPOINT_VARS)
+        self.exporting = exporter is not None or configured
+        # With nowhere to send spans, none is recorded: an unsampled span still carries a trace id
+        # (the caller's, from traceparent, or a new one) for the logs, and costs a fraction of one.
+        sampler = None if self.exporting else ALWAYS_OFF
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}), sampler=sampler)
         if exporter is not None:
             self.provider.add_span_processor(SimpleSpanProcessor(exporter))
         elif configured:
@@ -52,7 +59,6 @@ class Tracing:
 
             # It reads the endpoint, headers and timeout from the standard OTEL_* variables.
             self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        self.exporting = exporter is not None or configured
         self.tracer = self.provider.get_tracer("tiergate.gateway")
         self._waiting: dict[str, RequestTrace] = {}  # submitted, not yet seen in an engine step
         self._lock = threading.Lock()
@@ -73,6 +79,9 @@ class Tracing:
         headers: Mapping[str, str] | None = None,
     ) -> RequestTrace:
         """Open the request's span; ``headers`` may carry a W3C ``traceparent`` to continue a caller's trace."""
+        parent = _PROPAGATOR.extract(headers) if headers and "traceparent" in headers else None
+        if not self.exporting:
+            return RequestTrace(self, request_id, model, self.tracer.start_span(operation, context=parent))
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
             "gen_ai.provider.name": "tiergate",
@@ -89,14 +98,13 @@ class Tracing:
             "tiergate.adapter": adapter,
         }
         attributes.update({k: v for k, v in optional.items() if v is not None})
-        parent = TraceContextTextMapPropagator().extract(headers) if headers else None
         span = self.tracer.start_span(f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attributes)
         return RequestTrace(self, request_id, model, span)
 
     def on_engine_event(self, event: Any) -> None:
         """Engine listener (engine thread): the first step computing a request's tokens starts its prefill."""
         items = getattr(event, "items", None)
-        if items is None:
+        if items is None or not self.exporting:
             return
         started_ns = int(event.started_at * 1e9) if event.started_at else time.time_ns()
         with self._lock:
@@ -139,20 +147,26 @@ class RequestTrace:
     def mark_submitted(self) -> None:
         """The request goes to the engine now: its queue wait starts."""
         self.submitted_ns = time.time_ns()
-        self._tracing._wait_for_step(self)
+        if self._tracing.exporting:
+            self._tracing._wait_for_step(self)
 
     def mark_first_token(self) -> None:
         if self.first_token_ns is None:
             self.first_token_ns = time.time_ns()
-            self.span.add_event("first_token", timestamp=self.first_token_ns)
+            if self._tracing.exporting:
+                self.span.add_event("first_token", timestamp=self.first_token_ns)
 
     def finish(self, usage: Usage | None = None, finish_reason: str | None = None, error: str | None = None) -> None:
         """Write the child spans and end the request's span; later calls do nothing."""
         if self.finished:
             return
         self.finished = True
-        self._tracing._forget(self.request_id)
         end_ns = time.time_ns()
+        if not self._tracing.exporting:
+            # An unsampled span: child spans and attributes would be built only to be dropped.
+            self.span.end(end_time=end_ns)
+            return
+        self._tracing._forget(self.request_id)
         self._write_phases(end_ns)
         self.span.set_attribute("gen_ai.response.id", self.request_id)
         self.span.set_attribute("gen_ai.response.model", self.model)

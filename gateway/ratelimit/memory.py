@@ -86,6 +86,12 @@ class InProcessLimiter:
 
     def _tokens_free_in(self, w: _TenantWindow, needed: int, now: float) -> float:
         """Seconds until at least ``needed`` reserved tokens have left the window."""
+        if needed == w.tokens > 0:
+            # All of them (the reset header of every decision): that is when the newest entry still
+            # holding tokens leaves. Scanning from the old end would cost the whole window's length.
+            for e in reversed(w.entries):
+                if e.tokens:
+                    return max(0.0, e.at + self.window_s - now)
         freed = 0
         for e in w.entries:
             freed += e.tokens

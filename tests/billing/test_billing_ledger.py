@@ -112,13 +112,36 @@ WRITER = textwrap.dedent(
 )
 
 
+SUBMITTER = textwrap.dedent(
+    """
+    import sys
+    from billing.db import create_engine_for
+    from billing.ledger import Ledger
+    from billing.usage import UsageRecord
+
+    url, spool = sys.argv[1], sys.argv[2]
+    ledger = Ledger(create_engine_for(url, connect_timeout_s=0.2), spool, retry_interval_s=0.2)
+    ledger.start()
+    i = 0
+    while True:
+        rid = f"kill-{i}"
+        record = UsageRecord(rid, "acme", "standard", None, "ok", 1.7e9, 1.7e9 + 1, gpu_seconds=0.1)
+        # The gateway's way: on the caller's thread when the ledger is quiet, else through the writer.
+        ledger.write_now([record]) or ledger.submit([record]).result()
+        print(rid, flush=True)
+        i += 1
+    """
+)
+
+
+@pytest.mark.parametrize("script", ["WRITER", "SUBMITTER"], ids=["write", "submit-or-write-now"])
 @pytest.mark.parametrize("database_up", [True, False], ids=["database-up", "database-down"])
-def test_sigkill_loses_no_row_whose_write_returned(outage, engine, tmp_path, database_up):
+def test_sigkill_loses_no_row_whose_write_returned(outage, engine, tmp_path, database_up, script):
     spool = tmp_path / "spool.jsonl"
     if not database_up:
         outage.cut()
     writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, outage.url, str(spool)],
+        [sys.executable, "-c", {"WRITER": WRITER, "SUBMITTER": SUBMITTER}[script], outage.url, str(spool)],
         stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     returned = [writer.stdout.readline().strip() for _ in range(15)]
@@ -143,3 +166,81 @@ def test_write_many_goes_to_the_spool_as_a_whole_while_the_database_is_down(outa
     assert ledger.replay() == 1  # m2 came in with the second batch already
     assert sorted(_ledger_ids(engine)) == ["m1", "m2", "m3"]
     ledger.engine.dispose()
+
+
+def test_submitted_records_are_group_committed_and_each_future_resolves_once_durable(engine, tmp_path):
+    ledger = Ledger(engine, tmp_path / "spool.jsonl")
+    ledger.start()
+    try:
+        futures = [ledger.submit([_record(f"g-{i}")]) for i in range(50)]
+        futures.append(ledger.submit([_record("g-charged", recompute_by_tier={"premium": 0.5})]))
+        assert all(f.result(timeout=30) is True for f in futures)
+    finally:
+        ledger.close()
+    assert sorted(_ledger_ids(engine)) == sorted([f"g-{i}" for i in range(50)] + ["g-charged"])
+    with engine.connect() as c:
+        assert c.scalar(select(func.count()).select_from(RecomputeCharge)) == 1
+
+
+def test_close_writes_what_was_submitted_before_it(engine, tmp_path):
+    ledger = Ledger(engine, tmp_path / "spool.jsonl")
+    ledger.start()
+    futures = [ledger.submit([_record(f"c-{i}")]) for i in range(20)]
+    ledger.close()
+    assert all(f.done() and f.result() for f in futures)
+    assert len(_ledger_ids(engine)) == 20
+    # Without a writer, submit() writes before it returns.
+    assert ledger.submit([_record("after-close")]).result(timeout=0) is True
+
+
+def test_a_record_the_database_refuses_fails_only_its_own_future(engine, tmp_path):
+    bad = _record("bad")
+    object.__setattr__(bad, "status", "bogus")  # past UsageRecord's own check; the CHECK constraint refuses it
+    ledger = Ledger(engine, tmp_path / "spool.jsonl")
+    ledger.start()
+    try:
+        futures = [ledger.submit([_record("ok-1")]), ledger.submit([bad]), ledger.submit([_record("ok-2")])]
+        assert futures[0].result(timeout=30) and futures[2].result(timeout=30)
+        with pytest.raises(Exception):
+            futures[1].result(timeout=30)
+    finally:
+        ledger.close()
+    assert sorted(_ledger_ids(engine)) == ["ok-1", "ok-2"]
+
+
+def test_write_now_commits_on_a_quiet_sqlite_ledger_only(engine, tmp_path):
+    ledger = Ledger(engine, tmp_path / "spool.jsonl")
+    assert ledger.write_now([_record("not-started")]) is False  # no writer: nothing written
+    ledger.start()
+    try:
+        written = ledger.write_now([_record("now")])
+        assert written is (engine.dialect.name == "sqlite")
+        # Recompute charges take the writer's path, on every database.
+        assert ledger.write_now([_record("charged", recompute_by_tier={"premium": 0.5})]) is False
+    finally:
+        ledger.close()
+    assert _ledger_ids(engine) == (["now"] if written else [])
+    if written:  # stored as SQLAlchemy's own inserts store it: the same values read back
+        ledger.write(_record("orm"))
+        with engine.connect() as c:
+            rows = {r.request_id: r for r in c.execute(select(UsageEntry))}
+        columns = [col.name for col in UsageEntry.__table__.columns if col.name not in ("id", "request_id")]
+        assert [getattr(rows["now"], n) for n in columns] == [getattr(rows["orm"], n) for n in columns]
+
+
+def test_write_now_declines_at_once_when_it_would_wait(outage, engine, tmp_path):
+    """SQLite while another connection holds the write lock; PostgreSQL always (its rows go through submit)."""
+    sqlite = outage.url.startswith("sqlite")
+    ledger = Ledger(create_engine_for(outage.url, connect_timeout_s=5), tmp_path / "spool.jsonl")
+    ledger.start()
+    try:
+        outage.cut()
+        started = time.monotonic()
+        assert ledger.write_now([_record("locked")]) is False
+        assert time.monotonic() - started < 1.0  # the connection's timeout is 5 s: it did not wait
+        outage.restore()
+        assert ledger.write_now([_record("unlocked")]) is sqlite
+    finally:
+        ledger.close()
+        ledger.engine.dispose()
+    assert _ledger_ids(engine) == (["unlocked"] if sqlite else [])

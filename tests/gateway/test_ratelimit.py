@@ -124,6 +124,26 @@ def test_window_slides_with_time():
     assert admitted.allowed
 
 
+def test_token_reset_is_when_the_newest_entry_still_holding_tokens_leaves():
+    clock = FakeClock()
+    lim = InProcessLimiter(window_s=60, clock=clock)
+    limits = Limits(rpm=100, tpm=1000, max_concurrent=10)
+
+    async def go():
+        await lim.acquire("t", limits, "a", 50)
+        clock.now += 10
+        await lim.acquire("t", limits, "b", 50)
+        clock.now += 10
+        await lim.acquire("t", limits, "c", 50)
+        await lim.release("t", "c", reserved_tokens=50, used_tokens=0)  # "c" now holds nothing
+        clock.now += 10
+        return await lim.acquire("t", limits, "d", 0)  # holds nothing either
+
+    decision = run(go())
+    assert decision.allowed and decision.remaining_tokens == 900
+    assert decision.reset_tokens_s == pytest.approx(40)  # "b" arrived at +10 s, leaves at +70 s; now is +30 s
+
+
 def test_redis_budget_is_shared_by_two_limiters_under_concurrency():
     prefix = f"test:{uuid.uuid4().hex}"
 
