@@ -44,7 +44,12 @@ def _make_runner(engine: str, requests: list[BenchRequest], max_concurrency: int
     if engine == "tiergate":
         from bench.peers.tiergate_runner import TiergateRunner
 
-        os.environ["TIERGATE_CPU_THREADS"] = str(threads)
+        # As `tiergate serve` runs: its tuner picks 1..N threads by timing steps (engine/cpu_threads.py).
+        # Pinned to 2 on this 2-vCPU box a decode step took 89 ms against 50 ms on 1 thread.
+        if threads < (os.cpu_count() or 1):
+            os.environ["TIERGATE_CPU_THREADS"] = str(threads)
+        else:
+            os.environ.pop("TIERGATE_CPU_THREADS", None)
         return TiergateRunner(max_concurrency, _context_per_sequence(requests))
     if engine == "hf-transformers":
         from bench.peers.hf_transformers import HFTransformersRunner
@@ -201,8 +206,9 @@ def render_markdown(result: dict) -> str:
         "" if result.get("complete", True) else "\n**Partial run: the engines missing below did not finish.**\n",
         f"Workload: {w.get('requests')} requests (seed {w.get('seed')}), prompts {w.get('prompt_len')} tokens, "
         f"outputs {w.get('output_len')} tokens, greedy, EOS ignored; concurrency 1 runs the first "
-        f"{w.get('single_stream_requests')} requests; {result.get('threads')} threads for every engine. tiergate: "
-        "fcfs policy, prefix cache off (levels replay the same prompts), KV pool sized like llama.cpp's n_ctx. "
+        f"{w.get('single_stream_requests')} requests; {result.get('threads')} threads for each peer, and tiergate "
+        "picks 1 or more up to that by timing its own steps, as `tiergate serve` does. tiergate: fcfs policy, "
+        "prefix cache off (levels replay the same prompts), KV pool sized like llama.cpp's n_ctx. "
         "HF: float32 `generate`, static left-padded batches of the concurrency level, each request credited only "
         "its own tokens. llama.cpp: F32 GGUF of the same weights (Q4_1 for reference), `Llama.generate` at "
         "concurrency 1, `llama_decode` with one sequence per slot and continuous joining above.",
