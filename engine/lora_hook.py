@@ -16,10 +16,14 @@ from typing import Protocol
 
 import torch
 
+# Fused groups and their projections in column order: lora_pool owns the table (it may not
+# import the engine); the model's fused weights follow it. Re-exported as part of the protocol.
+from lora_pool.ops import FUSED_GROUPS
+
+__all__ = ["FUSED_GROUPS", "PROJECTIONS", "LoraBatchLike"]
+
 # Projection names as peft's target_modules spell them, shortened.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
-# Fused groups and their projections in column order (lora_pool/ops.py keeps the same table).
-FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
 
 class LoraBatchLike(Protocol):

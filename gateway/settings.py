@@ -54,7 +54,6 @@ class Settings:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
 
-
     @property
     def premium_slo_s(self) -> float:
         """The premium TTFT SLO in force: the setting, else the device's default."""

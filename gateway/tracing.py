@@ -153,8 +153,7 @@ class RequestTrace:
     def mark_first_token(self) -> None:
         if self.first_token_ns is None:
             self.first_token_ns = time.time_ns()
-            if self._tracing.exporting:
-                self.span.add_event("first_token", timestamp=self.first_token_ns)
+            self.span.add_event("first_token", timestamp=self.first_token_ns)  # a no-op when unsampled
 
     def finish(self, usage: Usage | None = None, finish_reason: str | None = None, error: str | None = None) -> None:
         """Write the child spans and end the request's span; later calls do nothing."""

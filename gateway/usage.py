@@ -74,7 +74,9 @@ class UsageRecorder:
                 if self.ledger.write_now([record]):
                     return record
             if self.ledger.writing:
-                await _resolved(self.ledger.submit([record]))
+                # The writer commits the row whatever happens to this wait; the shield keeps the
+                # caller here until it has.
+                await asyncio.wrap_future(self.ledger.submit([record]))
             else:  # no writer (a bare app in a test): the write happens inside submit()
                 (await anyio.to_thread.run_sync(self.ledger.submit, [record])).result()
         return record
@@ -97,28 +99,6 @@ class UsageRecorder:
         record = self.meter.record_rejected(request_id, tenant, tier, adapter, queued_at)
         # Without a running writer (a bare app in a test) submit() writes before returning.
         self.ledger.submit([record]).add_done_callback(_log_failure)
-
-
-async def _resolved(future: Future) -> bool:
-    """Await a ledger future from the event loop; cancelling this wait never cancels the write."""
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-
-    def done(f: Future) -> None:
-        loop.call_soon_threadsafe(_copy_outcome, f, waiter)
-
-    future.add_done_callback(done)
-    return await waiter
-
-
-def _copy_outcome(source: Future, waiter: asyncio.Future) -> None:
-    if waiter.done():
-        return
-    exc = source.exception()
-    if exc is not None:
-        waiter.set_exception(exc)
-    else:
-        waiter.set_result(source.result())
 
 
 def _log_failure(future: Future) -> None:

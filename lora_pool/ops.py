@@ -48,8 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-# The engine's fused projection outputs, columns in this order (engine/model.py's layout,
-# named in engine/lora_hook.py); lora_pool imports nothing of the engine, hence the copy.
+# The engine's fused projection outputs, columns in this order (engine/model.py's layout);
+# engine/lora_hook.py takes this table for its protocol, as lora_pool imports nothing of the engine.
 FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
 
