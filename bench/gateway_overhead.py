@@ -48,19 +48,21 @@ def engine_config(model_dir: str):
 
 
 def run_child(model_dir: str, database_url: str, port: int, spool: str) -> None:
-    """The server: the whole gateway on the tiny model, under uvicorn (httptools and uvloop when installed)."""
+    """The server: the whole gateway on the tiny model, under uvicorn as ``tiergate serve`` runs it."""
     import uvicorn
 
     from billing.db import create_engine_for
     from billing.ledger import Ledger
     from engine.engine import Engine
     from gateway.app import create_app
+    from gateway.http_protocol import OneWriteHttpToolsProtocol
     from gateway.settings import Settings
 
     settings = Settings(database_url=database_url, port=port, spool_path=spool, log_level="warning")
     db = create_engine_for(database_url)
     app = create_app(settings, Engine(engine_config(model_dir)), db, Ledger(db, spool))
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                http=OneWriteHttpToolsProtocol)
 
 
 def set_up(tmp: Path) -> tuple[str, str, str, str]:

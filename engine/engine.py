@@ -242,10 +242,11 @@ class Engine:
         torch.set_grad_enabled(False)
         while not self._stopping.is_set():
             try:
-                self._drain_inbox()
+                changed = self._drain_inbox()
                 plan = self.scheduler.schedule()
                 if plan.is_empty:
-                    self._publish_snapshots()
+                    if changed:  # else the last step or finish already published this state
+                        self._publish_snapshots()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
@@ -258,12 +259,15 @@ class Engine:
         for request_id in list(self._states):
             self._end_request(request_id, status="cancelled", finish_reason="abort")
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Take in what callers sent; whether there was anything."""
+        changed = False
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return changed
+            changed = True
             if kind == "add":
                 state, error = payload
                 if error is not None:
@@ -325,13 +329,19 @@ class Engine:
         self.scheduler.update(plan, {c.seq.seq_id: s.token_id for c, s in zip(sampling, sampled)})
         self._account_step(plan, started_at, duration)
 
+        # Deltas go out after all of the step's bookkeeping: a caller woken by one needs the GIL,
+        # which this thread would otherwise hold through that bookkeeping.
+        outgoing: list[tuple[Callable[[Delta], None], Delta]] = []
         for chunk, token in zip(sampling, sampled):
             state = self._states[chunk.seq.seq_id]
             delta = state.on_token(token, self.tokenizer, self.max_model_len)
             if delta.finish_reason is None:
-                state.sink(delta)
+                outgoing.append((state.sink, delta))
             else:
-                self._end_request(state.request_id, "ok", delta.finish_reason, last_delta=delta)
+                self._end_request(state.request_id, "ok", delta.finish_reason, last_delta=delta, outgoing=outgoing)
+        self._publish_snapshots()
+        for sink, delta in outgoing:
+            sink(delta)
 
     def _account_step(self, plan: StepPlan, started_at: float, duration: float) -> None:
         self.busy_seconds += duration
@@ -346,7 +356,6 @@ class Engine:
                 items.append(StepItem(chunk.seq.seq_id, chunk.num_tokens - recompute, False))
         preempted = tuple((seq.seq_id, seq.tier) for seq in plan.preempted)
         self._emit(StepEvent(duration_s=duration, items=tuple(items), started_at=started_at, preempted=preempted))
-        self._publish_snapshots()
 
     def _end_request(
         self,
@@ -355,7 +364,12 @@ class Engine:
         finish_reason: str,
         last_delta: Delta | None = None,
         error: str | None = None,
+        outgoing: list[tuple[Callable[[Delta], None], Delta]] | None = None,
     ) -> None:
+        """Finish a request: free its blocks, emit its finish event, then its last delta.
+
+        With `outgoing` (a step's), the delta is appended there and the caller publishes and
+        sends; otherwise both happen here."""
         state = self._states.pop(request_id, None)
         if state is None:
             return
@@ -366,8 +380,12 @@ class Engine:
         # The finish event goes out before the last delta, so the ledger row
         # can be complete by the time the caller sees the end of its stream.
         self._emit(state.finish_event(status, finish_reason))
-        state.sink(last_delta or Delta(text="", finish_reason=finish_reason, usage=state.usage(), error=error))
+        last = last_delta or Delta(text="", finish_reason=finish_reason, usage=state.usage(), error=error)
+        if outgoing is not None:
+            outgoing.append((state.sink, last))
+            return
         self._publish_snapshots()
+        state.sink(last)
 
     def _publish_snapshots(self) -> None:
         self._load_snapshot = self.scheduler.load()

@@ -23,6 +23,7 @@ from billing.ledger import Ledger
 from engine.config import EngineConfig
 from scheduler.config import TierConfig
 from gateway.app import create_app
+from gateway.http_protocol import OneWriteHttpToolsProtocol
 from gateway.services import Gateway
 from gateway.settings import Settings
 
@@ -98,6 +99,7 @@ def serve(settings: Settings, built: Built) -> None:
         built.app,
         host=settings.host,
         port=settings.port,
+        http=OneWriteHttpToolsProtocol,
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
         lifespan="on",

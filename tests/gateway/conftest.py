@@ -21,6 +21,7 @@ from billing.ledger import Ledger
 from engine.config import EngineConfig
 from engine.engine import Engine
 from gateway.app import create_app
+from gateway.http_protocol import OneWriteHttpToolsProtocol
 from gateway.settings import Settings
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
@@ -110,7 +111,8 @@ def free_port() -> int:
 
 
 def start_server(app, engine: Engine, db, port: int) -> LiveServer:
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                            http=OneWriteHttpToolsProtocol)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()

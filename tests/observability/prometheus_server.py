@@ -53,6 +53,10 @@ class PrometheusServer:
                 result = self.query(promql)
             except httpx.TransportError:
                 result = []
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code != 503:  # 503: still starting (its storage is not ready yet)
+                    raise
+                result = []
             if predicate(result):
                 return result
             time.sleep(0.25)
