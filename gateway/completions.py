@@ -7,6 +7,7 @@ then the rate limiter (it reserves budget), and only then the engine.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -16,6 +17,7 @@ from starlette.responses import Response
 from engine.request import Delta, EngineRequest, SamplingParams
 from gateway.errors import APIError, invalid_param, model_not_found, service_unavailable
 from gateway.generation import Admitted, Job, JobStream
+from gateway.http_protocol import ON_DISCONNECT
 from gateway.logs import request_context
 from gateway.ratelimit import Decision, Limits
 from gateway.ratelimit.base import retry_headers
@@ -143,6 +145,13 @@ async def _generate(request: Request, kind: str) -> Response:
         job = Job(admitted, stream, gw, trace)
         if req.stream:
             return JobStream(job, headers)
+        # Starlette notices a client that leaves only on streams; the server's disconnect hook
+        # (gateway/http_protocol.py) tells us here, and the abort ends the collection as a
+        # cancelled request: blocks freed within a step, billed with the tokens made.
+        # Under a server without the hook the request runs to its end.
+        on_disconnect = request.scope.get("extensions", {}).get(ON_DISCONNECT)
+        if on_disconnect is not None:
+            on_disconnect.append(functools.partial(gw.engine.abort, request_id))
         return await job.collect(headers)
 
 

@@ -1,4 +1,4 @@
-"""uvicorn's httptools protocol, sending a fixed-length response's head and body in one write.
+"""uvicorn's httptools protocol, with a fixed-length response sent in one write and a disconnect hook.
 
 uvicorn writes the status line and headers as soon as the app starts a response and
 the body in a second write: for a JSON answer that is two send() calls and, for a
@@ -10,6 +10,12 @@ stream's headers still leave before its first token.
 
 On this project's 2-vCPU box: 0.04 ms off a 1-token completion's round trip
 (interleaved A/B against uvicorn's own protocol, 1000 requests each).
+
+The hook: ASGI tells an app of a client that left only through ``receive()``,
+which a handler must keep a task waiting on; that task (and its cancellation)
+cost 0.2 ms a request here. Instead each request's scope carries a list,
+``scope["extensions"][ON_DISCONNECT]``, whose callables the protocol calls when
+the connection is lost before the response is complete.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from __future__ import annotations
 import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# The scope extension holding a request's disconnect callbacks.
+ON_DISCONNECT = "tiergate.on_disconnect"
 
 
 class HeadHoldingTransport:
@@ -48,9 +57,17 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
     """Pass as ``uvicorn.Config(http=...)``."""
 
     def on_headers_complete(self) -> None:
+        self.scope.setdefault("extensions", {})[ON_DISCONNECT] = []
         super().on_headers_complete()
         cycle = self.cycle
         # uvicorn writes nothing after a HEAD response's head, so that head must not wait.
         if (cycle is not None and cycle.scope.get("method") != "HEAD"
                 and not isinstance(cycle.transport, HeadHoldingTransport)):
             cycle.transport = HeadHoldingTransport(cycle.transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            for callback in list(cycle.scope.get("extensions", {}).get(ON_DISCONNECT, ())):
+                callback()

@@ -1,9 +1,11 @@
-"""Clients that leave mid-stream: their requests are aborted, their KV blocks freed, and each is billed."""
+"""Clients that leave before their answer: their requests are aborted, their KV blocks freed, and each is billed."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import socket
 import time
 
 import httpx
@@ -89,3 +91,21 @@ def test_finished_stream_has_its_ledger_row_before_done(server):
                     break
             else:
                 raise AssertionError("no [DONE]")
+
+
+def test_a_client_leaving_a_non_streaming_request_aborts_it(server):
+    model = server.engine.model_name
+    body = json.dumps({"model": model, "prompt": "leave", "max_tokens": 240, "ignore_eos": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {server.keys['acme']}\r\n"
+               f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+    port = int(server.url.rsplit(":", 1)[1])
+    before = set(ledger_rows(server))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        assert wait_until(lambda: kv_blocks_held(server) > 0, timeout_s=10)
+    # Gone before its 240 tokens: the engine drops the request and the ledger bills what it made.
+    assert wait_until(lambda: kv_blocks_held(server) == 0)
+    assert wait_until(lambda: len(set(ledger_rows(server)) - before) == 1)
+    (request_id,) = set(ledger_rows(server)) - before
+    status, completion_tokens = ledger_rows(server)[request_id]
+    assert status == "cancelled" and completion_tokens < 240
