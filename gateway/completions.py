@@ -8,6 +8,7 @@ then the rate limiter (it reserves budget), and only then the engine.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -19,15 +20,19 @@ from gateway.errors import APIError, invalid_param, model_not_found, service_una
 from gateway.generation import Admitted, Job, JobStream
 from gateway.http_protocol import ON_DISCONNECT
 from gateway.logs import request_context
-from gateway.ratelimit import Decision, Limits
+from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_body
 from gateway.services import Gateway
+
+log = logging.getLogger(__name__)
 
 # Metrics labels for the limiter's reasons.
 REJECTION_REASON = {"requests": "rpm", "tokens": "tpm", "concurrency": "concurrency"}
 # Tokenizing is fast; only long prompts are worth a thread hop off the event loop.
 INLINE_TOKENIZE_CHARS = 8192
+# Retry-After when the shared rate limiter cannot be reached.
+LIMITER_RETRY_S = 1.0
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -164,7 +169,13 @@ async def _admit(gw: Gateway, a: Admitted, tenant) -> Decision:
         raise APIError(429, refusal.message, type="overloaded", code="overloaded",
                        headers=retry_headers(refusal.retry_after_s))
     limits = Limits(tenant.rpm, tenant.tpm, tenant.max_concurrent)
-    decision = await gw.limiter.acquire(a.tenant, limits, a.request_id, a.reserved_tokens)
+    try:
+        decision = await gw.limiter.acquire(a.tenant, limits, a.request_id, a.reserved_tokens)
+    except LimiterUnavailable:
+        log.warning("rate limiter unavailable; refusing %s", a.request_id, exc_info=True)
+        gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
+        raise APIError(503, "The rate limiter is unavailable; retry shortly.", type="server_error",
+                       code="service_unavailable", headers=retry_headers(LIMITER_RETRY_S)) from None
     if not decision.allowed:
         gw.metrics.count_rejection(a.tier, REJECTION_REASON[decision.reason])
         gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)

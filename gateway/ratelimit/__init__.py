@@ -5,7 +5,7 @@ budget in Redis that every replica shares. Both implement the same sliding-windo
 log, so a test of one pins down the behaviour of the other.
 """
 
-from gateway.ratelimit.base import Decision, Limits, RateLimiter
+from gateway.ratelimit.base import Decision, LimiterUnavailable, Limits, RateLimiter
 from gateway.ratelimit.memory import InProcessLimiter
 
 
@@ -17,4 +17,4 @@ def make_limiter(redis_url: str | None, window_s: float = 60.0, key_prefix: str 
     return RedisLimiter(redis_url, window_s=window_s, key_prefix=key_prefix)
 
 
-__all__ = ["Decision", "Limits", "RateLimiter", "InProcessLimiter", "make_limiter"]
+__all__ = ["Decision", "LimiterUnavailable", "Limits", "RateLimiter", "InProcessLimiter", "make_limiter"]

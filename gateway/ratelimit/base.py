@@ -61,6 +61,10 @@ def format_duration(seconds: float) -> str:
     return f"{int(minutes)}m{round(rest, 3):g}s"
 
 
+class LimiterUnavailable(Exception):
+    """The shared budget cannot be reached (Redis down or not answering): nothing was reserved."""
+
+
 class RateLimiter(Protocol):
     async def acquire(self, tenant: str, limits: Limits, request_id: str, tokens: int) -> Decision:
         """Admit one request reserving ``tokens`` of the TPM budget, or refuse it and change nothing."""

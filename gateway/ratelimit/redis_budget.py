@@ -20,10 +20,14 @@ from __future__ import annotations
 import math
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.ratelimit.base import Decision, Limits
+from gateway.ratelimit.base import Decision, LimiterUnavailable, Limits
 
 CONCURRENCY_RETRY_S = 1.0
+# A Redis that does not answer within this is treated as down: requests are refused (503), not held.
+REDIS_TIMEOUT_S = 1.0
 DEFAULT_LEASE_S = 900.0  # longer than any request may run (engine timeouts are shorter)
 
 # KEYS: requests zset (id -> admitted at), tokens hash (id -> reserved), token total, concurrency zset (id -> lease end)
@@ -115,7 +119,8 @@ class RedisLimiter:
         self.window_s = window_s
         self.lease_s = lease_s
         self.key_prefix = key_prefix
-        self.client = aioredis.Redis.from_url(url)
+        self.client = aioredis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S,
+                                              socket_connect_timeout=REDIS_TIMEOUT_S)
         self._acquire = self.client.register_script(ACQUIRE)
         self._release = self.client.register_script(RELEASE)
 
@@ -125,10 +130,14 @@ class RedisLimiter:
         return [f"{base}:req", f"{base}:tok", f"{base}:total", f"{base}:conc"]
 
     async def acquire(self, tenant: str, limits: Limits, request_id: str, tokens: int) -> Decision:
-        out = await self._acquire(
-            keys=self._keys(tenant),
-            args=[request_id, tokens, limits.rpm, limits.tpm, limits.max_concurrent, self.window_s, self.lease_s],
-        )
+        try:
+            out = await self._acquire(
+                keys=self._keys(tenant),
+                args=[request_id, tokens, limits.rpm, limits.tpm, limits.max_concurrent, self.window_s, self.lease_s],
+            )
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            # Fail closed: admitting without the shared budget is how limits stop holding across replicas.
+            raise LimiterUnavailable(str(e)) from e
         allowed, reason, retry, used_req, used_tok, reset_req, reset_tok = (v.decode() for v in out)
         retry_s = float(retry)
         if retry_s == -1:

@@ -111,3 +111,19 @@ def test_concurrency_limit_refuses_the_extra_stream(serve):
         second = http.post(live.url + "/v1/completions", json={**body, "stream": False}, headers=headers)
         assert second.status_code == 429
         assert second.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_an_unreachable_redis_refuses_with_503_and_retry_after_not_500(serve, unused_port):
+    # Fail closed: without the shared budget the limits would stop holding across replicas.
+    live = serve(limiter=make_limiter(f"redis://127.0.0.1:{unused_port}/0"))
+    key = live.add_tenant("acme", "premium", rpm=100, tpm=100_000, max_concurrent=4)
+    r = httpx.post(live.url + "/v1/completions", headers={"authorization": f"Bearer {key}"},
+                   json={"model": live.engine.model_name, "prompt": "a", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "service_unavailable" and "rate limiter" in r.json()["error"]["message"]
+    assert int(r.headers["retry-after"]) >= 1
+    deadline = time.monotonic() + 5
+    while "rejected" not in ledger_statuses(live) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ledger_statuses(live) == ["rejected"]
+    assert sum(live.engine.kv_usage()[0].values()) == 0 and live.gateway.lifecycle.in_flight == 0
