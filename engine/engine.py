@@ -369,7 +369,8 @@ class Engine:
         """Finish a request: free its blocks, emit its finish event, then its last delta.
 
         With `outgoing` (a step's), the delta is appended there and the caller publishes and
-        sends; otherwise both happen here."""
+        sends; otherwise both happen here.
+        """
         state = self._states.pop(request_id, None)
         if state is None:
             return
