@@ -136,12 +136,13 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
 
         engine_run(engine, prompts[:4], [None] * 4, 4)  # warm-up
-        mixes = {0: [None] * len(prompts), **{n: [names[i % n] for i in range(len(prompts))] for n in ADAPTER_COUNTS}}
-        rates: dict[int, float] = dict.fromkeys(mixes, 0.0)
-        # Rounds over all the mixes, best of each kept: a slow spell of the shared box then
-        # costs every mix a round, rather than the base run alone or one mix.
+        mixes = {n: [names[i % n] for i in range(len(prompts))] for n in ADAPTER_COUNTS}
+        runs = {0: [None] * len(prompts), **mixes}  # 0: the base model alone
+        rates: dict[int, float] = dict.fromkeys(runs, 0.0)
+        # Rounds over base-only and all the mixes, best of each kept: a slow spell of the shared
+        # box then costs every case a round, rather than the base run alone or one mix.
         for _ in range(args.repeats):
-            for n, adapters in mixes.items():
+            for n, adapters in runs.items():
                 if n:
                     engine_run(engine, prompts[:n], adapters[:n], 2)  # adapters resident, as in steady state
                 rates[n] = max(rates[n], engine_run(engine, prompts, adapters, args.max_tokens))
