@@ -174,8 +174,8 @@ async def _admit(gw: Gateway, a: Admitted, tenant) -> Decision:
     except LimiterUnavailable:
         log.warning("rate limiter unavailable; refusing %s", a.request_id, exc_info=True)
         gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
-        raise APIError(503, "The rate limiter is unavailable; retry shortly.", type="server_error",
-                       code="service_unavailable", headers=retry_headers(LIMITER_RETRY_S)) from None
+        raise service_unavailable("The rate limiter is unavailable; retry shortly.",
+                                  headers=retry_headers(LIMITER_RETRY_S)) from None
     if not decision.allowed:
         gw.metrics.count_rejection(a.tier, REJECTION_REASON[decision.reason])
         gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)

@@ -50,5 +50,5 @@ def invalid_api_key() -> APIError:
     return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
-def service_unavailable(message: str) -> APIError:
-    return APIError(503, message, type="server_error", code="service_unavailable")
+def service_unavailable(message: str, headers: Mapping[str, str] | None = None) -> APIError:
+    return APIError(503, message, type="server_error", code="service_unavailable", headers=headers)
