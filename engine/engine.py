@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from engine.admission import validate_request
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.events import FinishEvent, StepEvent, StepItem
+from engine.events import FinishEvent, StepEvent, step_event
 from engine.kv_cache import num_blocks_for_budget
 from engine.loader import load_model
 from engine.request import Delta, EngineRequest
@@ -347,15 +347,7 @@ class Engine:
         self.busy_seconds += duration
         prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
         self.scheduler.observe_step(duration, plan.num_tokens, prefill_tokens)
-        items: list[StepItem] = []
-        for chunk in plan.chunks:
-            recompute = chunk.num_recompute_tokens
-            if recompute:
-                items.append(StepItem(chunk.seq.seq_id, recompute, True, chunk.seq.recompute_charged_tier))
-            if chunk.num_tokens > recompute:
-                items.append(StepItem(chunk.seq.seq_id, chunk.num_tokens - recompute, False))
-        preempted = tuple((seq.seq_id, seq.tier) for seq in plan.preempted)
-        self._emit(StepEvent(duration_s=duration, items=tuple(items), started_at=started_at, preempted=preempted))
+        self._emit(step_event(plan, started_at, duration))
 
     def _end_request(
         self,

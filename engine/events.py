@@ -37,3 +37,16 @@ class FinishEvent:
     first_token_at: float | None = None
     finished_at: float = 0.0
     num_preemptions: int = 0
+
+
+def step_event(plan, started_at: float, duration_s: float) -> StepEvent:
+    """The event of a step that ran `plan` (a scheduler StepPlan): each chunk's tokens, recompute apart."""
+    items: list[StepItem] = []
+    for chunk in plan.chunks:
+        recompute = chunk.num_recompute_tokens
+        if recompute:
+            items.append(StepItem(chunk.seq.seq_id, recompute, True, chunk.seq.recompute_charged_tier))
+        if chunk.num_tokens > recompute:
+            items.append(StepItem(chunk.seq.seq_id, chunk.num_tokens - recompute, False))
+    preempted = tuple((seq.seq_id, seq.tier) for seq in plan.preempted)
+    return StepEvent(duration_s=duration_s, items=tuple(items), started_at=started_at, preempted=preempted)
