@@ -22,7 +22,7 @@ class RequestState:
     seq: Sequence
     sink: Callable[[Delta], None]  # called on the engine thread; must not block
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator
+    generator: torch.Generator | None  # None when greedy
     queued_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     finished: bool = False

@@ -16,6 +16,7 @@ import anyio.to_thread
 from sqlalchemy import Engine as Database
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -25,6 +26,7 @@ from billing.keys import authenticate
 from billing.ledger import Ledger
 from billing.meter import UsageMeter
 from gateway import admin
+from gateway.access_log import AccessLogMiddleware
 from gateway.admission import AdmissionController, AdmissionPolicy
 from gateway.auth import Authenticator
 from gateway.completions import chat_completions, completions
@@ -169,6 +171,7 @@ def create_app(
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=[Middleware(AccessLogMiddleware)],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},
     )
     app.state.gateway = gw

@@ -101,6 +101,7 @@ def serve(settings: Settings, built: Built) -> None:
         port=settings.port,
         http=OneWriteHttpToolsProtocol,
         log_level=settings.log_level,
+        access_log=False,  # the app writes its own, after the response (gateway/access_log.py)
         timeout_graceful_shutdown=5,
         lifespan="on",
         log_config=None,  # logging is configured once by the CLI (JSON lines); uvicorn must not replace it

@@ -17,6 +17,11 @@ def test_greedy_rows_take_the_argmax():
     assert [t.token_id for t in out] == logits.argmax(-1).tolist()
 
 
+def test_greedy_rows_get_no_random_stream_and_sampled_rows_do():
+    assert make_generator(SamplingParams(temperature=0, seed=7)) is None
+    assert isinstance(make_generator(SamplingParams(temperature=0.7)), torch.Generator)
+
+
 def test_top_k_of_one_is_greedy_even_when_sampling():
     logits = _logits(3, seed=1)
     params = [SamplingParams(temperature=1.5, top_k=1, seed=s) for s in range(3)]
