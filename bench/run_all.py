@@ -52,7 +52,9 @@ class Bench:
 
 
 def benches() -> list[Bench]:
-    step_cost = ["--cost-model", str(OUT / "step_cost.json")] if (OUT / "step_cost.json").exists() else []
+    # Relative (benches run from ROOT), so RESULTS.md names no machine's checkout.
+    cost_model = OUT / "step_cost.json"
+    step_cost = ["--cost-model", str(cost_model.relative_to(ROOT))] if cost_model.exists() else []
     # The engine workload is cut to fit the 30-minute budget: llama.cpp and HF need about
     # 10 minutes between them for 48 requests; the Q4_1 reference run is left to a manual run.
     return [
