@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.stats import percentile
@@ -149,16 +150,27 @@ class HttpClientPost:
         self.conn.close()
 
 
-def measure_latency(port: int, key: str, engine, n: int, client: str = "raw") -> tuple[list[float], list[float]]:
-    """Seconds per request, HTTP and direct, alternating; both greedy, one token, same prompt."""
+def direct_caller(engine) -> Callable[[str], float]:
+    """A function that calls ``engine`` directly once (greedy, one token, the bench's prompt): its seconds."""
     from engine.request import EngineRequest, SamplingParams
 
+    ids, params = engine.tokenizer.encode(PROMPT), SamplingParams(max_tokens=1, temperature=0)
+
+    def call(request_id: str) -> float:
+        t0 = time.perf_counter()
+        engine.generate_batch_sync([EngineRequest(request_id, ids, params)])
+        return time.perf_counter() - t0
+
+    return call
+
+
+def measure_latency(port: int, key: str, engine, n: int, client: str = "raw") -> tuple[list[float], list[float]]:
+    """Seconds per request, HTTP and direct, alternating; both greedy, one token, same prompt."""
     body = json.dumps({"model": engine.model_name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0})
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     # One keep-alive connection, as an SDK client keeps.
     http_client = (RawClient if client == "raw" else HttpClientPost)(port, "/v1/completions", headers, body)
-    ids = engine.tokenizer.encode(PROMPT)
-    params = SamplingParams(max_tokens=1, temperature=0)
+    call_direct = direct_caller(engine)
     via_http, direct = [], []
     try:
         for i in range(n):
@@ -167,9 +179,7 @@ def measure_latency(port: int, key: str, engine, n: int, client: str = "raw") ->
             via_http.append(time.perf_counter() - t0)
             if status != 200:
                 raise RuntimeError(f"HTTP path failed: {status}")
-            t0 = time.perf_counter()
-            engine.generate_batch_sync([EngineRequest(f"direct-{i}", ids, params)])
-            direct.append(time.perf_counter() - t0)
+            direct.append(call_direct(f"direct-{i}"))
     finally:
         http_client.close()
     return via_http, direct
@@ -177,14 +187,8 @@ def measure_latency(port: int, key: str, engine, n: int, client: str = "raw") ->
 
 def measure_direct(engine, n: int) -> list[float]:
     """Seconds per direct call, back to back: the engine with its caches warm."""
-    from engine.request import EngineRequest, SamplingParams
-
-    ids, params, seconds = engine.tokenizer.encode(PROMPT), SamplingParams(max_tokens=1, temperature=0), []
-    for i in range(n):
-        t0 = time.perf_counter()
-        engine.generate_batch_sync([EngineRequest(f"direct-back-to-back-{i}", ids, params)])
-        seconds.append(time.perf_counter() - t0)
-    return seconds
+    call_direct = direct_caller(engine)
+    return [call_direct(f"direct-back-to-back-{i}") for i in range(n)]
 
 
 def measure_ledger_commit(database_url: str, spool: str, n: int) -> list[float]:
