@@ -5,8 +5,9 @@ and its body, so every request (and every stream's first token) waited for its
 log line: about 0.1 ms a request on this project's 2-vCPU box (bench.gateway_overhead
 with and without it). This ASGI middleware writes the same line once the app has
 returned, when its response is already with the transport, and adds what
-uvicorn's lacks: the request id, the duration. ``tiergate serve`` runs uvicorn
-with ``access_log=False`` so there is one line, not two.
+uvicorn's lacks: the request id, the duration, and the caller's tenant and tier
+once a route has resolved its key (``note_caller``). ``tiergate serve`` runs
+uvicorn with ``access_log=False`` so there is one line, not two.
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("tiergate.access")
+
+
+def note_caller(scope: Scope, tenant: str, tier: str) -> None:
+    """Name the authenticated caller for this request's access-log line.
+
+    The line is written outside the handler's log context, so the route leaves the
+    names in the request's ``state`` (Starlette's ``request.state``), which is this scope's.
+    """
+    state = scope.setdefault("state", {})
+    state["tenant"], state["tier"] = tenant, tier
 
 
 class AccessLogMiddleware:
@@ -47,5 +58,8 @@ class AccessLogMiddleware:
             extra = {"status": response["status"], "duration_ms": round(1000 * (time.perf_counter() - started), 3)}
             if response["request_id"] is not None:
                 extra["request_id"] = response["request_id"]
+            state = scope.get("state") or {}
+            if "tenant" in state:
+                extra["tenant"], extra["tier"] = state["tenant"], state["tier"]
             log.info('%s - "%s %s HTTP/%s" %d', peer, scope["method"], path, scope.get("http_version", "1.1"),
                      response["status"], extra=extra)

@@ -113,3 +113,20 @@ def test_a_live_completion_writes_one_line_with_its_request_id(serve, events):
     [record] = [r for kind, r in events if kind == "log" and r.getMessage().startswith("127.0.0.1:")]
     assert record.request_id == response.headers["x-request-id"] == response.json()["id"]
     assert record.status == 200 and '"POST /v1/completions HTTP/1.1" 200' in record.getMessage()
+    assert (record.tenant, record.tier) == ("acme", "premium")
+
+
+def test_known_callers_are_named_refused_or_not_and_an_unknown_key_is_not(serve, events):
+    live = serve()
+    key = live.add_tenant("flooder", rpm=1)
+    body = {"model": live.engine.model_name, "prompt": "hi", "max_tokens": 1}
+    statuses = [httpx.post(f"{live.url}/v1/completions", headers={"authorization": f"Bearer {key}"},
+                           json=body, timeout=30).status_code for _ in range(2)]
+    statuses.append(httpx.post(f"{live.url}/v1/completions", headers={"authorization": "Bearer nope"},
+                               json=body, timeout=30).status_code)
+    statuses.append(httpx.get(f"{live.url}/v1/models", headers={"authorization": f"Bearer {key}"},
+                              timeout=30).status_code)
+    assert statuses == [200, 429, 401, 200]
+    records = [r for kind, r in events if kind == "log" and r.getMessage().startswith("127.0.0.1:")]
+    assert [(r.status, getattr(r, "tenant", None)) for r in records] == [(200, "flooder"), (429, "flooder"),
+                                                                         (401, None), (200, "flooder")]
