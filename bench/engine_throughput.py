@@ -44,8 +44,8 @@ def _make_runner(engine: str, requests: list[BenchRequest], max_concurrency: int
     if engine == "tiergate":
         from bench.peers.tiergate_runner import TiergateRunner
 
-        # As `tiergate serve` runs: its tuner picks 1..N threads by timing steps (engine/cpu_threads.py).
-        # Pinned to 2 on this 2-vCPU box a decode step took 89 ms against 50 ms on 1 thread.
+        # As `tiergate serve` runs: its tuner picks 1..N threads for each step size by timing steps
+        # (engine/cpu_threads.py).
         if threads < (os.cpu_count() or 1):
             os.environ["TIERGATE_CPU_THREADS"] = str(threads)
         else:

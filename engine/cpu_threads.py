@@ -1,12 +1,26 @@
 """Chooses the CPU intra-op thread count by timing real steps, and re-checks now and then.
 
 The best count depends on whether the cores are shared, which no setting can
-know ahead. Measured on the 2-core box with other processes running: 2
-OpenMP threads made a decode step of the bundled model 6-15x slower than 1
-thread (a spinning worker waits on a descheduled peer every op), while a
-dedicated box should favour one thread per core. So steps alternate between
-the candidates for a few steps, the fastest per token wins, and the trial is
-repeated every ``period`` steps. ``TIERGATE_CPU_THREADS`` pins a count instead.
+know ahead, and on the step's size. Measured on the 2-core box with other
+processes running: 2 OpenMP threads made a decode step of the bundled model
+6-15x slower than 1 thread (a spinning worker waits on a descheduled peer every
+op), while a dedicated box favours one thread per core. So each step size
+(its token count rounded up to a power of two) keeps its own choice: its steps
+alternate between the candidates for a few steps, the fastest per token wins,
+and the trial is repeated every ``period`` steps of that size. One choice for
+all sizes compared a 4-token prefill on one count with decodes on the other,
+and kept 1 thread for single-stream decoding that ran 1.7x faster on 2.
+``TIERGATE_CPU_THREADS`` pins a count instead.
+
+Only the engine thread runs torch on more than one thread; every other thread
+that touches torch (the one that loads the model, the adapter loader) calls
+``run_torch_serially_here`` first. The reason is libgomp: each thread that
+starts a parallel region keeps its own team of OpenMP workers for good, and once
+the workers of all teams outnumber the cores, libgomp stops spinning between
+regions and puts workers to sleep instead. Measured on the 2-core box: a
+single-stream decode step of the bundled model on 2 threads took 28 ms on the
+engine thread alone and 54 ms once the model had been loaded by another thread
+with 2 (slower than 1 thread's 47 ms).
 """
 
 from __future__ import annotations
@@ -20,41 +34,86 @@ import torch
 DEFAULT_THREADS = torch.get_num_threads()
 
 
+def run_torch_serially_here() -> None:
+    """Make torch single-threaded on the calling thread (see the module docstring for why).
+
+    torch gives a thread its count from the process-wide one when the thread first
+    uses it; that happens here first, so a later change by the engine thread's tuner
+    cannot seed this thread with more.
+    """
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
+def size_class(num_tokens: int) -> int:
+    """The step sizes that share a choice: token counts rounded up to a power of two."""
+    return 1 << max(num_tokens - 1, 0).bit_length()
+
+
+class _SizeChoice:
+    """The count chosen for one step size, and the trial that chooses it."""
+
+    def __init__(self, candidates: list[int], trial_steps: int, period: int) -> None:
+        self.candidates = candidates
+        self.trial_steps = trial_steps
+        self.period = period
+        self.chosen = candidates[-1]
+        self.samples: dict[int, list[float]] = {}
+        self.schedule: list[int] = []
+        self.steps_to_trial = 0
+
+    def next_count(self) -> int:
+        if not self.schedule and self.steps_to_trial <= 0 and len(self.candidates) > 1:
+            # Alternate so both counts see the same load.
+            self.schedule = [c for _ in range(self.trial_steps) for c in self.candidates]
+            self.samples = {c: [] for c in self.candidates}
+        return self.schedule.pop(0) if self.schedule else self.chosen
+
+    def record(self, count: int, seconds_per_token: float) -> None:
+        if count in self.samples and len(self.samples[count]) < self.trial_steps:
+            self.samples[count].append(seconds_per_token)
+            if not self.schedule:
+                self.chosen = min(self.candidates, key=lambda c: statistics.median(self.samples[c]))
+                self.samples = {}
+                self.steps_to_trial = self.period
+            return
+        self.steps_to_trial -= 1
+
+
 class ThreadTuner:
+    """Sets the calling thread's torch thread count before each step; lives on the thread that runs the steps."""
+
     def __init__(self, candidates: list[int], trial_steps: int = 3, period: int = 1000) -> None:
         self.candidates = sorted(set(candidates))
         self.trial_steps = trial_steps
         self.period = period
-        self.chosen = self.candidates[-1]
-        self._samples: dict[int, list[float]] = {}
-        self._schedule: list[int] = []
-        self._current = self.chosen
-        self._steps_to_trial = 0
+        self._by_size: dict[int, _SizeChoice] = {}
+        self._step: tuple[_SizeChoice, int, int] | None = None  # (its size's choice, count, tokens)
 
     @classmethod
-    def from_env(cls) -> ThreadTuner | None:
-        """None when ``TIERGATE_CPU_THREADS`` pins the count (applied here) or only one is possible."""
+    def from_env(cls) -> ThreadTuner:
+        """Candidates 1 and torch's default, or only the count ``TIERGATE_CPU_THREADS`` pins.
+
+        Counts apply to the thread that runs the steps, so a pinned one is set there too, by ``before_step``.
+        """
         pinned = os.environ.get("TIERGATE_CPU_THREADS")
-        if pinned:
-            torch.set_num_threads(int(pinned))
-            return None
-        return cls([1, DEFAULT_THREADS]) if DEFAULT_THREADS > 1 else None
+        return cls([int(pinned)] if pinned else [1, DEFAULT_THREADS])
 
-    def before_step(self) -> None:
-        if not self._schedule and self._steps_to_trial <= 0:
-            # Alternate so both counts see the same load and the same batch shapes.
-            self._schedule = [c for _ in range(self.trial_steps) for c in self.candidates]
-            self._samples = {c: [] for c in self.candidates}
-        self._current = self._schedule.pop(0) if self._schedule else self.chosen
-        if torch.get_num_threads() != self._current:
-            torch.set_num_threads(self._current)
+    def chosen(self, num_tokens: int) -> int:
+        """The count steps of this many tokens run on outside a trial."""
+        choice = self._by_size.get(size_class(num_tokens))
+        return choice.chosen if choice is not None else self.candidates[-1]
 
-    def after_step(self, seconds: float, num_tokens: int) -> None:
-        if self._current in self._samples and len(self._samples[self._current]) < self.trial_steps:
-            self._samples[self._current].append(seconds / max(num_tokens, 1))
-            if not self._schedule:
-                self.chosen = min(self.candidates, key=lambda c: statistics.median(self._samples[c]))
-                self._samples = {}
-                self._steps_to_trial = self.period
-            return
-        self._steps_to_trial -= 1
+    def before_step(self, num_tokens: int) -> None:
+        size = size_class(num_tokens)
+        choice = self._by_size.get(size)
+        if choice is None:
+            choice = self._by_size[size] = _SizeChoice(self.candidates, self.trial_steps, self.period)
+        count = choice.next_count()
+        self._step = (choice, count, num_tokens)
+        if torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+
+    def after_step(self, seconds: float) -> None:
+        choice, count, num_tokens = self._step
+        choice.record(count, seconds / max(num_tokens, 1))

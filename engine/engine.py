@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from engine.admission import validate_request
 from engine.config import EngineConfig
+from engine.cpu_threads import run_torch_serially_here
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import FinishEvent, StepEvent, step_event
 from engine.kv_cache import num_blocks_for_budget
@@ -51,6 +52,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.dtype = config.torch_dtype()
+        run_torch_serially_here()  # only the engine thread runs torch on several (engine/cpu_threads.py)
         loaded = load_model(config.model, config.device, self.dtype, config.cache_dir, seed=config.seed)
         self.model_name: str = loaded.name
         self.model_config = loaded.model_config
@@ -89,7 +91,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._states: dict[str, RequestState] = {}  # engine thread only
-        self._adapter_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
+        self._adapter_loader = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="adapter-load", initializer=run_torch_serially_here)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._load_snapshot: dict[str, TierLoad] = self.scheduler.load()

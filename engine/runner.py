@@ -42,10 +42,10 @@ class ModelRunner:
         """Float32 logits ``[chunks that sample, vocab]``, in plan order."""
         if self.thread_tuner is None:
             return self._execute(plan, lora)
-        self.thread_tuner.before_step()
+        self.thread_tuner.before_step(plan.num_tokens)
         started = time.perf_counter()
         logits = self._execute(plan, lora)
-        self.thread_tuner.after_step(time.perf_counter() - started, plan.num_tokens)
+        self.thread_tuner.after_step(time.perf_counter() - started)
         return logits
 
     @torch.inference_mode()
