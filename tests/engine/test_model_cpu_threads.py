@@ -3,6 +3,9 @@ runs torch on several threads (engine/cpu_threads.py says why)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -82,3 +85,13 @@ def test_only_the_engine_thread_runs_torch_on_several_threads(monkeypatch, tiny_
     assert counts_in_steps and set(counts_in_steps) == {("engine-loop", 2)}
     assert torch.get_num_threads() == 1  # the thread that built the engine and loaded the model
     assert loader_count == 1
+
+
+@pytest.mark.parametrize("given, expected", [(None, "10000"), ("500", "500")])
+def test_openmp_spin_is_short_unless_the_operator_set_it(given, expected):
+    # In a fresh process: libgomp reads the variable when torch is first imported.
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | ({"GOMP_SPINCOUNT": given} if given else {})
+    probe = "import engine, sys, os; assert 'torch' not in sys.modules; print(os.environ['GOMP_SPINCOUNT'])"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[2])
+    assert out.stdout.strip() == expected
