@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -43,7 +45,11 @@ def materialize_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        convert_gguf(gguf_path, partial)
+        # In a child process, because the conversion's peak (transformers' model and its copies)
+        # stays in the heap of the process that ran it: a first `tiergate serve` held 1.52 GB
+        # against 1.30 GB for every later start. Spawned, not forked, as the caller may run threads.
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+            child.submit(convert_gguf, gguf_path, partial).result()
         if not (target / COMPLETE_MARKER).exists():  # another process may have finished first
             shutil.rmtree(target, ignore_errors=True)
             partial.rename(target)
