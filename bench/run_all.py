@@ -39,7 +39,6 @@ class Bench:
     quick_args: list[str] | None = None  # for --quick
     json_flag: str = "--json"
     timeout_s: int = 900
-    notes: str = ""
     module: str = ""  # bench.<module>; defaults to the name
 
     @property
