@@ -6,7 +6,7 @@ log line: about 0.1 ms a request on this project's 2-vCPU box (bench.gateway_ove
 with and without it). This ASGI middleware writes the same line once the app has
 returned, when its response is already with the transport, and adds what
 uvicorn's lacks: the request id, the duration, and the caller's tenant and tier
-once a route has resolved its key (``note_caller``). ``tiergate serve`` runs
+once the key is resolved (``note_caller``, from ``Authenticator.authenticate``). ``tiergate serve`` runs
 uvicorn with ``access_log=False`` so there is one line, not two.
 """
 

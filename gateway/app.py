@@ -26,7 +26,7 @@ from billing.keys import authenticate
 from billing.ledger import Ledger
 from billing.meter import UsageMeter
 from gateway import admin
-from gateway.access_log import AccessLogMiddleware, note_caller
+from gateway.access_log import AccessLogMiddleware
 from gateway.admission import AdmissionController, AdmissionPolicy
 from gateway.auth import Authenticator
 from gateway.completions import chat_completions, completions
@@ -44,8 +44,7 @@ log = logging.getLogger(__name__)
 
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    tenant = await gw.auth.tenant_for(request.headers.get("authorization"))
-    note_caller(request.scope, tenant.tenant, tenant.tier)
+    tenant = await gw.auth.authenticate(request)
     created = int(gw.started_at)
     base = gw.engine.model_name
     data = [{"id": base, "object": "model", "created": created, "owned_by": "tiergate"}]

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio.to_thread
+from starlette.requests import Request
 
+from gateway.access_log import note_caller
 from gateway.errors import APIError, invalid_api_key
 
 Lookup = Callable[[str], Any]  # secret -> TenantInfo, or None for an unknown or revoked key
@@ -36,6 +38,12 @@ class Authenticator:
         self.ttl_s = ttl_s
         self.clock = clock
         self._cache: dict[str, tuple[float, Any]] = {}
+
+    async def authenticate(self, request: Request) -> Any:
+        """The calling tenant's TenantInfo, or an APIError 401; the access-log line names the caller too."""
+        tenant = await self.tenant_for(request.headers.get("authorization"))
+        note_caller(request.scope, tenant.tenant, tenant.tier)
+        return tenant
 
     async def tenant_for(self, authorization: str | None) -> Any:
         """The caller's TenantInfo, or an APIError 401."""

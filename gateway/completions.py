@@ -16,7 +16,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from engine.request import Delta, EngineRequest, SamplingParams
-from gateway.access_log import note_caller
 from gateway.errors import APIError, invalid_param, model_not_found, service_unavailable
 from gateway.generation import Admitted, Job, JobStream
 from gateway.http_protocol import ON_DISCONNECT
@@ -120,8 +119,7 @@ async def _generate(request: Request, kind: str) -> Response:
     arrived, queued_at = time.monotonic(), time.time()
     if gw.lifecycle.draining:
         raise service_unavailable("The server is shutting down; retry on another replica.")
-    tenant = await gw.auth.tenant_for(request.headers.get("authorization"))
-    note_caller(request.scope, tenant.tenant, tenant.tier)
+    tenant = await gw.auth.authenticate(request)
     body = parse_json_body(await read_body(request, gw.settings.max_body_bytes))
     req = parse_chat(body) if kind == "chat" else parse_completion(body)
     adapter = resolve_adapter(req.model, tenant, gw.engine)
