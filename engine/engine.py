@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.cpu_threads import run_torch_serially_here
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import FinishEvent, StepEvent, step_event
+from engine.grammar import GrammarCompiler, mask_logits
 from engine.kv_cache import num_blocks_for_budget
 from engine.loader import load_model
 from engine.request import Delta, EngineRequest
@@ -69,6 +70,7 @@ class Engine:
         )
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype)
         self.num_kv_blocks = num_blocks
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model_config.vocab_size, tuple(loaded.eos_token_ids))
         self.scheduler = make_scheduler(
             SchedulerConfig(
                 num_blocks=self.num_kv_blocks,
@@ -227,6 +229,8 @@ class Engine:
                 self.tokenizer.tokenizer, seq.prompt_token_ids, request.params.stop
             ),
             generator=make_generator(request.params),
+            # Compiled on the caller's thread unless cached (the gateway compiles it off its event loop first).
+            grammar=self.grammars.matcher(request.params.grammar) if request.params.grammar else None,
         )
         if request.adapter is None:
             self._enqueue(state)
@@ -321,6 +325,7 @@ class Engine:
                 lora_batch = self.lora_pool.batch_for([(c.seq.adapter, c.num_tokens) for c in plan.chunks])
             logits = self.runner.execute(plan, lora_batch)
             states = [self._states[c.seq.seq_id] for c in sampling]
+            mask_logits(logits, [s.grammar for s in states])
             sampled = sample(logits, [s.request.params for s in states], [s.generator for s in states])
         except Exception as exc:  # a bad step must not take the loop down
             log.exception("engine step failed")
@@ -337,6 +342,10 @@ class Engine:
         outgoing: list[tuple[Callable[[Delta], None], Delta]] = []
         for chunk, token in zip(sampling, sampled):
             state = self._states[chunk.seq.seq_id]
+            if state.grammar is not None and not state.grammar.accept(token.token_id):
+                error = "the sampled token is outside the request's grammar"
+                self._end_request(state.request_id, "error", "error", error=error, outgoing=outgoing)
+                continue
             delta = state.on_token(token, self.tokenizer, self.max_model_len)
             if delta.finish_reason is None:
                 outgoing.append((state.sink, delta))

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -17,6 +21,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs; 0: the chosen token's only; k: plus the top k alternatives.
     logprobs: int | None = None
+    # Output constrained to a grammar (engine/grammar.py); None for free text.
+    grammar: GrammarSpec | None = None
 
     def validate(self) -> None:
         if self.max_tokens < 1:

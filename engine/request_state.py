@@ -10,6 +10,7 @@ import torch
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import FinishEvent
+from engine.grammar import GrammarMatcher
 from engine.request import Delta, EngineRequest, TokenLogprob, Usage
 from engine.sampler import SampledToken
 from engine.tokenizer import TextTokenizer
@@ -26,6 +27,7 @@ class RequestState:
     queued_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     finished: bool = False
+    grammar: GrammarMatcher | None = None  # has accepted every output token so far
 
     @property
     def request_id(self) -> str:
@@ -43,7 +45,7 @@ class RequestState:
         text = "" if is_stop_token else self.detokenizer.add_token(token_id)
 
         finish_reason = None
-        if is_stop_token or self.detokenizer.stopped:
+        if is_stop_token or self.detokenizer.stopped or (self.grammar is not None and self.grammar.is_terminated):
             finish_reason = "stop"
         elif len(self.seq.output_token_ids) >= params.max_tokens or self.seq.num_tokens >= max_model_len:
             finish_reason = "length"

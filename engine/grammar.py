@@ -1,0 +1,163 @@
+"""Grammar-constrained decoding: compiling a request's grammar, and the per-step token mask.
+
+xgrammar (the library vLLM, SGLang and TensorRT-LLM use) compiles a JSON
+schema or a structural tag against the model's vocabulary once, caches it by
+its source, and gives each request a matcher: before sampling, the matcher
+fills a bitmask of the tokens its grammar allows next, the mask sets the rest
+of its logits row to -inf, and the sampled token advances the matcher.
+
+Compiling can take tens of milliseconds for a large schema: callers on an event
+loop run :meth:`GrammarCompiler.compile` on a worker thread first, so the
+engine's own compile at admission is a cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+# Free whitespace is bounded so a model cannot stall inside a grammar on an
+# endless run of spaces; deep enough for indented output of nested objects.
+MAX_WHITESPACE_RUN = 12
+GRAMMAR_CACHE_BYTES = 256 * 2**20
+GRAMMAR_KINDS = ("json_schema", "json_object", "structural_tag")
+# xgrammar's C++ errors start with "[time] /path/file.cc:line: ".
+_CPP_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class GrammarError(ValueError):
+    """A grammar the library cannot compile; the message says why, worded for a client."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match.
+
+    ``kind``: ``json_schema`` (``source`` is the schema as JSON text; ``strict``
+    forbids properties the schema does not name), ``json_object`` (any JSON
+    object; ``source`` unused), ``structural_tag`` (``source`` is an xgrammar
+    structural tag as JSON text, e.g. free text with constrained tool calls).
+    """
+
+    kind: str
+    source: str = ""
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, not {self.kind!r}")
+
+
+class GrammarCompiler:
+    """Compiles grammar specs for one model's vocabulary; thread-safe, cached by source."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        with warnings.catch_warnings():  # a tokenizer without EOS is fine: see terminates_without_stop_token
+            warnings.simplefilter("ignore")
+            info = xgr.TokenizerInfo.from_huggingface(
+                PreTrainedTokenizerFast(tokenizer_object=tokenizer),
+                vocab_size=vocab_size,
+                stop_token_ids=list(stop_token_ids) or None,
+            )
+        self.vocab_size = vocab_size
+        # Models without a stop token (random test models) end when the grammar is complete.
+        self.terminates_without_stop_token = not stop_token_ids
+        # xgrammar's own cache is keyed by the grammar's source and options and evicts by size.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True,
+                                             cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar, from the cache when seen before; :class:`GrammarError` if it cannot compile."""
+        try:
+            return self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(_clean_error(exc)) from None
+
+    def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
+        return GrammarMatcher(
+            xgr.GrammarMatcher(self.compile(spec), terminate_without_stop_token=self.terminates_without_stop_token)
+        )
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        if spec.kind == "structural_tag":
+            return self._compiler.compile_structural_tag(spec.source)
+        if spec.kind == "json_object":
+            schema, strict = '{"type": "object"}', False
+        else:
+            schema = json.dumps(_strings_without_raw_controls(json.loads(spec.source)), ensure_ascii=False)
+            strict = spec.strict
+        return self._compiler.compile_json_schema(
+            schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE_RUN, strict_mode=strict
+        )
+
+
+# One well-formed UTF-8 character with no control characters, as a regex; each class stays inside
+# one UTF-8 length because xgrammar's byte automaton accepts overlong and surrogate sequences for
+# classes that cross those boundaries. The 4-byte range is written as the characters themselves,
+# as its regex has no escape for them.
+_JSON_STRING_CHAR = (
+    "([ -~]|[\\u00a0-\\u07ff]|[\\u0800-\\ud7ff]|[\\ue000-\\uffff]|[" + chr(0x10000) + "-" + chr(0x10FFFF) + "])"
+)
+
+
+def _strings_without_raw_controls(schema: object) -> object:
+    """The schema with string length limits written as a pattern of well-formed characters.
+
+    xgrammar 0.2.8 compiles ``minLength``/``maxLength`` into a character class that lets raw
+    control characters and malformed UTF-8 into the string, which is not valid JSON.
+    """
+    if isinstance(schema, list):
+        return [_strings_without_raw_controls(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _strings_without_raw_controls(value) for key, value in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^{_JSON_STRING_CHAR}{{{low},{high}}}$"
+    return out
+
+
+def _clean_error(exc: BaseException) -> str:
+    lines = [_CPP_LOCATION.sub("", line).strip() for line in str(exc).splitlines()]
+    return " ".join(line for line in lines if line) or type(exc).__name__
+
+
+class GrammarMatcher:
+    """One request's position in its grammar. Lives as long as the request, preemptions included:
+    a preempted sequence keeps its output tokens and only recomputes their KV, so the tokens this
+    matcher accepted are still exactly the sequence's output."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self._matcher = matcher
+        self.num_accepted = 0
+
+    def accept(self, token_id: int) -> bool:
+        ok = self._matcher.accept_token(token_id)
+        self.num_accepted += ok
+        return ok
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def mask_logits(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
+    """Set, in place, the logits of tokens each row's grammar forbids to -inf; rows without one are untouched."""
+    rows = [row for row, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    for row in rows:
+        matchers[row].fill_mask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)

@@ -1,0 +1,188 @@
+"""Grammar-constrained decoding in the engine: a random model's output parses only because of the mask.
+
+The model is a tiny random Llama with the 256-token byte tokenizer and no stop
+token, so it ends a grammar by completing it; every token id is a byte, so any
+JSON can be spelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.events import FinishEvent
+from engine.grammar import GrammarError, GrammarSpec
+from engine.request import EngineRequest, SamplingParams
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "pet", "ok"],
+    "additionalProperties": False,
+}
+PERSON_GRAMMAR = GrammarSpec("json_schema", json.dumps(PERSON))
+
+
+@pytest.fixture(scope="module")
+def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("byte-llama")
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    }  # fmt: skip
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.fixture(scope="module")
+def byte_adapter_dir(byte_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((byte_model_dir / "config.json").read_text())
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+    folder = tmp_path_factory.mktemp("byte-adapter") / "a"
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def make_engine(byte_model_dir: Path):
+    engines: list[Engine] = []
+
+    def make(**overrides) -> tuple[Engine, list]:
+        settings = dict(model=f"dummy:{byte_model_dir}", num_kv_blocks=64, block_size=16, max_model_len=512,
+                        max_num_seqs=16, max_num_batched_tokens=256, max_loras=0)
+        settings.update(overrides)
+        engine = Engine(EngineConfig(**settings)).start()
+        events: list = []
+        engine.add_listener(events.append)
+        engines.append(engine)
+        return engine, events
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def _request(request_id: str, prompt: list[int], grammar: GrammarSpec | None = None, adapter: str | None = None,
+             **params) -> EngineRequest:
+    params = {"max_tokens": 200, "temperature": 0.0, **params}
+    return EngineRequest(request_id, prompt, SamplingParams(grammar=grammar, **params), adapter=adapter)
+
+
+def _finals(engine: Engine, requests: list[EngineRequest]) -> list[tuple[str, str]]:
+    """(text, finish_reason) of each request, run concurrently."""
+
+    async def one(request: EngineRequest) -> tuple[str, str]:
+        deltas = [d async for d in engine.generate(request)]
+        return "".join(d.text for d in deltas), deltas[-1].finish_reason
+
+    async def main():
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def _wait_idle(engine: Engine, timeout: float = 5.0) -> None:
+    deadline = time.time() + timeout
+    while engine.scheduler.has_unfinished() or engine.scheduler.num_used_blocks:
+        assert time.time() < deadline, "engine still holds sequences or blocks"
+        time.sleep(0.01)
+
+
+def test_a_mixed_batch_gives_every_grammar_row_valid_json(make_engine, byte_adapter_dir):
+    engine, _ = make_engine(max_loras=2)
+    engine.register_adapter("a", str(byte_adapter_dir))
+    requests = []
+    for i in range(8):
+        sampled = dict(temperature=1.0, seed=i) if i % 2 else {}
+        requests.append(_request(f"g{i}", [10 + i, 20, 30], PERSON_GRAMMAR, adapter="a" if i % 4 < 2 else None,
+                                 **sampled))
+    requests.append(_request("free", [10, 20, 30]))
+    requests.append(_request("free-lora", [10, 20, 30], adapter="a", temperature=1.0, seed=3))
+    results = _finals(engine, requests)
+    for (text, reason), request in zip(results[:8], requests):
+        assert reason == "stop", request.request_id
+        person = json.loads(text)
+        assert set(person) == set(PERSON["properties"]) and 0 <= person["age"] <= 120
+        assert person["pet"] in ("cat", "dog") and len(person["name"]) <= 6
+    for _, reason in results[8:]:
+        assert reason == "length"
+    _wait_idle(engine)
+
+
+def test_a_free_row_gets_the_same_tokens_beside_a_grammar_row_as_alone(make_engine):
+    engine, _ = make_engine()
+    free = dict(max_tokens=40, temperature=0.8, seed=11)
+    alone = engine.generate_batch_sync([_request("alone", [5, 6, 7], **free)])[0][1]
+    together = engine.generate_batch_sync([
+        _request("json", [5, 6, 7], PERSON_GRAMMAR), _request("free", [5, 6, 7], **free),
+        _request("obj", [5, 6, 7], GrammarSpec("json_object"), temperature=1.0, seed=2),
+    ])
+    assert together[1][1] == alone
+
+
+def test_max_tokens_cutting_a_grammar_ends_with_length(make_engine):
+    engine, _ = make_engine()
+    [(text, reason)] = _finals(engine, [_request("cut", [1, 2], PERSON_GRAMMAR, max_tokens=5)])
+    assert reason == "length" and text.startswith("{")
+    _wait_idle(engine)
+
+
+def test_a_preempted_grammar_request_resumes_where_its_grammar_was(make_engine):
+    # 30 blocks of 4 tokens cannot hold six ~96-token sequences at once: preemption must happen.
+    engine, events = make_engine(num_kv_blocks=30, block_size=4, policy="fcfs", max_model_len=128)
+    requests = [_request(f"p{i}", [3 + i] * 6, PERSON_GRAMMAR, max_tokens=90, temperature=1.0, seed=i)
+                for i in range(6)]
+    results = _finals(engine, requests)
+    assert sum(e.num_preemptions for e in events if isinstance(e, FinishEvent)) > 0
+    for text, reason in results:
+        if reason == "stop":
+            json.loads(text)
+        else:  # cut by max_tokens: still a prefix the grammar accepts
+            assert reason == "length" and text.startswith("{")
+    assert any(reason == "stop" for _, reason in results)
+    _wait_idle(engine)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (GrammarSpec("json_schema", '{"type": "fooo"}'), "Unsupported type"),
+        (GrammarSpec("json_schema", '{"properties": {"a": {"$ref": "#/nope"}}}'), "nope"),
+        (GrammarSpec("json_schema", "{not json"), "Expecting property name"),
+    ],
+)
+def test_an_uncompilable_grammar_is_refused_with_the_reason(make_engine, spec, message):
+    engine, _ = make_engine()
+    with pytest.raises(GrammarError, match=message):
+        engine.generate_batch_sync([_request("bad", [1, 2], spec)])
+    assert not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0
+
+
+def test_length_limited_strings_never_hold_raw_control_characters(make_engine):
+    engine, _ = make_engine()
+    spec = GrammarSpec("json_schema", json.dumps({"type": "array", "items": {"type": "string", "maxLength": 3},
+                                                  "minItems": 4, "maxItems": 4}))
+    outputs = engine.generate_batch_sync(
+        [_request(f"s{i}", [i, 40], spec, temperature=1.5, seed=i) for i in range(6)]
+    )
+    for text, _ in outputs:
+        assert all(len(s) <= 3 for s in json.loads(text)), text  # json.loads refuses raw control characters
