@@ -67,8 +67,8 @@ class GrammarCompiler:
                 stop_token_ids=list(stop_token_ids) or None,
             )
         self.vocab_size = vocab_size
-        # Models without a stop token (random test models) end when the grammar is complete.
-        self.terminates_without_stop_token = not stop_token_ids
+        # Models without a stop token (random test models) end where their grammar cannot go on.
+        self.ends_without_stop_token = not stop_token_ids
         # xgrammar's own cache is keyed by the grammar's source and options and evicts by size.
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True,
                                              cache_limit_bytes=GRAMMAR_CACHE_BYTES)
@@ -81,9 +81,8 @@ class GrammarCompiler:
             raise GrammarError(_clean_error(exc)) from None
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
-        return GrammarMatcher(
-            xgr.GrammarMatcher(self.compile(spec), terminate_without_stop_token=self.terminates_without_stop_token)
-        )
+        vocab_size = self.vocab_size if self.ends_without_stop_token else None
+        return GrammarMatcher(xgr.GrammarMatcher(self.compile(spec)), vocab_size)
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "structural_tag":
@@ -91,7 +90,7 @@ class GrammarCompiler:
         if spec.kind == "json_object":
             schema, strict = '{"type": "object"}', False
         else:
-            schema = json.dumps(_strings_without_raw_controls(json.loads(spec.source)), ensure_ascii=False)
+            schema = json.dumps(well_formed_strings(json.loads(spec.source)), ensure_ascii=False)
             strict = spec.strict
         return self._compiler.compile_json_schema(
             schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE_RUN, strict_mode=strict
@@ -107,17 +106,17 @@ _JSON_STRING_CHAR = (
 )
 
 
-def _strings_without_raw_controls(schema: object) -> object:
+def well_formed_strings(schema: object) -> object:
     """The schema with string length limits written as a pattern of well-formed characters.
 
     xgrammar 0.2.8 compiles ``minLength``/``maxLength`` into a character class that lets raw
     control characters and malformed UTF-8 into the string, which is not valid JSON.
     """
     if isinstance(schema, list):
-        return [_strings_without_raw_controls(item) for item in schema]
+        return [well_formed_strings(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: _strings_without_raw_controls(value) for key, value in schema.items()}
+    out = {key: well_formed_strings(value) for key, value in schema.items()}
     bounded = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
         low, high = out.pop("minLength", 0), out.pop("maxLength", "")
@@ -135,18 +134,26 @@ class GrammarMatcher:
     a preempted sequence keeps its output tokens and only recomputes their KV, so the tokens this
     matcher accepted are still exactly the sequence's output."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size_if_no_stop_token: int | None = None) -> None:
         self._matcher = matcher
+        self._vocab_size = vocab_size_if_no_stop_token
+        self._at_dead_end = False
         self.num_accepted = 0
 
     def accept(self, token_id: int) -> bool:
         ok = self._matcher.accept_token(token_id)
         self.num_accepted += ok
+        if ok and self._vocab_size is not None and self._matcher.is_completed():
+            # Without a stop token to sample, the grammar ends where no token may follow
+            # (a closed JSON value), not where it merely could (free text of `auto` tools).
+            bitmask = xgr.allocate_token_bitmask(1, self._vocab_size)
+            self._matcher.fill_next_token_bitmask(bitmask)
+            self._at_dead_end = not bool(bitmask.any())
         return ok
 
     @property
     def is_terminated(self) -> bool:
-        return self._matcher.is_terminated()
+        return self._at_dead_end or self._matcher.is_terminated()
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)

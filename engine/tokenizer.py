@@ -26,12 +26,13 @@ class TextTokenizer:
         """The token's own text (as OpenAI's logprobs show it)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         # transformers' renderer: the same sandboxed Jinja environment HF uses.
         rendered, _ = render_jinja_template(
             conversations=[messages],
+            tools=tools,
             chat_template=self.chat_template,
             add_generation_prompt=True,
             bos_token=self.bos_token or "",
@@ -39,9 +40,9 @@ class TextTokenizer:
         )
         return rendered[0]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # The template already writes any BOS it wants; do not add another.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
     @property
     def vocab_size(self) -> int:

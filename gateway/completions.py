@@ -22,8 +22,10 @@ from gateway.http_protocol import ON_DISCONNECT
 from gateway.logs import request_context
 from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
+from gateway.response_format import compile_grammar
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_body
 from gateway.services import Gateway
+from gateway.tools import chat_messages, template_takes_tools
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,10 @@ def resolve_adapter(model: str, tenant, engine) -> str | None:
 def _encode(req: GenerationRequest, engine) -> list[int]:
     tok = engine.tokenizer
     if req.kind == "chat":
+        takes_tools = template_takes_tools(tok.chat_template)
+        tools = [t.openai() for t in req.tools.tools] if req.tools is not None and takes_tools else None
         try:
-            return tok.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages])
+            return tok.apply_chat_template(chat_messages(req.messages, req.tools, takes_tools), tools)
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise invalid_param("messages", f"The messages could not be formatted for this model: {e}",
                                 "invalid_value") from None
@@ -123,6 +127,8 @@ async def _generate(request: Request, kind: str) -> Response:
     body = parse_json_body(await read_body(request, gw.settings.max_body_bytes))
     req = parse_chat(body) if kind == "chat" else parse_completion(body)
     adapter = resolve_adapter(req.model, tenant, gw.engine)
+    if req.grammar is not None:
+        await compile_grammar(gw.engine, req.grammar, "tools" if req.tools is not None else "response_format")
     prompt = await prompt_token_ids(req, gw.engine)
     max_tokens = completion_budget(len(prompt), req.max_tokens, gw.engine.max_model_len,
                                    gw.settings.default_max_tokens)
@@ -131,6 +137,7 @@ async def _generate(request: Request, kind: str) -> Response:
         request_id=request_id, kind=kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier, adapter=adapter,
         queued_at=queued_at, arrived=arrived, prompt_tokens=len(prompt), reserved_tokens=len(prompt) + max_tokens,
         want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
+        parse_tool_calls=req.tools is not None and req.tools.choice != "none",
     )
     # Refusals are counted (metrics) and billed (ledger) but not traced: a span costs about as much
     # as the rest of a 429, and a flood of 429s must stay cheap to answer.
@@ -142,7 +149,8 @@ async def _generate(request: Request, kind: str) -> Response:
     )
     with request_context(request_id, tenant=tenant.tenant, tier=tenant.tier, trace_id=trace.trace_id):
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                seed=req.seed, stop=req.stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos)
+                                seed=req.seed, stop=req.stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
+                                grammar=req.grammar)
         # Built before the engine has the request: from then on this thread holds the GIL the
         # engine thread needs for its step, until it awaits the first delta.
         headers = {"x-request-id": request_id, **decision.headers()}

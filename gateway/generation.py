@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from engine.request import Delta, TokenLogprob, Usage
 from gateway import openai_format as fmt
 from gateway.logs import request_context
+from gateway.tools import ToolCallParser, split_tool_calls
 from gateway.usage import gateway_record
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class Admitted:
     reserved_tokens: int
     want_logprobs: bool
     include_usage: bool
+    parse_tool_calls: bool = False  # the answer may hold tool calls (gateway/tools.py)
 
 
 class Job:
@@ -88,11 +90,21 @@ class Job:
     async def sse(self) -> AsyncIterator[bytes]:
         a = self.a
         writer = fmt.ChunkWriter(a.kind, a.request_id, self.created, a.model, a.include_usage)
+        parser = ToolCallParser() if a.parse_tool_calls else None
         yield writer.first()
         async for delta in self.stream:
             self._on_delta(delta)
+            text, reason = delta.text, delta.finish_reason
+            if parser is not None:
+                done = len(parser.calls)
+                text, calls = parser.feed(text)
+                if reason is not None:
+                    text += parser.finish()
+                    reason = "tool_calls" if reason == "stop" and parser.calls else reason
+                if calls:
+                    yield writer.tool_calls(calls, done)
             if delta.finish_reason is None:
-                chunk = writer.delta(delta.text, delta.logprobs, a.want_logprobs)
+                chunk = writer.delta(text, delta.logprobs, a.want_logprobs)
                 if chunk:
                     yield chunk
                 continue
@@ -101,7 +113,7 @@ class Job:
                 yield fmt.sse({"error": {"message": "The engine failed while generating; the request was "
                                          "stopped.", "type": "server_error", "param": None, "code": "engine_error"}})
             else:
-                yield writer.delta(delta.text, delta.logprobs, a.want_logprobs, delta.finish_reason)
+                yield writer.delta(text, delta.logprobs, a.want_logprobs, reason)
                 yield writer.usage(delta.usage or self._usage())
             yield fmt.DONE
             return
@@ -129,7 +141,11 @@ class Job:
         text, usage = "".join(texts), delta.usage or self._usage()
         if a.kind == "chat":
             lp = fmt.chat_logprobs(logprobs) if a.want_logprobs else None
-            body = fmt.chat_response(a.request_id, self.created, a.model, text, delta.finish_reason, usage, lp)
+            content, calls, reason = text, None, delta.finish_reason
+            if a.parse_tool_calls:
+                content, calls = split_tool_calls(text)
+                reason = "tool_calls" if reason == "stop" and calls else reason
+            body = fmt.chat_response(a.request_id, self.created, a.model, content, reason, usage, lp, calls)
         else:
             lp = fmt.completion_logprobs(logprobs, 0) if a.want_logprobs else None
             body = fmt.completion_response(a.request_id, self.created, a.model, text, delta.finish_reason, usage, lp)

@@ -58,12 +58,15 @@ def completion_logprobs(items: Sequence[TokenLogprob], text_offset_start: int) -
 
 
 def finish_reason(reason: str | None) -> str | None:
-    # The engine also ends requests with "abort"/"error"; clients know only stop and length.
-    return reason if reason in (None, "stop", "length") else "stop"
+    # The engine also ends requests with "abort"/"error"; clients know only stop, length and tool_calls.
+    return reason if reason in (None, "stop", "length", "tool_calls") else "stop"
 
 
-def chat_response(request_id: str, created: int, model: str, text: str, reason: str | None,
-                  usage: Usage, logprobs: dict | None) -> dict:
+def chat_response(request_id: str, created: int, model: str, text: str | None, reason: str | None,
+                  usage: Usage, logprobs: dict | None, tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -72,7 +75,7 @@ def chat_response(request_id: str, created: int, model: str, text: str, reason: 
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason(reason),
             }
@@ -134,6 +137,13 @@ class ChunkWriter:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason(reason)}
         self.text_offset += len(text)
         return self._chunk(choice)
+
+    def tool_calls(self, calls: Sequence[dict], first_index: int) -> bytes:
+        """Whole calls in one chunk; OpenAI's clients join a call's pieces by its ``index``."""
+        if not calls:
+            return b""
+        deltas = [{"index": first_index + i, **call} for i, call in enumerate(calls)]
+        return self._chunk({"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None})
 
     def usage(self, usage: Usage) -> bytes:
         if not self.include_usage:

@@ -12,7 +12,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.grammar import GrammarSpec
 from gateway.errors import APIError, invalid_param
+from gateway.response_format import parse_response_format
+from gateway.tools import ToolRequest, parse_tools
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -24,6 +27,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 class Message:
     role: str
     content: str
+    tool_calls: tuple[dict, ...] = ()  # an assistant's calls, OpenAI-shaped
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False  # vLLM's extension: benches ask for exact output lengths
+    grammar: GrammarSpec | None = None  # from response_format
+    tools: ToolRequest | None = None
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -206,8 +213,37 @@ def _messages(body: dict) -> tuple[Message, ...]:
         if role not in CHAT_ROLES:
             raise invalid_param(f"messages[{i}].role", f"Invalid value for 'messages[{i}].role': {role!r}; "
                                 f"expected one of {', '.join(CHAT_ROLES)}.", "invalid_value")
-        out.append(Message(role=role, content=_message_content(i, m.get("content"))))
+        out.append(Message(role=role, content=_message_content(i, m.get("content")),
+                           tool_calls=_tool_calls(i, m) if role == "assistant" else (),
+                           tool_call_id=_tool_call_id(i, m) if role == "tool" else None))
     return tuple(out)
+
+
+def _tool_calls(i: int, message: dict) -> tuple[dict, ...]:
+    raw = message.get("tool_calls")
+    if raw is None:
+        return ()
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list):
+        raise invalid_param(param, f"Invalid type for '{param}': expected an array.", "invalid_type")
+    calls = []
+    for j, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(call.get("id"), str) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), str)):
+            raise invalid_param(f"{param}[{j}]", f"Invalid value for '{param}[{j}]': expected an object with a "
+                                "string 'id' and a 'function' with string 'name' and 'arguments'.", "invalid_value")
+        calls.append({"id": call["id"], "type": "function",
+                      "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return tuple(calls)
+
+
+def _tool_call_id(i: int, message: dict) -> str:
+    call_id = message.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise invalid_param(f"messages[{i}].tool_call_id", f"Missing required parameter: "
+                            f"'messages[{i}].tool_call_id'.", "missing_required_parameter")
+    return call_id
 
 
 def _max_tokens(body: dict) -> int | None:
@@ -222,9 +258,16 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     top = _int_field(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise invalid_param("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.", "invalid_value")
+    tools = parse_tools(body)
+    grammar = parse_response_format(body)
+    if tools is not None and tools.choice != "none" and grammar is not None:
+        raise invalid_param("response_format", "'response_format' other than text cannot be combined with "
+                            "tools unless 'tool_choice' is 'none'.", "invalid_value")
     return GenerationRequest(
         kind="chat",
         messages=messages,
+        tools=tools,
+        grammar=grammar if tools is None or tools.choice == "none" else tools.grammar(),
         max_tokens=_max_tokens(body),
         logprobs=(top or 0) if logprobs else None,
         **common,
@@ -254,8 +297,12 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
         raise invalid_param("suffix", "The 'suffix' parameter is not supported.", "invalid_value")
     if _bool_field(body, "echo"):
         raise invalid_param("echo", "The 'echo' parameter is not supported.", "invalid_value")
+    for name in ("tools", "tool_choice"):
+        if _optional(body, name) is not None:
+            raise invalid_param(name, f"'{name}' is only supported on /v1/chat/completions.", "invalid_value")
     return GenerationRequest(
         kind="completion",
+        grammar=parse_response_format(body),
         prompt=_prompt(body),
         max_tokens=_max_tokens(body),
         logprobs=_int_field(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS),
