@@ -9,6 +9,7 @@ requests and the loop keeps serving.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -20,9 +21,9 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.admission import validate_request
+from engine.choices import ChoiceGroup
 from engine.config import EngineConfig
 from engine.cpu_threads import run_torch_serially_here
-from engine.detokenizer import IncrementalDetokenizer
 from engine.events import FinishEvent, StepEvent, step_event
 from engine.grammar import GrammarCompiler, mask_logits
 from engine.kv_cache import num_blocks_for_budget
@@ -30,7 +31,7 @@ from engine.loader import load_model
 from engine.request import Delta, EngineRequest
 from engine.request_state import RequestState
 from engine.runner import ModelRunner
-from engine.sampler import make_generator, sample
+from engine.sampler import sample
 from engine.step_timer import StepTimer
 from engine.stream import BlockingCollector, RequestStream
 from engine.tokenizer import TextTokenizer
@@ -38,7 +39,6 @@ from engine.tokenizer import TextTokenizer
 from scheduler import make_scheduler
 from scheduler.config import SchedulerConfig, TierLoad
 from scheduler.plan import StepPlan
-from scheduler.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class Engine:
         self._listeners: list[Listener] = []
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._states: dict[str, RequestState] = {}  # engine thread only
+        self._states: dict[str, RequestState] = {}  # by sequence id; engine thread only
+        self._groups: dict[str, ChoiceGroup] = {}  # n > 1 requests by request id; engine thread only
         self._adapter_loader = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="adapter-load", initializer=run_torch_serially_here)
         self._stopping = threading.Event()
@@ -214,24 +215,11 @@ class Engine:
         validate_request(
             request, self.max_model_len, self._tier_capacity, self.model_config.vocab_size, self.list_adapters()
         )
-        seq = Sequence(
-            seq_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            tier=request.tier,
-            adapter=request.adapter,
-            max_tokens=request.params.max_tokens,
-        )
-        state = RequestState(
-            request=request,
-            seq=seq,
-            sink=sink,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer.tokenizer, seq.prompt_token_ids, request.params.stop
-            ),
-            generator=make_generator(request.params),
-            # Compiled on the caller's thread unless cached (the gateway compiles it off its event loop first).
-            grammar=self.grammars.matcher(request.params.grammar) if request.params.grammar else None,
-        )
+        # A grammar is compiled on the caller's thread unless cached (the gateway compiles it off its loop first).
+        states = [RequestState.create(request, sink, i, self.tokenizer, self.grammars) for i in range(request.params.n)]
+        state = states[0]
+        if len(states) > 1:
+            ChoiceGroup.link(states)
         if request.adapter is None:
             self._enqueue(state)
         else:
@@ -284,7 +272,7 @@ class Engine:
                 if adapter is not None and adapter not in self.lora_pool.list():
                     self._refuse(state, f"adapter {adapter!r} was unloaded")
                     continue
-                if state.request_id in self._states:
+                if state.request_id in self._states or state.request_id in self._groups:
                     self._refuse(state, f"request id {state.request_id!r} is already in flight")
                     continue
                 try:
@@ -292,7 +280,12 @@ class Engine:
                 except ValueError as exc:  # checked at admission too; never let it take the loop down
                     self._refuse(state, str(exc))
                     continue
-                self._states[state.request_id] = state
+                self._states[state.seq.seq_id] = state
+                if state.group is not None:
+                    self._groups[state.request_id] = state.group
+            elif kind == "abort" and payload in self._groups:
+                for sibling in self._groups[payload].states:  # the first to end ends the group
+                    self._end_request(sibling.seq.seq_id, status="cancelled", finish_reason="abort")
             elif kind == "abort" and payload in self._states:
                 self._end_request(payload, status="cancelled", finish_reason="abort")
             elif kind == "unregister":
@@ -300,8 +293,9 @@ class Engine:
 
     def _refuse(self, state: RequestState, error: str) -> None:
         """End a request that never reached the scheduler."""
-        self._emit(state.finish_event("error", "error"))
-        state.sink(Delta(text="", finish_reason="error", usage=state.usage(), error=error))
+        self._emit(state.group.finish_event("error") if state.group else state.finish_event("error", "error"))
+        usage = state.group.usage() if state.group else state.usage()
+        state.sink(Delta(text="", finish_reason="error", usage=usage, error=error))
 
     def _unregister_on_loop(self, name: str, done: Future) -> None:
         users = [rid for rid, state in self._states.items() if state.request.adapter == name]
@@ -342,15 +336,17 @@ class Engine:
         outgoing: list[tuple[Callable[[Delta], None], Delta]] = []
         for chunk, token in zip(sampling, sampled):
             state = self._states[chunk.seq.seq_id]
+            if state.group is not None and state.group.waiting:
+                self._release_siblings(state.group)
             if state.grammar is not None and not state.grammar.accept(token.token_id):
                 error = "the sampled token is outside the request's grammar"
-                self._end_request(state.request_id, "error", "error", error=error, outgoing=outgoing)
+                self._end_request(chunk.seq.seq_id, "error", "error", error=error, outgoing=outgoing)
                 continue
             delta = state.on_token(token, self.tokenizer, self.max_model_len)
             if delta.finish_reason is None:
                 outgoing.append((state.sink, delta))
             else:
-                self._end_request(state.request_id, "ok", delta.finish_reason, last_delta=delta, outgoing=outgoing)
+                self._end_request(chunk.seq.seq_id, "ok", delta.finish_reason, last_delta=delta, outgoing=outgoing)
         self._publish_snapshots()
         for sink, delta in outgoing:
             sink(delta)
@@ -359,11 +355,22 @@ class Engine:
         self.busy_seconds += duration
         prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
         self.scheduler.observe_step(duration, plan.num_tokens, prefill_tokens)
-        self._emit(step_event(plan, started_at, duration))
+        self._emit(step_event(plan, started_at, duration, self._request_id_of))
+
+    def _request_id_of(self, seq_id: str) -> str:
+        state = self._states.get(seq_id)
+        return state.request_id if state is not None else seq_id
+
+    def _release_siblings(self, group: ChoiceGroup) -> None:
+        """The first choice's prompt is computed and cached: its siblings can share it now."""
+        for sibling in group.waiting:
+            self.scheduler.add(sibling.seq)
+            self._states[sibling.seq.seq_id] = sibling
+        group.waiting.clear()
 
     def _end_request(
         self,
-        request_id: str,
+        seq_id: str,
         status: str,
         finish_reason: str,
         last_delta: Delta | None = None,
@@ -375,22 +382,38 @@ class Engine:
         With `outgoing` (a step's), the delta is appended there and the caller publishes and
         sends; otherwise both happen here.
         """
-        state = self._states.pop(request_id, None)
+        state = self._states.pop(seq_id, None)
         if state is None:
             return
         if status == "ok":
-            self.scheduler.finish(request_id)
+            self.scheduler.finish(seq_id)
         else:
-            self.scheduler.abort(request_id)
+            self.scheduler.abort(seq_id)
+        last = last_delta or Delta(text="", finish_reason=finish_reason, usage=state.usage(), error=error,
+                                   index=state.index)
         # The finish event goes out before the last delta, so the ledger row
         # can be complete by the time the caller sees the end of its stream.
-        self._emit(state.finish_event(status, finish_reason))
-        last = last_delta or Delta(text="", finish_reason=finish_reason, usage=state.usage(), error=error)
+        if state.group is None:
+            self._emit(state.finish_event(status, finish_reason))
+        else:
+            last = self._end_choice(state, status, last)
         if outgoing is not None:
             outgoing.append((state.sink, last))
             return
         self._publish_snapshots()
         state.sink(last)
+
+    def _end_choice(self, state: RequestState, status: str, last: Delta) -> Delta:
+        """One choice of an n > 1 request ended; the request's usage and finish event come with its last."""
+        group = state.group
+        for seq_id in group.end_choice(state.index, status, last.finish_reason):
+            if self._states.pop(seq_id, None) is not None:
+                self.scheduler.abort(seq_id)
+        if group.unfinished:
+            return dataclasses.replace(last, usage=None)
+        self._groups.pop(group.request_id, None)
+        self._emit(group.finish_event(status))
+        return dataclasses.replace(last, usage=group.usage())
 
     def _publish_snapshots(self) -> None:
         self._load_snapshot = self.scheduler.load()

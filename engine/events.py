@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -39,14 +40,19 @@ class FinishEvent:
     num_preemptions: int = 0
 
 
-def step_event(plan, started_at: float, duration_s: float) -> StepEvent:
-    """The event of a step that ran `plan` (a scheduler StepPlan): each chunk's tokens, recompute apart."""
+def step_event(plan, started_at: float, duration_s: float,
+               request_id_of: Callable[[str], str] = lambda seq_id: seq_id) -> StepEvent:
+    """The event of a step that ran `plan` (a scheduler StepPlan): each chunk's tokens, recompute apart.
+
+    ``request_id_of`` maps a sequence to its request (the choices of an n > 1 request share one).
+    """
     items: list[StepItem] = []
     for chunk in plan.chunks:
+        request_id = request_id_of(chunk.seq.seq_id)
         recompute = chunk.num_recompute_tokens
         if recompute:
-            items.append(StepItem(chunk.seq.seq_id, recompute, True, chunk.seq.recompute_charged_tier))
+            items.append(StepItem(request_id, recompute, True, chunk.seq.recompute_charged_tier))
         if chunk.num_tokens > recompute:
-            items.append(StepItem(chunk.seq.seq_id, chunk.num_tokens - recompute, False))
-    preempted = tuple((seq.seq_id, seq.tier) for seq in plan.preempted)
+            items.append(StepItem(request_id, chunk.num_tokens - recompute, False))
+    preempted = tuple((request_id_of(seq.seq_id), seq.tier) for seq in plan.preempted)
     return StepEvent(duration_s=duration_s, items=tuple(items), started_at=started_at, preempted=preempted)

@@ -23,6 +23,7 @@ class SamplingParams:
     logprobs: int | None = None
     # Output constrained to a grammar (engine/grammar.py); None for free text.
     grammar: GrammarSpec | None = None
+    n: int = 1  # choices sampled from the one prompt (engine/choices.py)
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -33,6 +34,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be non-negative")
+        if self.n < 1:
+            raise ValueError("n must be at least 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
 
@@ -67,8 +70,8 @@ class Delta:
 
     ``text`` never ends in half a multi-byte character; text that might be the
     start of a stop string is held back until it is known not to be.
-    The last delta has ``finish_reason`` ("stop", "length", "abort", "error")
-    and ``usage`` set.
+    A choice's last delta has ``finish_reason`` ("stop", "length", "abort", "error");
+    the request's last delta also has ``usage`` (for n > 1, of all its choices).
     """
 
     text: str
@@ -77,3 +80,8 @@ class Delta:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    index: int = 0  # the choice it belongs to
+
+    @property
+    def is_last(self) -> bool:
+        return self.usage is not None

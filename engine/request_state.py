@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -9,10 +10,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.choices import ChoiceGroup, choice_seq_id
 from engine.events import FinishEvent
-from engine.grammar import GrammarMatcher
+from engine.grammar import GrammarCompiler, GrammarMatcher
 from engine.request import Delta, EngineRequest, TokenLogprob, Usage
-from engine.sampler import SampledToken
+from engine.sampler import SampledToken, make_generator
 from engine.tokenizer import TextTokenizer
 from scheduler.sequence import Sequence
 
@@ -28,6 +30,32 @@ class RequestState:
     first_token_at: float | None = None
     finished: bool = False
     grammar: GrammarMatcher | None = None  # has accepted every output token so far
+    index: int = 0  # which choice of an n > 1 request
+    group: ChoiceGroup | None = None  # the choices of an n > 1 request
+
+    @classmethod
+    def create(cls, request: EngineRequest, sink: Callable[[Delta], None], index: int, tokenizer: TextTokenizer,
+               grammars: GrammarCompiler) -> RequestState:
+        """The state of choice ``index`` of ``request`` (0 unless n > 1)."""
+        params = request.params
+        if index and params.seed is not None:  # seeded choices are reproducible, and differ from each other
+            params = dataclasses.replace(params, seed=params.seed + index)
+        seq = Sequence(
+            seq_id=choice_seq_id(request.request_id, index) if params.n > 1 else request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            tier=request.tier,
+            adapter=request.adapter,
+            max_tokens=params.max_tokens,
+        )
+        return cls(
+            request=request,
+            seq=seq,
+            sink=sink,
+            detokenizer=IncrementalDetokenizer(tokenizer.tokenizer, seq.prompt_token_ids, params.stop),
+            generator=make_generator(params),
+            grammar=grammars.matcher(params.grammar) if params.grammar else None,
+            index=index,
+        )
 
     @property
     def request_id(self) -> str:
@@ -62,6 +90,7 @@ class RequestState:
             logprobs=logprobs,
             finish_reason=finish_reason,
             usage=self.usage() if finish_reason else None,
+            index=self.index,
         )
 
     def usage(self) -> Usage:

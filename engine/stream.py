@@ -37,7 +37,7 @@ class RequestStream:
         except asyncio.CancelledError:
             await self.aclose()
             raise
-        if delta.finish_reason is not None:
+        if delta.is_last:
             self._done = True
         return delta
 
@@ -60,5 +60,5 @@ class BlockingCollector:
         while True:
             delta = self._queue.get()
             yield delta
-            if delta.finish_reason is not None:
+            if delta.is_last:
                 return

@@ -135,9 +135,10 @@ async def _generate(request: Request, kind: str) -> Response:
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{gw.ids.getrandbits(128):032x}"
     admitted = Admitted(
         request_id=request_id, kind=kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier, adapter=adapter,
-        queued_at=queued_at, arrived=arrived, prompt_tokens=len(prompt), reserved_tokens=len(prompt) + max_tokens,
+        queued_at=queued_at, arrived=arrived, prompt_tokens=len(prompt),
+        reserved_tokens=len(prompt) + req.n * max_tokens,
         want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
-        parse_tool_calls=req.tools is not None and req.tools.choice != "none",
+        parse_tool_calls=req.tools is not None and req.tools.choice != "none", n=req.n,
     )
     # Refusals are counted (metrics) and billed (ledger) but not traced: a span costs about as much
     # as the rest of a 429, and a flood of 429s must stay cheap to answer.
@@ -150,7 +151,7 @@ async def _generate(request: Request, kind: str) -> Response:
     with request_context(request_id, tenant=tenant.tenant, tier=tenant.tier, trace_id=trace.trace_id):
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                 seed=req.seed, stop=req.stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
-                                grammar=req.grammar)
+                                grammar=req.grammar, n=req.n)
         # Built before the engine has the request: from then on this thread holds the GIL the
         # engine thread needs for its step, until it awaits the first delta.
         headers = {"x-request-id": request_id, **decision.headers()}

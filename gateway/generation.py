@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class Admitted:
     want_logprobs: bool
     include_usage: bool
     parse_tool_calls: bool = False  # the answer may hold tool calls (gateway/tools.py)
+    n: int = 1  # choices
 
 
 class Job:
@@ -90,21 +92,22 @@ class Job:
     async def sse(self) -> AsyncIterator[bytes]:
         a = self.a
         writer = fmt.ChunkWriter(a.kind, a.request_id, self.created, a.model, a.include_usage)
-        parser = ToolCallParser() if a.parse_tool_calls else None
-        yield writer.first()
+        parsers: dict[int, ToolCallParser] = {}
+        yield b"".join(writer.first(index) for index in range(a.n))
         async for delta in self.stream:
             self._on_delta(delta)
-            text, reason = delta.text, delta.finish_reason
-            if parser is not None:
+            text, reason, index = delta.text, delta.finish_reason, delta.index
+            if a.parse_tool_calls:
+                parser = parsers.setdefault(index, ToolCallParser())
                 done = len(parser.calls)
                 text, calls = parser.feed(text)
                 if reason is not None:
                     text += parser.finish()
                     reason = "tool_calls" if reason == "stop" and parser.calls else reason
                 if calls:
-                    yield writer.tool_calls(calls, done)
-            if delta.finish_reason is None:
-                chunk = writer.delta(text, delta.logprobs, a.want_logprobs)
+                    yield writer.tool_calls(calls, done, index)
+            if not delta.is_last:
+                chunk = writer.delta(text, delta.logprobs, a.want_logprobs, reason, index)
                 if chunk:
                     yield chunk
                 continue
@@ -113,22 +116,25 @@ class Job:
                 yield fmt.sse({"error": {"message": "The engine failed while generating; the request was "
                                          "stopped.", "type": "server_error", "param": None, "code": "engine_error"}})
             else:
-                yield writer.delta(text, delta.logprobs, a.want_logprobs, reason)
+                yield writer.delta(text, delta.logprobs, a.want_logprobs, reason, index)
                 yield writer.usage(delta.usage or self._usage())
             yield fmt.DONE
             return
 
     async def collect(self, headers: dict[str, str] | None = None) -> JSONResponse:
         a = self.a
-        texts: list[str] = []
-        logprobs: list[TokenLogprob] = []
+        texts: dict[int, list[str]] = defaultdict(list)  # by choice index
+        logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
+        reasons: dict[int, str] = {}
         last: Delta | None = None
         try:
             async for last in self.stream:
                 self._on_delta(last)
-                texts.append(last.text)
-                logprobs.extend(last.logprobs)
+                texts[last.index].append(last.text)
+                logprobs[last.index].extend(last.logprobs)
                 if last.finish_reason is not None:
+                    reasons[last.index] = last.finish_reason
+                if last.is_last:
                     await self._record("error" if last.error else "ok", last)
                     break
         finally:
@@ -138,18 +144,25 @@ class Job:
             return JSONResponse({"error": {"message": "The engine failed while generating; the request was stopped.",
                                            "type": "server_error", "param": None, "code": "engine_error"}},
                                 status_code=500)
-        text, usage = "".join(texts), delta.usage or self._usage()
+        choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i])
+                   for i in range(a.n)]
+        usage = delta.usage or self._usage()
         if a.kind == "chat":
-            lp = fmt.chat_logprobs(logprobs) if a.want_logprobs else None
-            content, calls, reason = text, None, delta.finish_reason
-            if a.parse_tool_calls:
-                content, calls = split_tool_calls(text)
-                reason = "tool_calls" if reason == "stop" and calls else reason
-            body = fmt.chat_response(a.request_id, self.created, a.model, content, reason, usage, lp, calls)
+            body = fmt.chat_response(a.request_id, self.created, a.model, choices, usage)
         else:
-            lp = fmt.completion_logprobs(logprobs, 0) if a.want_logprobs else None
-            body = fmt.completion_response(a.request_id, self.created, a.model, text, delta.finish_reason, usage, lp)
+            body = fmt.completion_response(a.request_id, self.created, a.model, choices, usage)
         return JSONResponse(body, headers=headers)
+
+    def _choice(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob]) -> dict:
+        if self.a.kind != "chat":
+            lp = fmt.completion_logprobs(logprobs, 0) if self.a.want_logprobs else None
+            return fmt.completion_choice(index, text, reason, lp)
+        lp = fmt.chat_logprobs(logprobs) if self.a.want_logprobs else None
+        content, calls = text, None
+        if self.a.parse_tool_calls:
+            content, calls = split_tool_calls(text)
+            reason = "tool_calls" if reason == "stop" and calls else reason
+        return fmt.chat_choice(index, content, reason, lp, calls)
 
     def _usage(self) -> Usage:
         return Usage(prompt_tokens=self.a.prompt_tokens, completion_tokens=self.completion_tokens)

@@ -62,38 +62,26 @@ def finish_reason(reason: str | None) -> str | None:
     return reason if reason in (None, "stop", "length", "tool_calls") else "stop"
 
 
-def chat_response(request_id: str, created: int, model: str, text: str | None, reason: str | None,
-                  usage: Usage, logprobs: dict | None, tool_calls: list[dict] | None = None) -> dict:
+def chat_choice(index: int, text: str | None, reason: str | None, logprobs: dict | None,
+                tool_calls: list[dict] | None = None) -> dict:
     message = {"role": "assistant", "content": text, "refusal": None}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(reason),
-            }
-        ],
-        "usage": usage_dict(usage),
-    }
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
 
-def completion_response(request_id: str, created: int, model: str, text: str, reason: str | None,
-                        usage: Usage, logprobs: dict | None) -> dict:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}],
-        "usage": usage_dict(usage),
-    }
+def completion_choice(index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+
+
+def chat_response(request_id: str, created: int, model: str, choices: list[dict], usage: Usage) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_dict(usage)}
+
+
+def completion_response(request_id: str, created: int, model: str, choices: list[dict], usage: Usage) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_dict(usage)}
 
 
 class ChunkWriter:
@@ -108,7 +96,7 @@ class ChunkWriter:
             "model": model,
         }
         self.include_usage = include_usage
-        self.text_offset = 0
+        self.text_offsets: dict[int, int] = {}  # by choice index
 
     def _chunk(self, choice: dict) -> bytes:
         obj = {**self.base, "choices": [choice]}
@@ -116,34 +104,36 @@ class ChunkWriter:
             obj["usage"] = None  # OpenAI sends null usage on every chunk but the last
         return sse(obj)
 
-    def first(self) -> bytes:
-        """Chat streams open with the assistant role, as OpenAI's do; completions have no such chunk."""
+    def first(self, index: int = 0) -> bytes:
+        """Chat streams open each choice with the assistant role, as OpenAI's do; completions have no such chunk."""
         if self.kind != "chat":
             return b""
         return self._chunk(
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         )
 
     def delta(self, text: str, logprobs: Sequence[TokenLogprob], want_logprobs: bool,
-              reason: str | None = None) -> bytes:
+              reason: str | None = None, index: int = 0) -> bytes:
         if not text and not logprobs and reason is None:
             return b""
+        offset = self.text_offsets.get(index, 0)
         if self.kind == "chat":
             lp = chat_logprobs(logprobs) if want_logprobs and logprobs else None
-            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": lp,
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp,
                       "finish_reason": finish_reason(reason)}
         else:
-            lp = completion_logprobs(logprobs, self.text_offset) if want_logprobs and logprobs else None
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason(reason)}
-        self.text_offset += len(text)
+            lp = completion_logprobs(logprobs, offset) if want_logprobs and logprobs else None
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(reason)}
+        self.text_offsets[index] = offset + len(text)
         return self._chunk(choice)
 
-    def tool_calls(self, calls: Sequence[dict], first_index: int) -> bytes:
+    def tool_calls(self, calls: Sequence[dict], first_index: int, index: int = 0) -> bytes:
         """Whole calls in one chunk; OpenAI's clients join a call's pieces by its ``index``."""
         if not calls:
             return b""
         deltas = [{"index": first_index + i, **call} for i, call in enumerate(calls)]
-        return self._chunk({"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None})
+        return self._chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
+                            "finish_reason": None})
 
     def usage(self, usage: Usage) -> bytes:
         if not self.include_usage:

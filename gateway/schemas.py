@@ -18,6 +18,7 @@ from gateway.response_format import parse_response_format
 from gateway.tools import ToolRequest, parse_tools
 
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 16  # n: each choice is a sequence of its own in the KV pool
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -50,6 +51,7 @@ class GenerationRequest:
     include_usage: bool = False
     ignore_eos: bool = False  # vLLM's extension: benches ask for exact output lengths
     grammar: GrammarSpec | None = None  # from response_format
+    n: int = 1
     tools: ToolRequest | None = None
 
 
@@ -142,11 +144,10 @@ def _common(body: dict) -> dict[str, Any]:
         raise invalid_param("model", "You must provide a model parameter.", "missing_required_parameter")
     if not isinstance(model, str) or not model:
         raise invalid_param("model", "Invalid type for 'model': expected a non-empty string.", "invalid_type")
-    n = _int_field(body, "n", 1)
-    if n is not None and n != 1:
-        raise invalid_param("n", f"Invalid value for 'n': {n}; only n=1 is supported.", "invalid_value")
+    n = _int_field(body, "n", 1, MAX_CHOICES)
     if _int_field(body, "best_of", 1) not in (None, 1):
-        raise invalid_param("best_of", "Invalid value for 'best_of': only best_of=1 is supported.", "invalid_value")
+        raise invalid_param("best_of", "Invalid value for 'best_of': best_of is not supported (ranking choices by "
+                            "log probability); ask for several choices with 'n' instead.", "invalid_value")
     stream = _bool_field(body, "stream")
     include_usage = False
     options = _optional(body, "stream_options")
@@ -166,6 +167,7 @@ def _common(body: dict) -> dict[str, Any]:
                             "invalid_value")
     return dict(
         model=model,
+        n=n or 1,
         temperature=_float_field(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_float_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         seed=seed,

@@ -17,6 +17,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+from engine.config import EngineConfig
+from engine.engine import Engine
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.sequence import Sequence
 
@@ -153,3 +155,51 @@ def assert_matches_hf() -> Callable[[HFReference, StepPlan, torch.Tensor], None]
             assert diff < atol, f"seq {c.seq.seq_id} chunk [{c.start}, {c.end}): max abs diff {diff}"
 
     return check
+
+
+@pytest.fixture(scope="session")
+def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("byte-llama")
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    }  # fmt: skip
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.fixture(scope="session")
+def byte_adapter_dir(byte_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((byte_model_dir / "config.json").read_text())
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+    folder = tmp_path_factory.mktemp("byte-adapter") / "a"
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def make_byte_engine(byte_model_dir: Path):
+    """Engines on a tiny random Llama with the 256-token byte tokenizer (any text spells) and no stop token."""
+    engines: list[Engine] = []
+
+    def make(**overrides) -> tuple[Engine, list]:
+        settings = dict(model=f"dummy:{byte_model_dir}", num_kv_blocks=64, block_size=16, max_model_len=512,
+                        max_num_seqs=16, max_num_batched_tokens=256, max_loras=0)
+        settings.update(overrides)
+        engine = Engine(EngineConfig(**settings)).start()
+        events: list = []
+        engine.add_listener(events.append)
+        engines.append(engine)
+        return engine, events
+
+    yield make
+    for engine in engines:
+        engine.shutdown()

@@ -1,8 +1,8 @@
 """Grammar-constrained decoding in the engine: a random model's output parses only because of the mask.
 
 The model is a tiny random Llama with the 256-token byte tokenizer and no stop
-token, so it ends a grammar by completing it; every token id is a byte, so any
-JSON can be spelled.
+token (conftest's ``make_byte_engine``), so it ends a grammar by completing it;
+every token id is a byte, so any JSON can be spelled.
 """
 
 from __future__ import annotations
@@ -10,11 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import FinishEvent
 from engine.grammar import GrammarError, GrammarSpec
@@ -34,51 +32,9 @@ PERSON = {
 PERSON_GRAMMAR = GrammarSpec("json_schema", json.dumps(PERSON))
 
 
-@pytest.fixture(scope="module")
-def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("byte-llama")
-    config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    }  # fmt: skip
-    (d / "config.json").write_text(json.dumps(config))
-    return d
-
-
-@pytest.fixture(scope="module")
-def byte_adapter_dir(byte_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = json.loads((byte_model_dir / "config.json").read_text())
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
-    folder = tmp_path_factory.mktemp("byte-adapter") / "a"
-    model.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture
-def make_engine(byte_model_dir: Path):
-    engines: list[Engine] = []
-
-    def make(**overrides) -> tuple[Engine, list]:
-        settings = dict(model=f"dummy:{byte_model_dir}", num_kv_blocks=64, block_size=16, max_model_len=512,
-                        max_num_seqs=16, max_num_batched_tokens=256, max_loras=0)
-        settings.update(overrides)
-        engine = Engine(EngineConfig(**settings)).start()
-        events: list = []
-        engine.add_listener(events.append)
-        engines.append(engine)
-        return engine, events
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
+def make_engine(make_byte_engine):
+    return make_byte_engine
 
 
 def _request(request_id: str, prompt: list[int], grammar: GrammarSpec | None = None, adapter: str | None = None,

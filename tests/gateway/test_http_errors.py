@@ -36,11 +36,13 @@ def test_body_over_the_limit_is_413(post):
     assert r.status_code == 413
 
 
-def test_n_other_than_one_is_400_that_says_so(post, server):
-    r = post("/v1/chat/completions", {"model": server.engine.model_name, "n": 3,
+def test_n_past_the_limit_and_best_of_are_400s_that_say_so(post, server):
+    r = post("/v1/chat/completions", {"model": server.engine.model_name, "n": 17,
                                       "messages": [{"role": "user", "content": "x"}]})
     e = error(r)
-    assert r.status_code == 400 and e["param"] == "n" and "n=1" in e["message"]
+    assert r.status_code == 400 and e["param"] == "n" and "between 1 and 16" in e["message"]
+    r = post("/v1/completions", {"model": server.engine.model_name, "prompt": "x", "best_of": 2})
+    assert r.status_code == 400 and error(r)["param"] == "best_of" and "not supported" in error(r)["message"]
 
 
 def test_wrong_type_names_the_parameter(post, server):
@@ -84,7 +86,7 @@ def test_predicted_ttft_over_slo_is_429_overloaded_with_retry_after(post, server
 
 def test_bad_inputs_leave_the_engine_untouched(post, server):
     post("/v1/completions", content=b"nope")
-    post("/v1/completions", {"model": server.engine.model_name, "prompt": "x", "n": 2})
+    post("/v1/completions", {"model": server.engine.model_name, "prompt": "x", "n": 17})
     post("/v1/completions", {"model": server.engine.model_name, "prompt": "x" * 400})
     assert server.gateway.lifecycle.in_flight == 0
     assert sum(server.engine.kv_usage()[0].values()) == 0

@@ -44,7 +44,7 @@ def test_chat_logprobs_map_to_engine_logprobs():
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "n": 17}, "n"),
         ({**CHAT, "max_tokens": "10"}, "max_tokens"),
         ({**CHAT, "max_tokens": True}, "max_tokens"),
         ({**CHAT, "max_tokens": 0}, "max_tokens"),
