@@ -69,8 +69,8 @@ def benches() -> list[Bench]:
         Bench("slo_sweep", "SLO sweep through the real gateway: tiered vs fcfs",
               quick_args=["--rates", "0.5", "--requests", "8"], timeout_s=900),
         Bench("gateway_overhead", "Gateway overhead", json_flag="--out"),
-        Bench("structured", "Structured outputs: JSON-schema decoding vs free, grammar compile time",
-              ["--concurrency", "32", "--max-tokens", "32", "--rounds", "2"],
+        Bench("structured", "Structured outputs and n > 1: JSON-schema decoding vs free, compile time, n=4",
+              ["--concurrency", "32", "--max-tokens", "32", "--rounds", "3"],
               ["--concurrency", "4", "--max-tokens", "8", "--rounds", "1"]),
         Bench("report_speed", "Billing report speed", json_flag=""),
     ]
