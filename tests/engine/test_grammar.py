@@ -142,3 +142,15 @@ def test_length_limited_strings_never_hold_raw_control_characters(make_engine):
     )
     for text, _ in outputs:
         assert all(len(s) <= 3 for s in json.loads(text)), text  # json.loads refuses raw control characters
+
+
+def test_free_whitespace_is_bounded_so_a_model_cannot_stall_in_it(make_engine):
+    from engine.grammar import MAX_WHITESPACE_RUN
+
+    engine, _ = make_engine()
+    matcher = engine.grammars.matcher(GrammarSpec("json_object"))
+    [brace] = engine.tokenizer.encode("{")
+    [space] = engine.tokenizer.encode(" ")
+    assert matcher.accept(brace)
+    assert all(matcher.accept(space) for _ in range(MAX_WHITESPACE_RUN))
+    assert not matcher.accept(space)
