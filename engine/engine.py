@@ -335,7 +335,9 @@ class Engine:
         # which this thread would otherwise hold through that bookkeeping.
         outgoing: list[tuple[Callable[[Delta], None], Delta]] = []
         for chunk, token in zip(sampling, sampled):
-            state = self._states[chunk.seq.seq_id]
+            state = self._states.get(chunk.seq.seq_id)
+            if state is None:  # a sibling choice failed earlier in this loop and took it along
+                continue
             if state.group is not None and state.group.waiting:
                 self._release_siblings(state.group)
             if state.grammar is not None and not state.grammar.accept(token.token_id):

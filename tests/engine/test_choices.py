@@ -75,3 +75,26 @@ def test_aborting_the_request_ends_every_choice_and_frees_their_blocks(make_byte
     _wait_idle(engine)
     [finish] = [e for e in events if isinstance(e, FinishEvent)]
     assert finish.status == "cancelled" and finish.request_id == "a"
+
+
+def test_a_failing_choice_ends_the_request_and_its_siblings_blocks(make_byte_engine, monkeypatch):
+    from engine.grammar import GrammarMatcher, GrammarSpec
+
+    engine, events = make_byte_engine()
+    accepted = GrammarMatcher.accept
+    calls = []
+
+    def accept_until_the_sixth(self, token_id):  # every choice is running by then
+        calls.append(token_id)
+        return len(calls) < 6 and accepted(self, token_id)
+
+    monkeypatch.setattr(GrammarMatcher, "accept", accept_until_the_sixth)
+    params = SamplingParams(max_tokens=50, temperature=1.0, n=3, grammar=GrammarSpec("json_object"))
+    deltas = _run(engine, EngineRequest("f", PROMPT, params))
+    assert deltas[-1].is_last and deltas[-1].error and sum(d.is_last for d in deltas) == 1
+    [finish] = [e for e in events if isinstance(e, FinishEvent)]
+    assert finish.status == "error"
+    _wait_idle(engine)
+    # The loop keeps serving.
+    monkeypatch.setattr(GrammarMatcher, "accept", accepted)
+    assert _run(engine, EngineRequest("g", PROMPT[:10], SamplingParams(max_tokens=3, n=2)))[-1].is_last
