@@ -33,6 +33,7 @@ class Settings:
     max_loras: int = 4
     default_max_tokens: int = 256  # when a request names none: bounds what TPM reserves for it
     max_body_bytes: int = 1 << 20
+    tokenizer_threads: int = 2  # long prompts are tokenized on this many threads, off the event loop
     auth_cache_ttl_s: float = 5.0
     rate_window_s: float = 60.0
     max_queued: int = 256
@@ -50,7 +51,7 @@ class Settings:
             raise SettingsError(f"premium_ttft_slo_s must be positive, not {self.premium_ttft_slo_s}")
         if not 0 <= self.premium_kv_reserve < 1:
             raise SettingsError(f"premium_kv_reserve must be in [0, 1), not {self.premium_kv_reserve}")
-        for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued"):
+        for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
 
