@@ -147,7 +147,8 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._arm(self.header_timeout_s, self._head_timed_out)
+        if self._read_timer is None:  # the first request's head is due within the timeout of connecting
+            self._arm(self.header_timeout_s, self._head_timed_out)
 
     def on_headers_complete(self) -> None:
         self.scope.setdefault("extensions", {})[ON_DISCONNECT] = []
@@ -185,7 +186,8 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
     def _body_timed_out(self) -> None:
         self._read_timer = None
         cycle = self.cycle
-        if cycle is not None and not cycle.response_started:
+        # With a pipelined request queued, the response under way is an earlier request's: do not cut in.
+        if cycle is not None and not cycle.response_started and not self.pipeline:
             self.transport.write(REQUEST_TIMEOUT)
             # The app's receive() now answers http.disconnect and its send() writes nothing more.
             cycle.disconnected = True
