@@ -2,7 +2,9 @@
 
 Order matters: cheap checks that touch nothing come first (draining, key,
 body, model, context length), then admission control (it reserves nothing),
-then the rate limiter (it reserves budget), and only then the engine.
+then the rate limiter (it reserves budget), and only then the engine. A
+request refused for its prompt (gateway/prompts.py) is the exception: it is
+counted against its tenant's RPM, so refusals are not free to send.
 """
 
 from __future__ import annotations
