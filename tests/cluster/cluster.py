@@ -39,6 +39,7 @@ defaults
     timeout client 300s
     timeout server 300s
     timeout queue 30s
+    timeout check 2s
     # A draining replica answers 503 and a stopped one refuses connections: try another one.
     retries 6
     option redispatch 1
@@ -142,7 +143,9 @@ class Cluster:
         return {r.name for r in self.replicas if r.ready()}
 
     def concurrency_leases(self, tenant: str) -> int:
-        return self.redis.zcard(f"{self.key_prefix}:{{{tenant}}}:conc")
+        """The tenant's concurrency leases still in force (a lapsed one stays in the set until an admission)."""
+        seconds, micros = self.redis.time()
+        return self.redis.zcount(f"{self.key_prefix}:{{{tenant}}}:conc", f"({seconds + micros / 1e6}", "+inf")
 
     def ledger_rows(self, request_ids: list[str]) -> dict[str, list[tuple]]:
         """request id -> its ledger rows (status, completion tokens)."""

@@ -23,8 +23,9 @@ from tests.cluster.conftest import CAPPED_CONCURRENCY, DRAIN_TIMEOUT_S, LEASE_S,
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 
-LOOP_LIMIT = 120  # requests per load loop, whatever happens
+LOOP_LIMIT = 2000  # requests per load loop, whatever happens
 LOOP_TIME_S = 600.0
+LOOP_PAUSE_S = 0.05  # between one worker's requests
 
 
 def auth(cluster: Cluster, tenant: str) -> dict[str, str]:
@@ -76,10 +77,13 @@ class LoadLoop:
                     result = (0, None, repr(e))
                 with self._lock:
                     self.results.append(result)
+                time.sleep(LOOP_PAUSE_S)
 
     def wait_for_more(self, n: int, timeout_s: float = 120) -> None:
         start = len(self.results)
-        assert wait_for(lambda: len(self.results) >= start + n, timeout_s), "the load loop stalled"
+        running = lambda: any(t.is_alive() for t in self._threads)  # noqa: E731
+        assert wait_for(lambda: len(self.results) >= start + n or not running(), timeout_s), "the load loop stalled"
+        assert len(self.results) >= start + n, "the load loop ended (LOOP_LIMIT or LOOP_TIME_S)"
 
     def failures(self) -> list[tuple[int, str | None, str]]:
         return [r for r in self.results if r[0] != 200]
