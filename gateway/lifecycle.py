@@ -77,12 +77,12 @@ class Lifecycle:
         self._idle = asyncio.Event()
         if self.in_flight == 0:
             self._idle.set()
-        finished = await _wait(self._idle.wait(), timeout_s)
+        finished = self._idle.is_set() or await _wait(self._idle.wait(), timeout_s)
         if not finished:
             log.warning("drain deadline: interrupting %d request(s) still in flight", len(self._requests))
             for request in list(self._requests):
                 request.interrupt()
-            if not await _wait(self._idle.wait(), grace_s):
+            if not (self._idle.is_set() or await _wait(self._idle.wait(), grace_s)):
                 log.error("%d request(s) did not end within %.1f s of their interruption", self.in_flight, grace_s)
         deadline = loop.time() + grace_s
         if self._tasks:
