@@ -18,7 +18,7 @@ from billing.db import create_engine_for, upgrade
 from billing.keys import create_key
 from billing.tenants import create_tenant
 from gateway.adapter_dirs import read_adapter_dir
-from gateway.demo import demo_adapter_dirs
+from lora_pool.demo_adapters import demo_adapters
 from tests.cluster.cluster import (
     REDIS_URL,
     REPO,
@@ -52,7 +52,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     for name, limits in TENANTS.items():
         create_tenant(db, name, "premium", tpm=10_000_000, **limits)
         keys[name] = create_key(db, name)[1]
-    adapter = read_adapter_dir(str(demo_adapter_dirs()[0]))
+    adapter = read_adapter_dir(str(demo_adapters()[adapter_name()]))
     billing_adapters.register_adapter(db, adapter_name(), adapter.path, adapter.base_model, adapter.rank)
     billing_adapters.grant(db, adapter_name(), "steady")
     key_prefix = f"tiergate-cluster-test:{uuid.uuid4().hex}"
@@ -90,4 +90,4 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
 
 
 def adapter_name() -> str:
-    return demo_adapter_dirs()[0].name
+    return next(iter(demo_adapters()))
