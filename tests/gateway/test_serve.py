@@ -75,7 +75,7 @@ def test_sigterm_turns_readyz_503_refuses_new_work_and_finishes_in_flight_stream
     assert proc.returncode == 0
 
 
-@pytest.mark.parametrize("served", ["0.3"], indirect=True)
+@pytest.mark.parametrize("served", ["0"], indirect=True)  # no drain time: deterministic on any machine
 def test_a_stream_running_at_the_drain_deadline_ends_with_a_shutdown_error_and_an_interrupted_row(served):
     url, key, proc, db = served
     auth = {"authorization": f"Bearer {key}"}
@@ -84,10 +84,10 @@ def test_a_stream_running_at_the_drain_deadline_ends_with_a_shutdown_error_and_a
         body = {"model": model, "prompt": "go on", "max_tokens": 500, "ignore_eos": True, "stream": True}
         with http.stream("POST", url + "/v1/completions", json=body, headers=auth) as stream:
             request_id = stream.headers["x-request-id"]
-            lines = stream.iter_lines()
-            assert next(lines).startswith("data: ")
+            lines = (line for line in stream.iter_lines() if line.startswith("data: "))
+            next(lines), next(lines)  # the role chunk, then the first text
             proc.send_signal(signal.SIGTERM)
-            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+            events = [line.removeprefix("data: ") for line in lines]
     proc.wait(timeout=60)
     assert proc.returncode == 0
     last = json.loads(events[-1])
