@@ -134,7 +134,7 @@ def create_app(
         metrics=metrics,
         lifecycle=Lifecycle(on_drain=lambda: setattr(metrics, "draining", True)),
         tracing=tracing or Tracing(),
-        prompts=PromptEncoder(engine.tokenizer, engine.max_model_len, settings.tokenizer_threads),
+        prompts=PromptEncoder(engine, settings.tokenizer_threads),
     )
     engine.add_listener(meter)
     engine.add_listener(gw.usage.on_engine_event)  # after the meter: it takes the meter's records

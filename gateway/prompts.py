@@ -12,6 +12,7 @@ pool instead of for the event loop (engine/tokenizer.py releases the GIL for the
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.tokenizer import TextTokenizer
@@ -23,11 +24,23 @@ INLINE_TOKENIZE_CHARS = 8192
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: TextTokenizer, max_model_len: int, threads: int) -> None:
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.max_chars = max_model_len * tokenizer.max_token_chars
+    def __init__(self, engine, threads: int) -> None:
+        # Anything with the engine's ``tokenizer`` and ``max_model_len``, read at the first prompt:
+        # apps built on stand-in engines that never see one (probes, benches) need neither.
+        self._engine = engine
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @functools.cached_property
+    def max_chars(self) -> int:
+        return self.max_model_len * self.tokenizer.max_token_chars
 
     async def token_ids(self, req: GenerationRequest) -> list[int]:
         """The prompt's token ids; 400 for an empty prompt or one that cannot fit the context."""

@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -75,7 +76,7 @@ def test_megabyte_prompts_are_refused_unread_count_against_rpm_and_stall_nobody(
 
 def test_a_long_prompt_that_may_fit_is_tokenized_while_the_event_loop_runs():
     tokenizer = TextTokenizer(byte_tokenizer())
-    encoder = PromptEncoder(tokenizer, max_model_len=1_000_000, threads=1)
+    encoder = PromptEncoder(SimpleNamespace(tokenizer=tokenizer, max_model_len=1_000_000), threads=1)
     prompt = "hello world " * 30_000  # 360k characters: about a second of tokenizing here
 
     async def run() -> tuple[list[int], float]:
@@ -105,7 +106,7 @@ def test_a_long_prompt_that_may_fit_is_tokenized_while_the_event_loop_runs():
 
 def test_the_character_bound_is_the_context_times_the_longest_token():
     tokenizer = TextTokenizer(byte_tokenizer())
-    encoder = PromptEncoder(tokenizer, max_model_len=100, threads=1)
+    encoder = PromptEncoder(SimpleNamespace(tokenizer=tokenizer, max_model_len=100), threads=1)
     try:
         assert encoder.max_chars == 100 * tokenizer.max_token_chars
         with pytest.raises(Exception, match="context length"):
