@@ -3,8 +3,9 @@
 Callers submit requests from any thread; the loop runs on its own thread:
 drain new requests and aborts -> scheduler plan -> adapters for the batch ->
 one forward pass over mixed prefill chunks and decodes -> sampling -> deltas
-out and events to listeners. An exception inside a step fails that step's
-requests and the loop keeps serving.
+out and events to listeners. An exception inside a step's forward pass fails
+that step's requests and the loop keeps serving; a failure confined to one
+request's sampling or detokenizing ends that request alone.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._load_snapshot: dict[str, TierLoad] = self.scheduler.load()
         self._kv_snapshot: dict[str, int] = {}
+        self._adapter_snapshot: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self.busy_seconds = 0.0  # sum of step durations, for metering checks
 
     # ---- lifecycle -------------------------------------------------------
@@ -168,6 +170,10 @@ class Engine:
 
     def kv_usage(self) -> tuple[dict[str, int], int]:
         return dict(self._kv_snapshot), self.num_kv_blocks
+
+    def adapter_usage(self) -> tuple[frozenset[str], frozenset[str]]:
+        """LoRA adapters of running requests and of waiting ones, as of the last step."""
+        return self._adapter_snapshot
 
     @property
     def is_running(self) -> bool:
@@ -328,15 +334,25 @@ class Engine:
                 self._end_request(chunk.seq.seq_id, status="error", finish_reason="error", error=str(exc))
             return
         duration = self._timer.stop()
-        self.scheduler.update(plan, {c.seq.seq_id: s.token_id for c, s in zip(sampling, sampled)})
+        # The step is accounted before any request of it ends, so billing sees its share of the
+        # step before its finish event.
         self._account_step(plan, started_at, duration)
 
         # Deltas go out after all of the step's bookkeeping: a caller woken by one needs the GIL,
         # which this thread would otherwise hold through that bookkeeping.
         outgoing: list[tuple[Callable[[Delta], None], Delta]] = []
+        produced = []
         for chunk, token in zip(sampling, sampled):
+            if token.error is None:
+                produced.append((chunk, token))
+            else:  # ended before the update, which then skips the sequence it no longer knows
+                log.error("request %s: %s", chunk.seq.seq_id, token.error)
+                self._end_request(chunk.seq.seq_id, "error", "error", error=token.error, outgoing=outgoing)
+        self.scheduler.update(plan, {c.seq.seq_id: s.token_id for c, s in produced})
+
+        for chunk, token in produced:
             state = self._states.get(chunk.seq.seq_id)
-            if state is None:  # a sibling choice failed earlier in this loop and took it along
+            if state is None:  # a sibling choice failed earlier in this step and took it along
                 continue
             if state.group is not None and state.group.waiting:
                 self._release_siblings(state.group)
@@ -344,7 +360,13 @@ class Engine:
                 error = "the sampled token is outside the request's grammar"
                 self._end_request(chunk.seq.seq_id, "error", "error", error=error, outgoing=outgoing)
                 continue
-            delta = state.on_token(token, self.tokenizer, self.max_model_len)
+            try:
+                delta = state.on_token(token, self.tokenizer, self.max_model_len)
+            except Exception as exc:  # e.g. the detokenizer: this request's failure, not its batch's
+                log.exception("request %s: building its output failed", state.request_id)
+                self._end_request(chunk.seq.seq_id, "error", "error", error=f"detokenizing failed: {exc}",
+                                  outgoing=outgoing)
+                continue
             if delta.finish_reason is None:
                 outgoing.append((state.sink, delta))
             else:
@@ -420,6 +442,7 @@ class Engine:
     def _publish_snapshots(self) -> None:
         self._load_snapshot = self.scheduler.load()
         self._kv_snapshot, _ = self.scheduler.kv_usage()
+        self._adapter_snapshot = self.scheduler.adapter_usage()
 
     def _emit(self, event: StepEvent | FinishEvent) -> None:
         for listener in self._listeners:

@@ -33,6 +33,7 @@ from gateway.completions import chat_completions, completions
 from gateway.errors import APIError
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics, render
+from gateway.prompts import PromptEncoder
 from gateway.ratelimit import RateLimiter, make_limiter
 from gateway.services import Gateway
 from gateway.settings import Settings
@@ -120,18 +121,20 @@ def create_app(
     """An app serving ``engine``; it starts the engine and ledger at startup and shuts them down at the end."""
     meter = meter or UsageMeter()
     tiers = tuple(engine.config.tiers)
-    metrics = metrics or GatewayMetrics(tiers)
+    metrics = metrics or GatewayMetrics(tiers, vllm_names=settings.vllm_metric_names)
     gw = Gateway(
         settings=settings,
         engine=engine,
         db=db,
         usage=UsageRecorder(meter, ledger),
         auth=Authenticator(lambda secret: authenticate(db, secret), ttl_s=settings.auth_cache_ttl_s),
-        limiter=limiter or make_limiter(settings.redis_url, window_s=settings.rate_window_s),
+        limiter=limiter or make_limiter(settings.redis_url, window_s=settings.rate_window_s,
+                                       key_prefix=settings.redis_key_prefix, lease_s=settings.concurrency_lease_s),
         admission=AdmissionController(tiers, AdmissionPolicy(max_queued=settings.max_queued)),
         metrics=metrics,
-        lifecycle=Lifecycle(),
+        lifecycle=Lifecycle(on_drain=lambda: setattr(metrics, "draining", True)),
         tracing=tracing or Tracing(),
+        prompts=PromptEncoder(engine, settings.tokenizer_threads),
     )
     engine.add_listener(meter)
     engine.add_listener(gw.usage.on_engine_event)  # after the meter: it takes the meter's records
@@ -155,6 +158,7 @@ def create_app(
             await gw.lifecycle.drain(settings.drain_timeout_s)
             await gw.limiter.close()
             await anyio.to_thread.run_sync(engine.shutdown)
+            gw.prompts.close()
             await anyio.to_thread.run_sync(ledger.close)  # writes the rows still queued, 429s included
             gw.tracing.shutdown()
             gc.unfreeze()  # a process that serves several apps in turn (tests) can collect this one
