@@ -9,9 +9,12 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 DEFAULT_SQLITE_PATH = Path("var") / "tiergate.db"
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+# What a database that is down, restarting or locked raises; anything else is a bug and propagates.
+UNAVAILABLE = (OperationalError, InterfaceError)
 
 
 def default_database_url() -> str:

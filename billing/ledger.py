@@ -1,8 +1,9 @@
 """The usage ledger's writer: one committed row per request, spooled locally while the database is down.
 
 write() returns only once the record is durable: committed in the database, or fsynced to the
-spool. Spooled records are replayed at start and by a background thread; inserts skip request
-ids already present (ON CONFLICT DO NOTHING), so a record written twice is stored once.
+spool. Spooled records are replayed at start and by a background thread. A request has one row,
+keyed by its id: opened at admission (status `open`, billing.open_rows), closed by its final
+record; a record written twice is stored once (see _statements).
 
 submit() is the same promise for callers that should not block (the gateway's event loop): a
 writer thread group-commits whatever arrived together in one transaction and resolves each
@@ -32,17 +33,18 @@ from concurrent.futures import Future
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import InterfaceError, OperationalError
 
+from billing.db import UNAVAILABLE
 from billing.ledger_inline import InlineSqlite
 from billing.models import RecomputeCharge, UsageEntry
 from billing.spool import Spool
 from billing.usage import UsageRecord
 
+# Rows a final record may still close.
+REOPENABLE = ("open", "interrupted")
+
 log = logging.getLogger(__name__)
 
-# What a database that is down, restarting or locked raises; anything else is a bug and propagates.
-UNAVAILABLE = (OperationalError, InterfaceError)
 # The dialects whose INSERT has ON CONFLICT DO NOTHING.
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 # Bounds one group commit, so a flood's backlog cannot become one huge transaction.
@@ -326,7 +328,7 @@ class Ledger:
 
 
 def insert_records(connection: Connection, records: Iterable[UsageRecord]) -> int:
-    """Insert records whose request id is not in the ledger yet; returns how many were inserted."""
+    """Insert or close each record's row (see _statements); returns how many rows changed."""
     insert = _INSERTS.get(connection.dialect.name)
     if insert is None:
         raise NotImplementedError(f"the ledger supports PostgreSQL and SQLite, not {connection.dialect.name}")
@@ -335,7 +337,7 @@ def insert_records(connection: Connection, records: Iterable[UsageRecord]) -> in
     for record in records:
         values = record.ledger_values()
         if connection.execute(entry, values).rowcount != 1:
-            continue  # already recorded, charges included (they commit with the row)
+            continue  # already closed, charges included (they commit with the row)
         inserted += 1
         if record.recompute_by_tier:
             connection.execute(
@@ -351,8 +353,21 @@ def insert_records(connection: Connection, records: Iterable[UsageRecord]) -> in
 
 @functools.cache
 def _statements(insert) -> tuple:
-    """(ledger row insert skipping request ids already stored, recompute charge insert)."""
-    return insert(UsageEntry).on_conflict_do_nothing(index_elements=["request_id"]), insert(RecomputeCharge)
+    """(ledger row upsert, recompute charge insert).
+
+    One row per request id: a new id is inserted; a final record closes the request's `open` row
+    (or an `interrupted` one, when the record is the truth a crash had hidden); anything else
+    (a record written twice, an `open` record arriving after its final one) changes nothing.
+    """
+    statement = insert(UsageEntry)
+    table = UsageEntry.__table__
+    columns = [c.name for c in table.columns if c.name not in ("id", "request_id")]
+    upsert = statement.on_conflict_do_update(
+        index_elements=["request_id"],
+        set_={name: statement.excluded[name] for name in columns},
+        where=table.c.status.in_(REOPENABLE) & (statement.excluded.status != "open"),
+    )
+    return upsert, insert(RecomputeCharge)
 
 
 def _settle(future: Future, write, records: list[UsageRecord]) -> None:
