@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, or_
 from sqlalchemy.dialects import postgresql, sqlite
 
 from billing.db import UNAVAILABLE
@@ -332,11 +332,12 @@ def insert_records(connection: Connection, records: Iterable[UsageRecord]) -> in
     insert = _INSERTS.get(connection.dialect.name)
     if insert is None:
         raise NotImplementedError(f"the ledger supports PostgreSQL and SQLite, not {connection.dialect.name}")
-    entry, charge = _statements(insert)
+    # RETURNING, not rowcount: psycopg 3 reports -1 for statements SQLAlchemy adds RETURNING to.
+    _, charge, entry = _statements(insert)
     inserted = 0
     for record in records:
         values = record.ledger_values()
-        if connection.execute(entry, values).rowcount != 1:
+        if connection.execute(entry, values).first() is None:
             continue  # already closed, charges included (they commit with the row)
         inserted += 1
         if record.recompute_by_tier:
@@ -353,7 +354,7 @@ def insert_records(connection: Connection, records: Iterable[UsageRecord]) -> in
 
 @functools.cache
 def _statements(insert) -> tuple:
-    """(ledger row upsert, recompute charge insert).
+    """(ledger row upsert, recompute charge insert, the upsert returning the request ids it changed).
 
     One row per request id: a new id is inserted; a final record closes the request's `open` row
     (or an `interrupted` one, when the record is the truth a crash had hidden); anything else
@@ -365,9 +366,10 @@ def _statements(insert) -> tuple:
     upsert = statement.on_conflict_do_update(
         index_elements=["request_id"],
         set_={name: statement.excluded[name] for name in columns},
-        where=table.c.status.in_(REOPENABLE) & (statement.excluded.status != "open"),
+        # Equalities, not IN: an IN list is an "expanding" parameter, which executemany refuses.
+        where=or_(*(table.c.status == status for status in REOPENABLE)) & (statement.excluded.status != "open"),
     )
-    return upsert, insert(RecomputeCharge)
+    return upsert, insert(RecomputeCharge), upsert.returning(UsageEntry.request_id)
 
 
 def _settle(future: Future, write, records: list[UsageRecord]) -> None:
