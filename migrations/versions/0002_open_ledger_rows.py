@@ -53,20 +53,44 @@ def _ledger_0001(check: str) -> sa.Table:
     )
 
 
-def _replace_status_check(old: str, new: str) -> None:
-    if op.get_bind().dialect.name == "sqlite":
-        # The copy drops and renames the table recompute_charges points at: check that at commit.
-        op.execute("PRAGMA defer_foreign_keys=ON")
-        with op.batch_alter_table("usage_ledger", copy_from=_ledger_0001(old), recreate="always") as batch:
-            batch.drop_constraint(op.f("ck_usage_ledger_status"), type_="check")
-            batch.create_check_constraint("status", new)
-    else:
-        op.drop_constraint(op.f("ck_usage_ledger_status"), "usage_ledger", type_="check")
-        op.create_check_constraint("status", "usage_ledger", new)
+def _recompute_charges() -> None:
+    op.create_table(
+        "recompute_charges",
+        sa.Column("request_id", sa.String(length=128), nullable=False),
+        sa.Column("charged_tier", sa.String(length=32), nullable=False),
+        sa.Column("gpu_seconds", sa.Float(), nullable=False),
+        sa.Column("finished_at", sa.DateTime(), nullable=False),
+        sa.ForeignKeyConstraint(["request_id"], ["usage_ledger.request_id"],
+                                name=op.f("fk_recompute_charges_request_id_usage_ledger")),
+        sa.PrimaryKeyConstraint("request_id", "charged_tier", name=op.f("pk_recompute_charges")),
+    )
+    op.create_index("ix_recompute_charges_finished_at_charged_tier", "recompute_charges",
+                    ["finished_at", "charged_tier"])
+
+
+def _rebuild_ledger_on_sqlite(copy_from: sa.Table, new_check: str, drop_owner: bool) -> None:
+    # SQLite changes a CHECK only by copying the table, and the drop of the old copy would break
+    # recompute_charges' foreign key (it cannot be switched off inside a transaction): that
+    # table steps aside for the copy and comes back with its rows.
+    op.execute("CREATE TEMP TABLE recompute_charges_0002 AS SELECT * FROM recompute_charges")
+    op.drop_index("ix_recompute_charges_finished_at_charged_tier", table_name="recompute_charges")
+    op.drop_table("recompute_charges")
+    with op.batch_alter_table("usage_ledger", copy_from=copy_from, recreate="always") as batch:
+        if drop_owner:
+            batch.drop_column("owner")
+        batch.drop_constraint(op.f("ck_usage_ledger_status"), type_="check")
+        batch.create_check_constraint("status", new_check)
+    _recompute_charges()
+    op.execute("INSERT INTO recompute_charges SELECT * FROM recompute_charges_0002")
+    op.execute("DROP TABLE recompute_charges_0002")
 
 
 def upgrade() -> None:
-    _replace_status_check(OLD_STATUSES, NEW_STATUSES)
+    if op.get_bind().dialect.name == "sqlite":
+        _rebuild_ledger_on_sqlite(_ledger_0001(OLD_STATUSES), NEW_STATUSES, drop_owner=False)
+    else:
+        op.drop_constraint(op.f("ck_usage_ledger_status"), "usage_ledger", type_="check")
+        op.create_check_constraint("status", "usage_ledger", NEW_STATUSES)
     op.add_column("usage_ledger", sa.Column("owner", sa.String(length=128), nullable=True))
     # Open rows are few at any time; a partial index keeps the search for orphans off the whole ledger.
     op.create_index("ix_usage_ledger_open", "usage_ledger", ["status"], postgresql_where=sa.text("status = 'open'"),
@@ -79,8 +103,10 @@ def downgrade() -> None:
     op.drop_index("ix_usage_ledger_open", table_name="usage_ledger")
     op.execute("UPDATE usage_ledger SET status = 'error' WHERE status IN ('open', 'interrupted')")
     if op.get_bind().dialect.name == "sqlite":
-        with op.batch_alter_table("usage_ledger") as batch:
-            batch.drop_column("owner")
+        ledger = _ledger_0001(NEW_STATUSES)
+        ledger.append_column(sa.Column("owner", sa.String(length=128), nullable=True))
+        _rebuild_ledger_on_sqlite(ledger, OLD_STATUSES, drop_owner=True)
     else:
         op.drop_column("usage_ledger", "owner")
-    _replace_status_check(NEW_STATUSES, OLD_STATUSES)
+        op.drop_constraint(op.f("ck_usage_ledger_status"), "usage_ledger", type_="check")
+        op.create_check_constraint("status", "usage_ledger", OLD_STATUSES)
