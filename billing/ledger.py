@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from concurrent.futures import Future
 
 from sqlalchemy import Connection, Engine, or_
@@ -38,6 +39,7 @@ from billing.db import UNAVAILABLE
 from billing.ledger_inline import InlineSqlite
 from billing.models import RecomputeCharge, UsageEntry
 from billing.spool import Spool
+from billing.open_rows import Progress, save_progress
 from billing.usage import UsageRecord
 
 # Rows a final record may still close.
@@ -58,6 +60,16 @@ CHECKPOINT_INTERVAL_S = 0.5
 # racing with new commits never lets the WAL start over from its beginning, so it would grow.
 WAL_RESET_FRAMES = 4000
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Progress:
+    """A save of running requests' progress, queued for the writer like a batch of records."""
+
+    progress: list[Progress]
+
+    def __len__(self) -> int:
+        return len(self.progress)
 _NO_AUTOCHECKPOINT = "tiergate_no_autocheckpoint"
 
 
@@ -207,9 +219,36 @@ class Ledger:
 
     # -- the writer thread -------------------------------------------------
 
+    def save_progress(self, progress: list[Progress]) -> Future[bool]:
+        """Save running requests' counts into their open rows (billing.open_rows); True once saved, False
+        if the database is unavailable (progress is not spooled: the next save supersedes it).
+
+        On the writer thread, so saves never contend with the ledger's own commits for SQLite's lock.
+        """
+        future: Future[bool] = Future()
+        with self._submit_lock:
+            if self._writer is not None:
+                self._queue.put((_Progress(progress), future))
+                return future
+        _settle(future, self._save_progress, [_Progress(progress)])
+        return future
+
+    def _save_progress(self, saves: list[_Progress]) -> bool:
+        try:
+            save_progress(self.engine, [p for save in saves for p in save.progress])
+        except UNAVAILABLE as exc:
+            log.debug("ledger: progress not saved, database unavailable: %s", _first_line(exc))
+            return False
+        return True
+
     def _write_loop(self) -> None:
         while True:
             batch, stop = self._take_batch()
+            saves = [(item, future) for item, future in batch if isinstance(item, _Progress)]
+            if saves:
+                batch = [(item, future) for item, future in batch if not isinstance(item, _Progress)]
+                with self._commit_lock:
+                    _settle_all([future for _, future in saves], self._save_progress, [item for item, _ in saves])
             if batch:
                 try:
                     with self._commit_lock:
@@ -380,6 +419,18 @@ def _settle(future: Future, write, records: list[UsageRecord]) -> None:
         return
     if not future.done():
         future.set_result(result)
+
+
+def _settle_all(futures: list[Future], work, argument) -> None:
+    try:
+        result = work(argument)
+    except Exception as exc:
+        for future in futures:
+            _settle_exception(future, exc)
+        return
+    for future in futures:
+        if not future.done():
+            future.set_result(result)
 
 
 def _settle_exception(future: Future, exc: BaseException) -> None:

@@ -35,7 +35,7 @@ import anyio.to_thread
 from billing.db import UNAVAILABLE
 from billing.ledger import Ledger
 from billing.meter import UsageMeter
-from billing.open_rows import PROCESS_OWNER, Progress, close_orphans, save_progress
+from billing.open_rows import PROCESS_OWNER, Progress, close_orphans
 from billing.usage import UsageRecord
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class UsageRecorder:
         while True:
             await anyio.sleep(checkpoint_s)
             try:
-                await anyio.to_thread.run_sync(self._save_progress)
+                await self._save_progress()
                 self.write_unclaimed()
                 if time.monotonic() - last_sweep >= orphan_after_s / 2:
                     last_sweep = time.monotonic()
@@ -89,13 +89,13 @@ class UsageRecorder:
         if unclaimed:
             self.ledger.submit(unclaimed).add_done_callback(_log_failure)
 
-    def _save_progress(self) -> None:
+    async def _save_progress(self) -> None:
         running = list(self._running.items())
         if not running:
             return
         gpu = self.meter.gpu_seconds_so_far([request_id for request_id, _ in running])
-        save_progress(self.ledger.engine,
-                      [Progress(request_id, tokens(), gpu.get(request_id, 0.0)) for request_id, tokens in running])
+        progress = [Progress(request_id, tokens(), gpu.get(request_id, 0.0)) for request_id, tokens in running]
+        await asyncio.wrap_future(self.ledger.save_progress(progress))
 
     # -- admitted requests ------------------------------------------------
 
