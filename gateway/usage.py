@@ -58,13 +58,16 @@ class UsageRecorder:
     # -- open rows --------------------------------------------------------
 
     def open(self, request_id: str, tenant: str, tier: str, adapter: str | None, queued_at: float,
-             prompt_tokens: int, completion_tokens: Callable[[], int]) -> None:
-        """Open the admitted request's row (without waiting) and save its progress until finish()."""
+             prompt_tokens: int, completion_tokens: Callable[[], int]) -> Future[bool]:
+        """Open the admitted request's row and save its progress until finish(); the future resolves once
+        the row is durable (a stream waits for it before its first byte shows the client the request id)."""
         record = UsageRecord(request_id=request_id, tenant=tenant, tier=tier, adapter=adapter, status="open",
                              queued_at=queued_at, finished_at=time.time(), prompt_tokens=prompt_tokens,
                              owner=PROCESS_OWNER)
         self._running[request_id] = completion_tokens
-        self.ledger.submit([record]).add_done_callback(_log_failure)
+        opened = self.ledger.submit([record])
+        opened.add_done_callback(_log_failure)
+        return opened
 
     async def run_background(self, checkpoint_s: float, orphan_after_s: float) -> None:
         """Until cancelled: save running requests' progress, write unclaimed records, close orphaned rows."""

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from billing_tcp_proxy import TcpProxy
+from bench.faults import TcpProxy
 from sqlalchemy import create_engine, select, text
 
 from billing.db import create_engine_for, upgrade

@@ -6,7 +6,7 @@ import asyncio
 import uuid
 
 import pytest
-from private_redis import PrivateRedis
+from bench.faults import PrivateRedis
 
 from gateway.ratelimit import Limits
 from gateway.ratelimit.redis_budget import RedisLimiter
