@@ -3,7 +3,7 @@
 write() returns only once the record is durable: committed in the database, or fsynced to the
 spool. Spooled records are replayed at start and by a background thread. A request has one row,
 keyed by its id: opened at admission (status `open`, billing.open_rows), closed by its final
-record; a record written twice is stored once (see _statements).
+record; a record written twice is stored once (billing.ledger_rows).
 
 submit() is the same promise for callers that should not block (the gateway's event loop): a
 writer thread group-commits whatever arrived together in one transaction and resolves each
@@ -22,33 +22,26 @@ survives the process being killed (synchronous=NORMAL, see billing.db).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
 from concurrent.futures import Future
+from dataclasses import dataclass
 
-from sqlalchemy import Connection, Engine, or_
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, Engine
 
 from billing.db import UNAVAILABLE
 from billing.ledger_inline import InlineSqlite
-from billing.models import RecomputeCharge, UsageEntry
-from billing.spool import Spool
+from billing.ledger_rows import INSERTS, insert_records, statements
 from billing.open_rows import Progress, save_progress
+from billing.spool import Spool
 from billing.usage import UsageRecord
 
-# Rows a final record may still close.
-REOPENABLE = ("open", "interrupted")
 
 log = logging.getLogger(__name__)
 
-# The dialects whose INSERT has ON CONFLICT DO NOTHING.
-_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 # Bounds one group commit, so a flood's backlog cannot become one huge transaction.
 MAX_BATCH_RECORDS = 1000
 # When the checkpointer runs: after this many rows (a row dirties ~5 pages, so about SQLite's own
@@ -87,8 +80,8 @@ class Ledger:
         # (In-memory SQLite has no WAL, and its connections are per thread.)
         self._sqlite = engine.dialect.name == "sqlite" and engine.url.database not in (None, "", ":memory:")
         # Statements built once: building an INSERT per row costs more than SQLite's commit.
-        insert = _INSERTS.get(engine.dialect.name)
-        self._statements = None if insert is None else _statements(insert)
+        insert = INSERTS.get(engine.dialect.name)
+        self._statements = None if insert is None else statements(insert)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._submit_lock = threading.Lock()  # orders submits against close()'s stop marker
         self._commit_lock = threading.Lock()  # held by the writer per batch; the checkpointer may take it
@@ -364,51 +357,6 @@ class Ledger:
         with self.engine.connect() as connection:
             row = connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)").one()
         return int(row[1])
-
-
-def insert_records(connection: Connection, records: Iterable[UsageRecord]) -> int:
-    """Insert or close each record's row (see _statements); returns how many rows changed."""
-    insert = _INSERTS.get(connection.dialect.name)
-    if insert is None:
-        raise NotImplementedError(f"the ledger supports PostgreSQL and SQLite, not {connection.dialect.name}")
-    # RETURNING, not rowcount: psycopg 3 reports -1 for statements SQLAlchemy adds RETURNING to.
-    _, charge, entry = _statements(insert)
-    inserted = 0
-    for record in records:
-        values = record.ledger_values()
-        if connection.execute(entry, values).first() is None:
-            continue  # already closed, charges included (they commit with the row)
-        inserted += 1
-        if record.recompute_by_tier:
-            connection.execute(
-                charge,
-                [
-                    {"request_id": record.request_id, "charged_tier": tier, "gpu_seconds": seconds,
-                     "finished_at": values["finished_at"]}
-                    for tier, seconds in record.recompute_by_tier.items()
-                ],
-            )
-    return inserted
-
-
-@functools.cache
-def _statements(insert) -> tuple:
-    """(ledger row upsert, recompute charge insert, the upsert returning the request ids it changed).
-
-    One row per request id: a new id is inserted; a final record closes the request's `open` row
-    (or an `interrupted` one, when the record is the truth a crash had hidden); anything else
-    (a record written twice, an `open` record arriving after its final one) changes nothing.
-    """
-    statement = insert(UsageEntry)
-    table = UsageEntry.__table__
-    columns = [c.name for c in table.columns if c.name not in ("id", "request_id")]
-    upsert = statement.on_conflict_do_update(
-        index_elements=["request_id"],
-        set_={name: statement.excluded[name] for name in columns},
-        # Equalities, not IN: an IN list is an "expanding" parameter, which executemany refuses.
-        where=or_(*(table.c.status == status for status in REOPENABLE)) & (statement.excluded.status != "open"),
-    )
-    return upsert, insert(RecomputeCharge), upsert.returning(UsageEntry.request_id)
 
 
 def _settle(future: Future, write, records: list[UsageRecord]) -> None:
