@@ -51,8 +51,8 @@ class UsageRecorder:
         # finish() collects them; the condition serves a finish() that comes before its event.
         self._cond = threading.Condition()
         self._finished: dict[str, UsageRecord] = {}
-        # Running requests whose open rows the background loop saves: request id -> its count of
-        # completion tokens sent so far (read, never called, off the hot path).
+        # Running requests whose open rows the background loop saves: request id -> what tells
+        # its count of completion tokens sent so far (asked only by that loop, off the hot path).
         self._running: dict[str, Callable[[], int]] = {}
 
     # -- open rows --------------------------------------------------------
