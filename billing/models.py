@@ -30,10 +30,10 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-# A row is `open` from admission to the request's end, then ok, cancelled or error; one a dead
-# process left open is closed as `interrupted`; a refused request's row is `rejected` at once.
+# A row is `open` from admission to the request's end, then ok, cancelled or error; a refused
+# request's row is `rejected` at once. `interrupted`: the server stopped the request (a drain's
+# deadline), or its process died and another closed its open row; the row has the tokens it made.
 LEDGER_STATUSES = ("ok", "cancelled", "error", "rejected", "interrupted", "open")
-FINAL_STATUSES = ("ok", "cancelled", "error", "rejected", "interrupted")
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY, not a BIGINT one.
 BigId = BigInteger().with_variant(Integer, "sqlite")

@@ -80,7 +80,7 @@ def test_rows_of_a_dead_process_are_closed_as_interrupted_with_their_saved_progr
     assert _rows(engine)["dead"] == ("ok", 31, 0.5)
 
 
-def test_migration_0002_keeps_the_ledger_and_its_charges(empty_db_url):
+def test_migrations_keep_the_ledger_and_its_charges_on_the_way_up_and_down(empty_db_url):
     upgrade(empty_db_url, "0001")
     engine = create_engine_for(empty_db_url)
     try:
@@ -93,7 +93,7 @@ def test_migration_0002_keeps_the_ledger_and_its_charges(empty_db_url):
                       {"t": "2026-01-01 00:00:00"})
         upgrade(empty_db_url)
         with engine.connect() as c:
-            assert c.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0002"
+            assert c.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0003"
             assert c.execute(text("SELECT status, completion_tokens, owner FROM usage_ledger")).one() == ("ok", 4, None)
             assert c.execute(text("SELECT request_id, gpu_seconds FROM recompute_charges")).one() == ("old", 0.25)
         with engine.begin() as c:
