@@ -37,6 +37,7 @@ from gateway.completions import chat_completions, completions
 from gateway.errors import APIError
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics, render
+from gateway.prompts import PromptEncoder
 from gateway.ratelimit import RateLimiter, make_limiter
 from gateway.services import Gateway
 from gateway.settings import Settings
@@ -152,6 +153,7 @@ def create_app(
         metrics=metrics,
         lifecycle=Lifecycle(on_drain=lambda: setattr(metrics, "draining", True)),
         tracing=tracing or Tracing(),
+        prompts=PromptEncoder(engine, settings.tokenizer_threads),
     )
     engine.add_listener(meter)
     engine.add_listener(gw.usage.on_engine_event)  # after the meter: it takes the meter's records
@@ -209,6 +211,7 @@ def create_app(
             await gw.limiter.close()
             await anyio.to_thread.run_sync(engine.shutdown)
             gw.usage.write_unclaimed()
+            gw.prompts.close()
             await anyio.to_thread.run_sync(ledger.close)  # writes the rows still queued, 429s included
             gw.tracing.shutdown()
             gc.unfreeze()  # a process that serves several apps in turn (tests) can collect this one
