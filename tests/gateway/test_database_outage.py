@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
-from bench.faults import TcpProxy
+from bench.faults import TcpProxy, free_port
 from sqlalchemy import create_engine, select, text
 
 from billing.db import create_engine_for, upgrade
 from billing.models import UsageEntry
 
 pytestmark = pytest.mark.postgres
+
+REPO = Path(__file__).resolve().parents[2]
 
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
@@ -126,3 +133,36 @@ def test_serve_starts_with_the_database_down_and_becomes_ready_once_it_answers(s
                       headers={"authorization": f"Bearer {key}"}, timeout=30)
     assert done.status_code == 200
     assert wait_until(lambda: _ledger(url) == {done.json()["id"]: "ok"}, timeout_s=10), _ledger(url)
+
+
+def test_tiergate_serve_demo_waits_for_the_database_then_migrates_and_seeds(pg_proxy, tiny_model_dir, tmp_path):
+    url, proxy = pg_proxy
+    port = free_port()
+    env = {**os.environ, "TIERGATE_DATABASE_URL": url, "TIERGATE_SPOOL_PATH": str(tmp_path / "spool.jsonl"),
+           "PYTHONPATH": str(REPO)}
+    proxy.cut()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--demo", "--model",
+                             f"dummy:{tiny_model_dir}", "--port", str(port)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: _status(base + "/healthz") == 200, timeout_s=120), "serve did not start"
+        assert _status(base + "/readyz") == 503
+        proxy.restore()
+        assert wait_until(lambda: _status(base + "/readyz") == 200, timeout_s=30)
+        engine = create_engine_for(url)
+        with engine.connect() as c:
+            tenants = sorted(c.scalars(text("SELECT name FROM tenants")))
+        engine.dispose()
+        assert tenants == ["acme", "globex"]  # the demo's tenants, made once the database answered
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+    assert "tiergate demo" in out and "key: tg-" in out  # the banner, with keys that now exist
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.TransportError:
+        return None
