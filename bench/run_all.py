@@ -73,6 +73,8 @@ def benches() -> list[Bench]:
               ["--concurrency", "32", "--max-tokens", "32", "--rounds", "3"],
               ["--concurrency", "4", "--max-tokens", "8", "--rounds", "1"]),
         Bench("report_speed", "Billing report speed", json_flag=""),
+        Bench("chaos", "Chaos: database cut, Redis restart, SIGKILL, dropped streams under load",
+              quick_args=["--phase-s", "4"], timeout_s=600),
     ]
 
 
