@@ -30,6 +30,13 @@ class SchedulerConfig:
     max_loras: int = 4  # distinct adapters in one step (device slots)
     enable_prefix_caching: bool = True
     policy: str = "tiered"  # "tiered" or "fcfs"
+    # Inside a tier (tiered policy only): admit from the tenant with the lowest virtual token
+    # counter (scheduler/fairness.py) instead of in arrival order; decode dearer than prefill.
+    fair_share: bool = True
+    fair_prefill_weight: float = 1.0
+    fair_decode_weight: float = 2.0
+    # "tenant": a sequence hits only cached blocks of its own tenant; "shared": of anyone.
+    prefix_cache_scope: str = "tenant"
     tiers: tuple[TierConfig, ...] = field(default_factory=default_tiers)
     # Under sustained premium load, standard still gets this share of each
     # step's token budget when it has work waiting.
