@@ -78,7 +78,9 @@ class Engine:
                 max_model_len=self.max_model_len,
                 max_loras=config.max_loras,
                 enable_prefix_caching=config.enable_prefix_caching,
+                prefix_cache_scope=config.prefix_cache_scope,
                 policy=config.policy,
+                fair_share=config.fair_share,
                 tiers=config.tiers,
                 standard_min_share=config.standard_min_share,
             )
@@ -97,6 +99,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._load_snapshot: dict[str, TierLoad] = self.scheduler.load()
         self._kv_snapshot: dict[str, int] = {}
+        self._spread_snapshot: dict[str, float] = {}
         self.busy_seconds = 0.0  # sum of step durations, for metering checks
 
     # ---- lifecycle -------------------------------------------------------
@@ -166,6 +169,10 @@ class Engine:
     def kv_usage(self) -> tuple[dict[str, int], int]:
         return dict(self._kv_snapshot), self.num_kv_blocks
 
+    def fair_share_spread(self) -> dict[str, float]:
+        """Per tier: max minus min virtual token counter over tenants with requests waiting."""
+        return self._spread_snapshot
+
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -218,6 +225,8 @@ class Engine:
             tier=request.tier,
             adapter=request.adapter,
             max_tokens=request.params.max_tokens,
+            tenant=request.tenant,
+            weight=request.tenant_weight,
         )
         state = RequestState(
             request=request,
@@ -386,6 +395,7 @@ class Engine:
     def _publish_snapshots(self) -> None:
         self._load_snapshot = self.scheduler.load()
         self._kv_snapshot, _ = self.scheduler.kv_usage()
+        self._spread_snapshot = self.scheduler.counter_spread()
 
     def _emit(self, event: StepEvent | FinishEvent) -> None:
         for listener in self._listeners:

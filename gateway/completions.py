@@ -146,7 +146,9 @@ async def _generate(request: Request, kind: str) -> Response:
         # Built before the engine has the request: from then on this thread holds the GIL the
         # engine thread needs for its step, until it awaits the first delta.
         headers = {"x-request-id": request_id, **decision.headers()}
-        stream = await _submit(gw, admitted, EngineRequest(request_id, prompt, params, tenant.tier, adapter), trace)
+        engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
+                                       tenant_weight=tenant.weight)
+        stream = await _submit(gw, admitted, engine_request, trace)
         job = Job(admitted, stream, gw, trace)
         if req.stream:
             return JobStream(job, headers)

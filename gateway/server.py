@@ -58,6 +58,7 @@ def build(settings: Settings, migrate: bool = True) -> Built:
             model=settings.model,
             device=settings.device,
             policy=settings.scheduler_policy,
+            prefix_cache_scope=settings.prefix_cache_scope,
             max_model_len=settings.max_model_len,
             max_loras=settings.max_loras,
             tiers=tiers(settings),
