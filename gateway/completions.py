@@ -164,7 +164,7 @@ async def _generate(request: Request, kind: str) -> Response:
 
 async def _admit(gw: Gateway, a: Admitted, tenant) -> Decision:
     """Admission control, then the tenant's rate limits; a refusal is counted, billed as rejected, and raised."""
-    refusal = gw.admission.check(a.tier, gw.engine.load())
+    refusal = gw.admission.check(a.tier, gw.engine.load(), a.tenant)
     if refusal is not None:
         gw.metrics.count_rejection(a.tier, refusal.reason)
         gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)

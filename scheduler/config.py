@@ -63,3 +63,13 @@ class TierLoad:
     running: int
     queued_prefill_tokens: int
     predicted_ttft_s: float  # for a new request of this tier arriving now
+    # Fair share: a request of a tenant with nothing waiting in the tier goes ahead of the others'
+    # backlogs, so it waits less; None when the policy has no fair share (then predicted_ttft_s holds).
+    newcomer_ttft_s: float | None = None
+    backlogged_tenants: frozenset = frozenset()  # tenants with requests waiting in the tier
+
+    def predicted_ttft_for(self, tenant: str | None) -> float:
+        """Predicted TTFT of a new request of ``tenant`` (None: unknown, the tier's prediction)."""
+        if self.newcomer_ttft_s is None or tenant is None or tenant in self.backlogged_tenants:
+            return self.predicted_ttft_s
+        return self.newcomer_ttft_s

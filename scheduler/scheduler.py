@@ -212,7 +212,7 @@ class Scheduler:
         for seq in prefilling:
             room = step.budget - keep
             if room <= 0:
-                return
+                break
             if seq.seq_id in step.preempted:
                 continue
             chunk = step.chunks.get(seq.seq_id)
@@ -230,21 +230,19 @@ class Scheduler:
                 step.add(seq, n)
         queued = self.waiting[queue]
         skipped: set[str] = set()
-        first = self.policy.next_to_admit(queued, skipped)
-        if first is not None and first.seq_id in step.preempted:
-            # It was preempted for want of blocks this step: it stays first in
-            # line, and worse queues must not take the blocks it will need.
-            step.admission_closed = True
         while not step.admission_closed and step.budget - keep > 0:
             seq = self.policy.next_to_admit(queued, skipped)
-            if seq is None:
-                return
+            if seq is None or seq.seq_id in step.preempted:
+                break  # a sequence preempted this step stays next in line: nobody overtakes it
             reason = self._admit(seq, step, keep, may_preempt)
             if reason in (NO_SLOT, NO_BLOCKS):
                 step.admission_closed = True  # the policy's order holds: nobody overtakes
-                return
-            if reason == NO_ADAPTER:
+            elif reason == NO_ADAPTER:
                 skipped.add(seq.seq_id)  # it waits for a slot; later requests with resident adapters may go
+        if any(s.seq_id in step.preempted for s in queued):
+            # Preempted for want of blocks this step: worse queues must not take the blocks it will
+            # need. (Under fair share a less-served tenant of the same queue may still go first.)
+            step.admission_closed = True
 
     def _admission_need(self, seq: Sequence, step: _Step, keep: int) -> tuple[str | None, list[int], int]:
         """(why ``seq`` cannot start now or None, its cached prefix blocks, its chunk)."""
@@ -347,25 +345,39 @@ class Scheduler:
         waiting = dict.fromkeys(self._priority, 0)
         running = dict.fromkeys(self._priority, 0)
         queued = dict.fromkeys(self._priority, 0)  # prefill tokens not yet computed
+        under_way = dict.fromkeys(self._priority, 0)  # of those, in running prefills
+        heads: dict[str, dict[str | None, int]] = {t: {} for t in self._priority}  # first waiting, per tenant
         for s in self._live.values():
             if s.status is SequenceStatus.WAITING:
                 waiting[s.tier] += 1
                 queued[s.tier] += s.num_tokens
+                heads[s.tier].setdefault(s.tenant, s.num_tokens)
             else:
                 running[s.tier] += 1
                 if s.is_prefilling:
                     queued[s.tier] += s.num_tokens - s.num_computed_tokens
+                    under_way[s.tier] += s.num_tokens - s.num_computed_tokens
+        fair = self.policy.name == "tiered" and self.config.fair_share
         result = {}
         for tier, priority in self._priority.items():
             if self.policy.name == "tiered":
                 ahead = sum(n for t, n in queued.items() if self._priority[t] <= priority)
             else:
                 ahead = sum(queued.values())  # FCFS: everyone queued is ahead
+            newcomer = None
+            if fair:
+                # A tenant with nothing waiting starts level with the least served one: better
+                # tiers, the prefills under way and at most one request per waiting tenant go first.
+                better = sum(n for t, n in queued.items() if self._priority[t] < priority)
+                newcomer_ahead = better + under_way[tier] + sum(heads[tier].values())
+                newcomer = self.load_estimator.predict_ttft(tier, newcomer_ahead)
             result[tier] = TierLoad(
                 queue_depth=waiting[tier],
                 running=running[tier],
                 queued_prefill_tokens=queued[tier],
                 predicted_ttft_s=self.load_estimator.predict_ttft(tier, ahead),
+                newcomer_ttft_s=newcomer,
+                backlogged_tenants=frozenset(heads[tier]),
             )
         return result
 

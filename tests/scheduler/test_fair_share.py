@@ -265,3 +265,14 @@ def test_a_light_request_is_not_starved_by_an_endless_flood(flood, arrives_at, s
             assert t - arrives_at <= MAX_PROMPT + MAX_TOKENS + 2
             return
     raise AssertionError("the light request starved")
+
+
+def test_load_predicts_a_shorter_wait_for_a_tenant_with_nothing_waiting(request_of):
+    sched = make_scheduler(config(max_num_seqs=1))
+    for _ in range(10):
+        sched.add(request_of("flood", prompt=20))
+    engine_step(sched)
+    standard = sched.load()["standard"]
+    assert standard.backlogged_tenants == {"flood"}
+    assert standard.predicted_ttft_for("light") < 0.6 * standard.predicted_ttft_for("flood")
+    assert make_scheduler(config(fair_share=False)).load()["standard"].newcomer_ttft_s is None
