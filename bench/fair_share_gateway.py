@@ -54,9 +54,8 @@ async def ttft(client: httpx.AsyncClient, url: str, key: str, prompt: str, max_t
     first = None
     async with client.stream("POST", url + "/v1/completions", json=body,
                              headers={"authorization": f"Bearer {key}"}) as response:
-        if response.status_code != 200:
-            print(f"fair_share_gateway: HTTP {response.status_code}: {(await response.aread())[:200]!r}",
-                  file=sys.stderr)
+        if response.status_code != 200:  # a 429: counted as not ok
+            await response.aread()
             return None
         async for line in response.aiter_lines():
             if first is None and line.startswith("data:") and _has_text(line[5:].strip()):
@@ -85,9 +84,10 @@ async def light_loop(client, url, key, every_s: float, duration_s: float, out: l
 async def flood_stream(client, url, key, ids, prompt_chars: int, max_tokens: int, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
-            await ttft(client, url, key, flood_prompt(next(ids), prompt_chars), max_tokens)
+            if await ttft(client, url, key, flood_prompt(next(ids), prompt_chars), max_tokens) is None:
+                await asyncio.sleep(0.5)  # refused: a real client backs off too
         except httpx.HTTPError:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
 
 
 async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> dict:
