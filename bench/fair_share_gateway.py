@@ -69,16 +69,15 @@ def _has_text(data: str) -> bool:
     return any(choice.get("text") for choice in json.loads(data).get("choices") or ())
 
 
-async def light_loop(client, url, key, every_s: float, duration_s: float, out: list) -> None:
+async def light_loop(client, url, key, every_s: float, duration_s: float) -> list[asyncio.Task]:
+    """Send for ``duration_s``; the requests' tasks (TTFT or None), still running."""
     tasks = []
-    n = 0
     end = time.monotonic() + duration_s
-    while time.monotonic() < end:
+    for n in itertools.count():
+        if time.monotonic() >= end:
+            return tasks
         tasks.append(asyncio.create_task(ttft(client, url, key, light_prompt(n), 8)))
-        n += 1
         await asyncio.sleep(every_s)
-    for result in await asyncio.gather(*tasks):
-        out.append(result)
 
 
 async def flood_stream(client, url, key, ids, prompt_chars: int, max_tokens: int, stop: asyncio.Event) -> None:
@@ -93,17 +92,17 @@ async def flood_stream(client, url, key, ids, prompt_chars: int, max_tokens: int
 async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> dict:
     timeout = httpx.Timeout(600, connect=10)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=100)) as client:
-        alone: list = []
-        await light_loop(client, url, keys["light"], args.light_every, args.alone_s, alone)
+        alone = await asyncio.gather(*await light_loop(client, url, keys["light"], args.light_every, args.alone_s))
         stop = asyncio.Event()
         ids = itertools.count()
         flood = [asyncio.create_task(flood_stream(client, url, keys["flood"], ids, args.flood_prompt_chars,
                                                   args.flood_max_tokens, stop)) for _ in range(args.flood)]
         await asyncio.sleep(args.warmup_s)
         before, started = await _completion_and_prompt_tokens(client, url), time.monotonic()
-        beside: list = []
-        await light_loop(client, url, keys["light"], args.light_every, args.flood_s, beside)
+        sent = await light_loop(client, url, keys["light"], args.light_every, args.flood_s)
+        # Throughput over the sending window alone, the same length under every policy.
         after, elapsed = await _completion_and_prompt_tokens(client, url), time.monotonic() - started
+        beside = await asyncio.gather(*sent)
         stop.set()
         for task in flood:
             task.cancel()

@@ -56,6 +56,10 @@ class Policy(ABC):
         """The waiting sequence of ``queue`` to admit next, passing over ``skipped`` ids."""
         return next((s for s in queue if s.seq_id not in skipped), None)
 
+    def goes_before(self, waiting: Sequence, running: Sequence) -> bool:
+        """Whether ``waiting`` is admitted before ``running`` (same queue) continues its prefill."""
+        return False
+
     # Fair-share bookkeeping; only the tiered policy with fair_share keeps any.
     def enqueued(self, seq: Sequence) -> None:
         pass
@@ -135,6 +139,9 @@ class TieredPolicy(Policy):
         if self.fair is None:
             return super().next_to_admit(queue, skipped)
         return self.fair.pick(queue, skipped)
+
+    def goes_before(self, waiting: Sequence, running: Sequence) -> bool:
+        return self.fair is not None and self.fair.counter(waiting) < self.fair.counter(running)
 
     def enqueued(self, seq: Sequence) -> None:
         if self.fair is not None:

@@ -208,16 +208,23 @@ class Scheduler:
     def _schedule_prefills(
         self, queue: str, prefilling: list[Sequence], step: _Step, keep: int, may_preempt: bool
     ) -> None:
-        """Continue ``queue``'s running prefills, then admit its waiting sequences in order."""
+        """Continue ``queue``'s running prefills, then admit its waiting sequences in order.
+
+        Under fair share a waiting sequence of a tenant served less than a running prefill's
+        is admitted before that prefill continues: else a flood's long prefills would take
+        every step's budget while a neighbour's short request waited behind them.
+        """
+        queued = self.waiting[queue]
+        skipped: set[str] = set()
         for seq in prefilling:
-            room = step.budget - keep
-            if room <= 0:
+            if step.budget - keep <= 0:
                 break
             if seq.seq_id in step.preempted:
                 continue
+            self._admit_waiting(queued, step, keep, may_preempt, skipped, before=seq)
             chunk = step.chunks.get(seq.seq_id)
             start = chunk.end if chunk else seq.num_computed_tokens
-            n = min(seq.num_tokens - start, room)
+            n = min(seq.num_tokens - start, step.budget - keep)
             if n <= 0:
                 continue
             if may_preempt:
@@ -228,21 +235,33 @@ class Scheduler:
                     self.block_manager.allocate(seq, start + n)
             if ok:
                 step.add(seq, n)
-        queued = self.waiting[queue]
-        skipped: set[str] = set()
+        self._admit_waiting(queued, step, keep, may_preempt, skipped)
+        if any(s.seq_id in step.preempted for s in queued):
+            # Preempted for want of blocks this step: worse queues must not take the blocks it will
+            # need. (Under fair share a less-served tenant of the same queue may still go first.)
+            step.admission_closed = True
+
+    def _admit_waiting(
+        self,
+        queued: deque[Sequence],
+        step: _Step,
+        keep: int,
+        may_preempt: bool,
+        skipped: set[str],
+        before: Sequence | None = None,
+    ) -> None:
+        """Admit ``queued`` in the policy's order (only those that go ``before`` a running prefill)."""
         while not step.admission_closed and step.budget - keep > 0:
             seq = self.policy.next_to_admit(queued, skipped)
             if seq is None or seq.seq_id in step.preempted:
-                break  # a sequence preempted this step stays next in line: nobody overtakes it
+                return  # a sequence preempted this step stays next in line: nobody overtakes it
+            if before is not None and not self.policy.goes_before(seq, before):
+                return
             reason = self._admit(seq, step, keep, may_preempt)
             if reason in (NO_SLOT, NO_BLOCKS):
                 step.admission_closed = True  # the policy's order holds: nobody overtakes
             elif reason == NO_ADAPTER:
                 skipped.add(seq.seq_id)  # it waits for a slot; later requests with resident adapters may go
-        if any(s.seq_id in step.preempted for s in queued):
-            # Preempted for want of blocks this step: worse queues must not take the blocks it will
-            # need. (Under fair share a less-served tenant of the same queue may still go first.)
-            step.admission_closed = True
 
     def _admission_need(self, seq: Sequence, step: _Step, keep: int) -> tuple[str | None, list[int], int]:
         """(why ``seq`` cannot start now or None, its cached prefix blocks, its chunk)."""
@@ -345,7 +364,6 @@ class Scheduler:
         waiting = dict.fromkeys(self._priority, 0)
         running = dict.fromkeys(self._priority, 0)
         queued = dict.fromkeys(self._priority, 0)  # prefill tokens not yet computed
-        under_way = dict.fromkeys(self._priority, 0)  # of those, in running prefills
         heads: dict[str, dict[str | None, int]] = {t: {} for t in self._priority}  # first waiting, per tenant
         for s in self._live.values():
             if s.status is SequenceStatus.WAITING:
@@ -356,7 +374,6 @@ class Scheduler:
                 running[s.tier] += 1
                 if s.is_prefilling:
                     queued[s.tier] += s.num_tokens - s.num_computed_tokens
-                    under_way[s.tier] += s.num_tokens - s.num_computed_tokens
         fair = self.policy.name == "tiered" and self.config.fair_share
         result = {}
         for tier, priority in self._priority.items():
@@ -366,10 +383,11 @@ class Scheduler:
                 ahead = sum(queued.values())  # FCFS: everyone queued is ahead
             newcomer = None
             if fair:
-                # A tenant with nothing waiting starts level with the least served one: better
-                # tiers, the prefills under way and at most one request per waiting tenant go first.
+                # A tenant with nothing waiting starts level with the least served one and goes
+                # before busier tenants' prefills: better tiers and at most one request per
+                # waiting tenant (a tie) go first.
                 better = sum(n for t, n in queued.items() if self._priority[t] < priority)
-                newcomer_ahead = better + under_way[tier] + sum(heads[tier].values())
+                newcomer_ahead = better + sum(heads[tier].values())
                 newcomer = self.load_estimator.predict_ttft(tier, newcomer_ahead)
             result[tier] = TierLoad(
                 queue_depth=waiting[tier],

@@ -276,3 +276,16 @@ def test_load_predicts_a_shorter_wait_for_a_tenant_with_nothing_waiting(request_
     assert standard.backlogged_tenants == {"flood"}
     assert standard.predicted_ttft_for("light") < 0.6 * standard.predicted_ttft_for("flood")
     assert make_scheduler(config(fair_share=False)).load()["standard"].newcomer_ttft_s is None
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_light_request_does_not_wait_for_a_floods_running_prefills(request_of, fair):
+    sched = make_scheduler(config(max_num_seqs=8, max_num_batched_tokens=16, fair_share=fair))
+    for _ in range(6):
+        sched.add(request_of("flood", prompt=60, max_tokens=2))
+    for _ in range(2):
+        engine_step(sched)
+    light = request_of("light", prompt=4)
+    sched.add(light)
+    waited = steps_until_scheduled(sched, light)
+    assert waited <= 2 if fair else waited > 10
