@@ -1,8 +1,11 @@
-"""Moving averages of step time, prefill throughput and prompt length, for predicted TTFT."""
+"""Predicted TTFT per tier: moving averages of step time, prefill throughput and prompt length, and the backlog."""
 
 from __future__ import annotations
 
-from scheduler.config import SchedulerConfig
+from collections.abc import Iterable
+
+from scheduler.config import SchedulerConfig, TierLoad
+from scheduler.sequence import Sequence, SequenceStatus
 
 
 class LoadEstimator:
@@ -51,3 +54,48 @@ class LoadEstimator:
     def predict_ttft(self, tier: str, tokens_ahead: int) -> float:
         """TTFT of a new ``tier`` request behind ``tokens_ahead`` queued prefill tokens."""
         return (tokens_ahead + self.typical_prompt(tier)) / self.prefill_tokens_per_s + self.step_time_s
+
+
+def tier_loads(
+    live: Iterable[Sequence], priority: dict[str, int], estimator: LoadEstimator, tiered: bool, fair: bool
+) -> dict[str, TierLoad]:
+    """Per tier: queue depth, running, queued prefill tokens and predicted TTFT of a new request.
+
+    ``tiered``: better tiers' backlogs are ahead, worse ones are not (else everyone's is);
+    ``fair``: also the shorter wait of a tenant with nothing waiting in its tier.
+    """
+    waiting = dict.fromkeys(priority, 0)
+    running = dict.fromkeys(priority, 0)
+    queued = dict.fromkeys(priority, 0)  # prefill tokens not yet computed
+    heads: dict[str, dict[str | None, int]] = {t: {} for t in priority}  # first waiting, per tenant
+    for s in live:
+        if s.status is SequenceStatus.WAITING:
+            waiting[s.tier] += 1
+            queued[s.tier] += s.num_tokens
+            heads[s.tier].setdefault(s.tenant, s.num_tokens)
+        else:
+            running[s.tier] += 1
+            if s.is_prefilling:
+                queued[s.tier] += s.num_tokens - s.num_computed_tokens
+    result = {}
+    for tier, rank in priority.items():
+        if tiered:
+            ahead = sum(n for t, n in queued.items() if priority[t] <= rank)
+        else:
+            ahead = sum(queued.values())  # FCFS: everyone queued is ahead
+        newcomer = None
+        if fair:
+            # A tenant with nothing waiting starts level with the least served one and goes
+            # before busier tenants' prefills: better tiers and at most one request per
+            # waiting tenant (a tie) go first.
+            better = sum(n for t, n in queued.items() if priority[t] < rank)
+            newcomer = estimator.predict_ttft(tier, better + sum(heads[tier].values()))
+        result[tier] = TierLoad(
+            queue_depth=waiting[tier],
+            running=running[tier],
+            queued_prefill_tokens=queued[tier],
+            predicted_ttft_s=estimator.predict_ttft(tier, ahead),
+            newcomer_ttft_s=newcomer,
+            backlogged_tenants=frozenset(heads[tier]),
+        )
+    return result

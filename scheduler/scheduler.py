@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig, TierLoad
-from scheduler.load import LoadEstimator
+from scheduler.load import LoadEstimator, tier_loads
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
@@ -361,43 +361,13 @@ class Scheduler:
 
     def load(self) -> dict[str, TierLoad]:
         """Per tier: queue depth, running, queued prefill tokens and predicted TTFT of a new request."""
-        waiting = dict.fromkeys(self._priority, 0)
-        running = dict.fromkeys(self._priority, 0)
-        queued = dict.fromkeys(self._priority, 0)  # prefill tokens not yet computed
-        heads: dict[str, dict[str | None, int]] = {t: {} for t in self._priority}  # first waiting, per tenant
-        for s in self._live.values():
-            if s.status is SequenceStatus.WAITING:
-                waiting[s.tier] += 1
-                queued[s.tier] += s.num_tokens
-                heads[s.tier].setdefault(s.tenant, s.num_tokens)
-            else:
-                running[s.tier] += 1
-                if s.is_prefilling:
-                    queued[s.tier] += s.num_tokens - s.num_computed_tokens
-        fair = self.policy.name == "tiered" and self.config.fair_share
-        result = {}
-        for tier, priority in self._priority.items():
-            if self.policy.name == "tiered":
-                ahead = sum(n for t, n in queued.items() if self._priority[t] <= priority)
-            else:
-                ahead = sum(queued.values())  # FCFS: everyone queued is ahead
-            newcomer = None
-            if fair:
-                # A tenant with nothing waiting starts level with the least served one and goes
-                # before busier tenants' prefills: better tiers and at most one request per
-                # waiting tenant (a tie) go first.
-                better = sum(n for t, n in queued.items() if self._priority[t] < priority)
-                newcomer_ahead = better + sum(heads[tier].values())
-                newcomer = self.load_estimator.predict_ttft(tier, newcomer_ahead)
-            result[tier] = TierLoad(
-                queue_depth=waiting[tier],
-                running=running[tier],
-                queued_prefill_tokens=queued[tier],
-                predicted_ttft_s=self.load_estimator.predict_ttft(tier, ahead),
-                newcomer_ttft_s=newcomer,
-                backlogged_tenants=frozenset(heads[tier]),
-            )
-        return result
+        return tier_loads(
+            self._live.values(),
+            self._priority,
+            self.load_estimator,
+            tiered=self.policy.name == "tiered",
+            fair=self.policy.name == "tiered" and self.config.fair_share,
+        )
 
     def counter_spread(self) -> dict[str, float]:
         """Per tier (fair share only): max minus min virtual token counter over backlogged tenants."""
