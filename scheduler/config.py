@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -63,13 +64,13 @@ class TierLoad:
     running: int
     queued_prefill_tokens: int
     predicted_ttft_s: float  # for a new request of this tier arriving now
-    # Fair share: a request of a tenant with nothing waiting in the tier goes ahead of the others'
-    # backlogs, so it waits less; None when the policy has no fair share (then predicted_ttft_s holds).
-    newcomer_ttft_s: float | None = None
-    backlogged_tenants: frozenset = frozenset()  # tenants with requests waiting in the tier
+    # Fair share: tenants take turns, so a tenant's new request waits for its own backlog and about
+    # as much of each other tenant's, not for the whole tier's. None without fair share.
+    newcomer_ttft_s: float | None = None  # a tenant with nothing queued in the tier
+    tenant_ttft_s: Mapping[str | None, float] = field(default_factory=dict)  # tenants with work queued
 
     def predicted_ttft_for(self, tenant: str | None) -> float:
         """Predicted TTFT of a new request of ``tenant`` (None: unknown, the tier's prediction)."""
-        if self.newcomer_ttft_s is None or tenant is None or tenant in self.backlogged_tenants:
+        if self.newcomer_ttft_s is None or tenant is None:
             return self.predicted_ttft_s
-        return self.newcomer_ttft_s
+        return self.tenant_ttft_s.get(tenant, self.newcomer_ttft_s)

@@ -55,10 +55,11 @@ def test_queues_are_bounded_and_standard_bound_is_smaller():
 
 def test_a_floods_backlog_does_not_shed_a_tenant_with_nothing_waiting():
     flooded = {"premium": TierLoad(0, 0, 0, 0.0),
-               "standard": TierLoad(30, 2, 9000, 40.0, newcomer_ttft_s=1.5, backlogged_tenants=frozenset({"flood"}))}
+               "standard": TierLoad(30, 2, 9000, 40.0, newcomer_ttft_s=1.5, tenant_ttft_s={"flood": 40.0, "light": 3.0})}
     c = controller(standard_max_wait_s=30)
     assert c.check("standard", flooded, "flood").reason == "slo"
-    assert c.check("standard", flooded, "light") is None
+    assert c.check("standard", flooded, "light") is None  # its own queued work and its turns: 3 s
+    assert c.check("standard", flooded, "newcomer") is None
     assert c.check("standard", flooded).reason == "slo"  # no tenant named: the tier's prediction
 
 

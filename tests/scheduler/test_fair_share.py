@@ -272,14 +272,16 @@ def test_a_light_request_is_not_starved_by_an_endless_flood(flood, arrives_at, s
     raise AssertionError("the light request starved")
 
 
-def test_load_predicts_a_shorter_wait_for_a_tenant_with_nothing_waiting(request_of):
+def test_load_predicts_each_tenant_its_own_wait_under_fair_share(request_of):
     sched = make_scheduler(config(max_num_seqs=1))
     for _ in range(10):
         sched.add(request_of("flood", prompt=20))
     engine_step(sched)
+    sched.add(request_of("light", prompt=20))
     standard = sched.load()["standard"]
-    assert standard.backlogged_tenants == {"flood"}
-    assert standard.predicted_ttft_for("light") < 0.6 * standard.predicted_ttft_for("flood")
+    assert set(standard.tenant_ttft_s) == {"flood", "light"}
+    assert standard.predicted_ttft_for("light") < standard.predicted_ttft_for("flood")
+    assert standard.predicted_ttft_for("newcomer") < standard.predicted_ttft_for("light")
     assert make_scheduler(config(fair_share=False)).load()["standard"].newcomer_ttft_s is None
 
 
