@@ -52,6 +52,7 @@ class Streamed:
     """Text chunks (about one token each) received so far, by every stream."""
 
     chunks: int = 0
+    refused: int = 0  # requests answered 429
 
 
 async def ttft(client: httpx.AsyncClient, url: str, key: str, prompt: str, max_tokens: int,
@@ -64,6 +65,7 @@ async def ttft(client: httpx.AsyncClient, url: str, key: str, prompt: str, max_t
     async with client.stream("POST", url + "/v1/completions", json=body,
                              headers={"authorization": f"Bearer {key}"}) as response:
         if response.status_code != 200:  # a 429: counted as not ok
+            streamed.refused += 1
             await response.aread()
             return None
         async for line in response.aiter_lines():
@@ -112,17 +114,19 @@ async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> d
         flood = [asyncio.create_task(flood_stream(client, url, keys["flood"], ids, args.flood_prompt_chars,
                                                   args.flood_max_tokens, stop, streamed)) for _ in range(args.flood)]
         await asyncio.sleep(args.warmup_s)
-        before, started = streamed.chunks, time.monotonic()
+        before, refused_before, started = streamed.chunks, streamed.refused, time.monotonic()
         sent = await light_loop(client, url, keys["light"], args.light_every, args.flood_s, streamed)
         # Throughput over the sending window alone, the same length under every policy; counted as
         # the tokens arrive (the gateway's own counters move only when a request ends).
         after, elapsed = streamed.chunks, time.monotonic() - started
+        refused = streamed.refused - refused_before
         beside = await asyncio.gather(*sent)
         stop.set()
         for task in flood:
             task.cancel()
         await asyncio.gather(*flood, return_exceptions=True)
     return {"alone": _summary(alone), "flood": _summary(beside), "tokens_per_s": (after - before) / elapsed,
+            "refused_in_window": refused,
             "flood_requests_started": next(ids)}
 
 
@@ -223,14 +227,14 @@ def render_markdown(result: dict) -> str:
         f"then {s['warmup_s']:g} s of flood warm-up and {s['flood_s']:g} s measured beside it.",
         "",
         "| policy | light TTFT p50 / p99 alone (s) | light TTFT p50 / p99 beside the flood (s) | p99 ratio "
-        "| light ok / sent | output tokens/s beside the flood |",
-        "|---|---|---|---:|---|---:|",
+        "| light ok / sent | 429s in the window (both tenants) | output tokens/s beside the flood |",
+        "|---|---|---|---:|---|---:|---:|",
     ]
     for policy, r in result["policies"].items():
         a, f = r["alone"], r["flood"]
         lines.append(f"| {policy} | {_fmt(a['ttft_p50_s'])} / {_fmt(a['ttft_p99_s'])} | {_fmt(f['ttft_p50_s'])} / "
                      f"{_fmt(f['ttft_p99_s'])} | {_ratio(r['p99_ratio'])} | {f['ok']} / {f['sent']} "
-                     f"| {r['tokens_per_s']:.0f} |")
+                     f"| {r.get('refused_in_window', '-')} | {r['tokens_per_s']:.1f} |")
     lines += ["", *[f"- [{'MET' if g['met'] else 'MISSED'}] {g['goal']}: {g['value']:.3g}" for g in result["goals"]]]
     lines += ["", "The plot: the light tenant's TTFT distribution per policy, alone (dotted) and beside the flood."]
     return "\n".join(lines) + "\n"
