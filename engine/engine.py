@@ -100,6 +100,7 @@ class Engine:
         self._load_snapshot: dict[str, TierLoad] = self.scheduler.load()
         self._kv_snapshot: dict[str, int] = {}
         self._spread_snapshot: dict[str, float] = {}
+        self._adapter_snapshot: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self.busy_seconds = 0.0  # sum of step durations, for metering checks
 
     # ---- lifecycle -------------------------------------------------------
@@ -172,6 +173,10 @@ class Engine:
     def fair_share_spread(self) -> dict[str, float]:
         """Per tier: max minus min virtual token counter over tenants with requests waiting."""
         return self._spread_snapshot
+
+    def adapter_usage(self) -> tuple[frozenset[str], frozenset[str]]:
+        """LoRA adapters of running requests and of waiting ones, as of the last step."""
+        return self._adapter_snapshot
 
     @property
     def is_running(self) -> bool:
@@ -396,6 +401,7 @@ class Engine:
         self._load_snapshot = self.scheduler.load()
         self._kv_snapshot, _ = self.scheduler.kv_usage()
         self._spread_snapshot = self.scheduler.counter_spread()
+        self._adapter_snapshot = self.scheduler.adapter_usage()
 
     def _emit(self, event: StepEvent | FinishEvent) -> None:
         for listener in self._listeners:
