@@ -248,8 +248,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--flood-max-tokens", type=int, default=128)
     p.add_argument("--light-every", type=float, default=1.5, help="seconds between light requests")
     p.add_argument("--alone-s", type=float, default=15.0)
-    p.add_argument("--warmup-s", type=float, default=15.0)
-    p.add_argument("--flood-s", type=float, default=45.0)
+    p.add_argument("--warmup-s", type=float, default=60.0, help="the flood reaches its steady state first")
+    p.add_argument("--flood-s", type=float, default=60.0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if min(args.flood, args.flood_prompt_chars, args.flood_max_tokens) < 1 or min(
