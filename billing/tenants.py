@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -20,6 +19,7 @@ DEFAULT_MAX_CONCURRENT = 8
 LIMITS = ("rpm", "tpm", "max_concurrent")
 DEFAULT_WEIGHT = 1.0
 MAX_WEIGHT = 1000.0  # a weight is a ratio between tenants; beyond this it is surely a typo
+MAX_LIMIT = 2**31 - 1  # the limit columns are 32-bit integers in PostgreSQL
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ def create_tenant(
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
     weight: float = DEFAULT_WEIGHT,
 ) -> TenantSettings:
-    if not name or len(name) > 128:
-        raise InvalidLimit(f"tenant name must be 1 to 128 characters, got {name!r}")
+    if not name or len(name) > 128 or not name.isprintable():
+        raise InvalidLimit(f"tenant name must be 1 to 128 printable characters, got {name!r}")
     _check_tier(tier)
     limits = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent}
     for field, value in limits.items():
@@ -111,13 +111,13 @@ def _check_tier(tier: object) -> None:
 
 
 def _check_limit(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidLimit(f"{field} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_LIMIT:
+        raise InvalidLimit(f"{field} must be an integer from 1 to {MAX_LIMIT}, got {value!r}")
 
 
 def _check_weight(value: object) -> None:
-    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-            or not 0 < value <= MAX_WEIGHT):
+    # Compared, never converted: an int too large for a float must be refused, not overflow.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_WEIGHT:
         raise InvalidLimit(f"weight must be a number in (0, {MAX_WEIGHT:g}], got {value!r}")
 
 
