@@ -75,6 +75,8 @@ def benches() -> list[Bench]:
               quick_args=["--flood", "4", "--alone-s", "3", "--warmup-s", "3", "--flood-s", "6"], timeout_s=900),
         Bench("gateway_overhead", "Gateway overhead", json_flag="--out"),
         Bench("report_speed", "Billing report speed", json_flag=""),
+        Bench("chaos", "Chaos: database cut, Redis restart, SIGKILL, dropped streams under load",
+              quick_args=["--phase-s", "4"], timeout_s=600),
     ]
 
 

@@ -15,7 +15,7 @@ class UsageRecord:
     tenant: str | None
     tier: str
     adapter: str | None
-    status: str  # ok | cancelled | error | rejected
+    status: str  # open (admitted, still running) | ok | cancelled | error | rejected | interrupted
     queued_at: float  # time.time() seconds, like the engine's events
     finished_at: float
     first_token_at: float | None = None
@@ -26,6 +26,7 @@ class UsageRecord:
     # Recompute performed for this request after preemptions, by the tier that pays for it.
     recompute_by_tier: dict[str, float] = field(default_factory=dict)
     queue_seconds: float = 0.0  # waiting in the engine's queue
+    owner: str | None = None  # an open row's process (billing.open_rows.PROCESS_OWNER)
 
     def __post_init__(self) -> None:
         # A bad row is refused here, before it could be spooled and retried forever.
@@ -62,6 +63,7 @@ class UsageRecord:
             "first_token_at": None if self.first_token_at is None else utc_datetime(self.first_token_at),
             "finished_at": utc_datetime(self.finished_at),
             "queue_seconds": self.queue_seconds,
+            "owner": self.owner,
         }
 
 

@@ -36,3 +36,4 @@ class Gateway:
     # uuid4 reads os.urandom on every call, a syscall that is slow in sandboxes and on the 429 path.
     ids: random.Random = field(default_factory=random.Random)
     started_at: float = 0.0  # time.time() when the app started; the `created` of /v1/models entries
+    database_ready: bool = True  # False from startup until the database answered and was set up

@@ -46,6 +46,14 @@ class Settings:
     # Open connections (and requests in flight) past which a request gets 503 + Retry-After and is closed.
     max_connections: int = 1000
     auth_cache_ttl_s: float = 5.0
+    # While the database is unreachable, keys already seen keep working this long past their TTL.
+    auth_stale_if_error_s: float = 300.0
+    # How often every replica checks the database for keys revoked elsewhere (the CLI, another replica).
+    auth_revocation_poll_s: float = 0.5
+    # How often the token counts of running requests are saved to their open ledger rows.
+    ledger_checkpoint_s: float = 1.0
+    # An open ledger row whose process has not saved it for this long is closed as `interrupted`.
+    ledger_orphan_after_s: float = 60.0
     rate_window_s: float = 60.0
     max_queued: int = 256
     drain_timeout_s: float = 30.0
@@ -81,6 +89,13 @@ class Settings:
                      "max_connections"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
+        for name in ("auth_revocation_poll_s", "ledger_checkpoint_s"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be positive, not {getattr(self, name)}")
+        if not self.ledger_orphan_after_s > 2 * self.ledger_checkpoint_s:
+            raise SettingsError("ledger_orphan_after_s must be more than twice ledger_checkpoint_s")
+        if self.auth_stale_if_error_s < 0:
+            raise SettingsError(f"auth_stale_if_error_s must not be negative, not {self.auth_stale_if_error_s}")
 
     @property
     def premium_slo_s(self) -> float:

@@ -129,14 +129,14 @@ def serve(make_engine, database_url: str, tmp_path: Path) -> Iterator[Callable[.
     """Start live servers: ``serve(settings overrides..., engine=..., limiter=...)``; all stopped at teardown."""
     started: list[LiveServer] = []
 
-    def start(engine: Engine | None = None, limiter=None, **settings_overrides) -> LiveServer:
+    def start(engine: Engine | None = None, limiter=None, prepare_database=None, **settings_overrides) -> LiveServer:
         engine = engine or make_engine()
         port = free_port()
         settings = Settings(database_url=database_url, admin_token=ADMIN_TOKEN, port=port,
                             spool_path=str(tmp_path / f"spool-{uuid.uuid4().hex}.jsonl"), **settings_overrides)
         db = create_engine_for(database_url)
         ledger = Ledger(db, settings.spool_path, retry_interval_s=0.5)
-        app = create_app(settings, engine, db, ledger, limiter=limiter)
+        app = create_app(settings, engine, db, ledger, limiter=limiter, prepare_database=prepare_database)
         live = start_server(app, engine, db, settings)
         started.append(live)
         return live
