@@ -23,6 +23,7 @@ into a padded copy and runs SDPA over it, which is the fallback.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -62,8 +63,7 @@ def cpu_decode_kernel() -> DecodeKernel | None:
             from torch.utils.cpp_extension import load
 
             log.info("loading the CPU paged attention kernel (built once, then cached)")
-            load(name="tiergate_paged_attention", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                 is_python_module=False, verbose=False)
+            load(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False, verbose=False)
         except Exception as error:  # any build failure leaves the gathered path, which is always correct
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             log.warning("CPU paged attention kernel unavailable, decode attention gathers contexts instead: %s",
@@ -80,6 +80,17 @@ def cuda_decode_kernel() -> DecodeKernel | None:
         log.warning("Triton paged attention kernel unavailable, decode attention gathers contexts instead: %s", error)
         return None
     return paged_decode_attention
+
+
+def _build_name() -> str:
+    """The build's name carries the CPU's model and flags: torch reuses a cached build by source
+    and flags only, and a -march=native build from another CPU sharing the cache could crash here."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return "tiergate_paged_attention_" + hashlib.sha1("".join(lines).encode()).hexdigest()[:10]
 
 
 def _ensure_ninja_on_path() -> None:
