@@ -2,10 +2,13 @@
 // context read in place from the block pool, with no padded copy of the context.
 //
 // Registered as torch.ops.tiergate.paged_decode_attention. Work is split over
-// (sequence, kv head) pairs with at::parallel_for, so it runs on the calling
-// thread's torch thread count. The query heads that share a KV head are handled
-// together, so each key and value row is read from memory once for all of them.
-// Scores, softmax and the weighted sum of values accumulate in float32.
+// sequences (or (sequence, kv head) pairs when there are fewer sequences than
+// threads) with at::parallel_for, so it runs on the calling thread's torch
+// thread count. The query heads that share a KV head are handled together, so
+// each key and value row is read from memory once for all of them. One pass per
+// block with an online softmax; scores, softmax and the weighted sum of values
+// accumulate in float32. Written by hand because no library op reads a paged
+// pool in place on the CPU (torch's SDPA needs the context contiguous).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -20,9 +23,7 @@
 
 namespace {
 
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 2
-#endif
+constexpr int64_t PREFETCH_ROWS = 8;
 
 template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -40,7 +41,7 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
   const float softmax_scale = static_cast<float>(scale);
-  const int64_t block_bytes = block_size * token_stride * int64_t(sizeof(scalar_t));
+  const int64_t row_bytes = token_stride * int64_t(sizeof(scalar_t));
 
   // A work item is one sequence with all its KV heads, so each block is read front
   // to back as the hardware prefetcher likes; with fewer sequences than threads, a
@@ -69,12 +70,15 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
       for (int64_t start = 0; start < ctx; start += block_size) {
         const scalar_t* block = cache + table[start / block_size] * block_size * token_stride + first_kv_head * head_dim;
         const int64_t n = std::min(block_size, ctx - start);
-        for (int64_t ahead = start == 0 ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ++ahead) {
-          if (start + ahead * block_size >= ctx) break;
-          const char* next = reinterpret_cast<const char*>(cache + table[start / block_size + ahead] * block_size * token_stride);
-          for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(next + off);
-        }
         for (int64_t t = 0; t < n; ++t) {
+          // The hardware prefetcher does not follow the block table, so ask for the token
+          // row PREFETCH_ROWS positions ahead (keys and values of all heads) ourselves.
+          const int64_t ahead = start + t + PREFETCH_ROWS;
+          if (ahead < ctx) {
+            const char* row = reinterpret_cast<const char*>(
+                cache + (table[ahead / block_size] * block_size + ahead % block_size) * token_stride);
+            for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte);
+          }
           const scalar_t* keys = block + t * token_stride;
           for (int64_t r = 0; r < rows; ++r) {
             const float* qr = query.data() + r * head_dim;
