@@ -33,6 +33,7 @@ from gateway.completions import chat_completions, completions
 from gateway.errors import APIError
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics, render
+from gateway.prompts import PromptEncoder
 from gateway.ratelimit import RateLimiter, make_limiter
 from gateway.services import Gateway
 from gateway.settings import Settings
@@ -133,6 +134,7 @@ def create_app(
         metrics=metrics,
         lifecycle=Lifecycle(on_drain=lambda: setattr(metrics, "draining", True)),
         tracing=tracing or Tracing(),
+        prompts=PromptEncoder(engine, settings.tokenizer_threads),
     )
     engine.add_listener(meter)
     engine.add_listener(gw.usage.on_engine_event)  # after the meter: it takes the meter's records
@@ -156,6 +158,7 @@ def create_app(
             await gw.lifecycle.drain(settings.drain_timeout_s)
             await gw.limiter.close()
             await anyio.to_thread.run_sync(engine.shutdown)
+            gw.prompts.close()
             await anyio.to_thread.run_sync(ledger.close)  # writes the rows still queued, 429s included
             gw.tracing.shutdown()
             gc.unfreeze()  # a process that serves several apps in turn (tests) can collect this one

@@ -106,16 +106,21 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(settings: Settings, built: Built) -> None:
-    config = uvicorn.Config(
-        built.app,
+def uvicorn_config(settings: Settings, app: Starlette) -> uvicorn.Config:
+    """How uvicorn serves the app: for ``serve``, and for tests and benches that run the real thing."""
+    return uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
-        http=OneWriteHttpToolsProtocol,
+        http=OneWriteHttpToolsProtocol.with_timeouts(settings.header_timeout_s, settings.body_timeout_s),
+        limit_concurrency=settings.max_connections,
         log_level=settings.log_level,
         access_log=False,  # the app writes its own, after the response (gateway/access_log.py)
         timeout_graceful_shutdown=5,
         lifespan="on",
         log_config=None,  # logging is configured once by the CLI (JSON lines); uvicorn must not replace it
     )
-    DrainingServer(config, built.app.state.gateway).run()
+
+
+def serve(settings: Settings, built: Built) -> None:
+    DrainingServer(uvicorn_config(settings, built.app), built.app.state.gateway).run()

@@ -12,6 +12,7 @@ from gateway.admission import AdmissionController
 from gateway.auth import Authenticator
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
+from gateway.prompts import PromptEncoder
 from gateway.ratelimit import RateLimiter
 from gateway.settings import Settings
 from gateway.tracing import Tracing
@@ -30,6 +31,7 @@ class Gateway:
     metrics: GatewayMetrics
     lifecycle: Lifecycle
     tracing: Tracing
+    prompts: PromptEncoder
     # Request ids: 128 random bits from a generator seeded once from os.urandom, because
     # uuid4 reads os.urandom on every call, a syscall that is slow in sandboxes and on the 429 path.
     ids: random.Random = field(default_factory=random.Random)

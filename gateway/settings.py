@@ -36,6 +36,13 @@ class Settings:
     max_loras: int = 4
     default_max_tokens: int = 256  # when a request names none: bounds what TPM reserves for it
     max_body_bytes: int = 1 << 20
+    tokenizer_threads: int = 2  # long prompts are tokenized on this many threads, off the event loop
+    # Slow clients: a request's head must arrive within header_timeout_s of the connection (or of its
+    # first byte on a kept-alive one), its body within body_timeout_s of the head; else 408 and close.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # Open connections (and requests in flight) past which a request gets 503 + Retry-After and is closed.
+    max_connections: int = 1000
     auth_cache_ttl_s: float = 5.0
     rate_window_s: float = 60.0
     max_queued: int = 256
@@ -63,7 +70,11 @@ class Settings:
             raise SettingsError(f"drain_timeout_s must be zero or more, not {self.drain_timeout_s}")
         if not 1 <= self.concurrency_lease_s <= 3600:
             raise SettingsError(f"concurrency_lease_s must be in [1, 3600], not {self.concurrency_lease_s}")
-        for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued"):
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be positive, not {getattr(self, name)}")
+        for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued", "tokenizer_threads",
+                     "max_connections"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
 
