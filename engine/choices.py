@@ -11,6 +11,7 @@ event with the sum of its tokens, and its step items under that id.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from engine.events import FinishEvent
@@ -58,12 +59,13 @@ class ChoiceGroup:
                      cached_tokens=first.cached_tokens)
 
     def finish_event(self, status: str) -> FinishEvent:
-        first = self.states[0].finish_event(status, self.reasons.get(0, "abort"))
+        """The first choice's event, with the whole request's tokens and times."""
         usage = self.usage()
         starts = [s.first_token_at for s in self.states if s.first_token_at is not None]
-        return FinishEvent(
-            request_id=self.request_id, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-            status=status, cached_tokens=usage.cached_tokens, finish_reason=first.finish_reason, tier=first.tier,
-            adapter=first.adapter, queued_at=first.queued_at, first_token_at=min(starts, default=None),
-            finished_at=first.finished_at, num_preemptions=sum(s.seq.num_preemptions for s in self.states),
+        return dataclasses.replace(
+            self.states[0].finish_event(status, self.reasons.get(0, "abort")),
+            completion_tokens=usage.completion_tokens,
+            first_token_at=min(starts, default=None),
+            num_preemptions=sum(s.seq.num_preemptions for s in self.states),
+            queue_s=max(s.seq.queue_time_s for s in self.states),
         )

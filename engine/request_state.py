@@ -46,6 +46,8 @@ class RequestState:
             tier=request.tier,
             adapter=request.adapter,
             max_tokens=params.max_tokens,
+            tenant=request.tenant,
+            weight=request.tenant_weight,
         )
         return cls(
             request=request,
@@ -115,4 +117,5 @@ class RequestState:
             first_token_at=self.first_token_at,
             finished_at=time.time(),
             num_preemptions=self.seq.num_preemptions,
+            queue_s=self.seq.queue_time_s,
         )
