@@ -21,9 +21,10 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(params=list(TINY_CONFIGS))
-def setup(request, tiny_model_dirs):
+def setup(request, tiny_model_dirs, linear_path):
     path = tiny_model_dirs[request.param]
     runner = ModelRunner(load_model(str(path)), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    assert runner.model.is_packed == (linear_path == "packed")
     return runner, HFReference(path), BlockPool(NUM_BLOCKS)
 
 
