@@ -55,7 +55,9 @@ def _make_runner(engine: str, requests: list[BenchRequest], max_concurrency: int
             os.environ["TIERGATE_CPU_THREADS"] = str(threads)
         else:
             os.environ.pop("TIERGATE_CPU_THREADS", None)
-        return TiergateRunner(max_concurrency, _context_per_sequence(requests))
+        runner = TiergateRunner(max_concurrency, _context_per_sequence(requests))
+        runner.name = engine
+        return runner
     if engine == "hf-transformers":
         from bench.peers.hf_transformers import HFTransformersRunner
 
