@@ -41,7 +41,7 @@ class StepTiming:
     variant: str
     batch: int
     wall_ms: float  # median over the steps, around llama_decode
-    llama_ms: float  # llama.cpp's own t_eval per decode call
+    llama_ms: float  # llama.cpp's own eval time per decode call, mean
 
 
 def _fill(batch, tokens: list[tuple[int, int, int, bool]]) -> None:
@@ -78,9 +78,11 @@ def measure(model, variant: str, batch_size: int, prompt_len: int, steps: int, t
             started = time.perf_counter()
             if llama_cpp.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed")
+            llama_cpp.llama_synchronize(ctx)  # where llama.cpp books the call's time
             walls.append(time.perf_counter() - started)
         perf = llama_cpp.llama_perf_context(ctx)
-        return StepTiming(variant, batch_size, statistics.median(walls) * 1e3, perf.t_eval_ms / max(perf.n_eval, 1))
+        # llama.cpp books a call of more than one token as prompt eval, of one token as eval.
+        return StepTiming(variant, batch_size, statistics.median(walls) * 1e3, (perf.t_eval_ms + perf.t_p_eval_ms) / steps)
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)

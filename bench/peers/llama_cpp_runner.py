@@ -46,6 +46,50 @@ def context_params(n_seq: int, context_per_sequence: int, n_threads: int) -> lla
     return params
 
 
+class ThreadPicker:
+    """llama.cpp's thread count per step size, picked by timing steps, as tiergate's own tuner does
+    (engine/cpu_threads.py): on cores shared with other processes one OpenMP thread can run a
+    step several times faster than two, and a peer with a count fixed ahead would run below itself.
+
+    Steps of one size class (tokens rounded up to a power of two) alternate between the candidates
+    for ``trial_steps`` steps each, the fastest per token is kept, and the trial is repeated every
+    ``period`` steps of that size.
+    """
+
+    def __init__(self, ctx, max_threads: int, trial_steps: int = 3, period: int = 200) -> None:
+        self.ctx = ctx
+        self.candidates = sorted({1, max_threads})
+        self.trial_steps, self.period = trial_steps, period
+        self.by_size: dict[int, dict] = {}
+        self.current = max_threads
+        self._step: tuple[dict, int] | None = None
+
+    def before_step(self, num_tokens: int) -> None:
+        size = 1 << max(num_tokens - 1, 0).bit_length()
+        state = self.by_size.setdefault(size, {"chosen": self.candidates[-1], "schedule": [], "samples": {}, "left": 0})
+        if not state["schedule"] and state["left"] <= 0 and len(self.candidates) > 1:
+            state["schedule"] = [c for _ in range(self.trial_steps) for c in self.candidates]
+            state["samples"] = {c: [] for c in self.candidates}
+            state["left"] = self.period
+        count = state["schedule"].pop(0) if state["schedule"] else state["chosen"]
+        state["left"] -= 1
+        if count != self.current:
+            llama_cpp.llama_set_n_threads(self.ctx, count, count)
+            self.current = count
+        self._step = (state, count)
+
+    def after_step(self, seconds: float) -> None:
+        state, count = self._step
+        if count in state["samples"]:
+            state["samples"][count].append(seconds)
+            if not state["schedule"]:
+                state["chosen"] = min(state["samples"], key=lambda c: statistics.median(state["samples"][c]))
+                state["samples"] = {}
+
+    def choices(self) -> dict[str, int]:
+        return {str(size): state["chosen"] for size, state in sorted(self.by_size.items())}
+
+
 @dataclass
 class _Slot:
     seq_id: int
@@ -105,6 +149,7 @@ class LlamaCppRunner:
         timings: list[RequestTiming] = []
         steps = 0
         full_decode_steps: list[float] = []
+        threads = ThreadPicker(ctx, self.n_threads)
         begin = time.perf_counter()
         while pending or running:
             while pending and free_ids:
@@ -144,11 +189,14 @@ class LlamaCppRunner:
                         add(slot.request.prompt_token_ids[pos], pos, slot.seq_id, last)
                     slot.fed += chunk
             batch.n_tokens = n
+            threads.before_step(n)
             decode_started = time.perf_counter()
             if llama_cpp.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed")
+            decode_s = time.perf_counter() - decode_started
+            threads.after_step(decode_s)
             if n == concurrency == len(sampled):  # every slot decoding one token: the check's shape
-                full_decode_steps.append(time.perf_counter() - decode_started)
+                full_decode_steps.append(decode_s)
             steps += 1
             now = time.perf_counter() - begin
 
@@ -166,5 +214,6 @@ class LlamaCppRunner:
         wall = time.perf_counter() - begin
         extra = {"batching": "llama_decode, one sequence per slot, ascending ids", "steps": steps,
                  "full_decode_steps": len(full_decode_steps),
-                 "full_decode_step_ms_p50": statistics.median(full_decode_steps) * 1e3 if full_decode_steps else None}
+                 "full_decode_step_ms_p50": statistics.median(full_decode_steps) * 1e3 if full_decode_steps else None,
+                 "threads_chosen": threads.choices()}
         return RunResult(self.name, concurrency, wall, sorted(timings, key=lambda t: t.index), extra)
