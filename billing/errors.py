@@ -7,6 +7,14 @@ class BillingError(Exception):
     """Base of every billing error; str(error) is a one-line message fit for a CLI or a 4xx body."""
 
 
+class NotFound(BillingError):
+    """The thing named does not exist (a 404 over HTTP)."""
+
+
+class AlreadyExists(BillingError):
+    """The thing to create exists already (a 409 over HTTP)."""
+
+
 class InvalidTier(BillingError):
     pass
 
@@ -15,15 +23,15 @@ class InvalidLimit(BillingError):
     pass
 
 
-class UnknownTenant(BillingError):
+class UnknownTenant(NotFound):
     pass
 
 
-class DuplicateTenant(BillingError):
+class DuplicateTenant(AlreadyExists):
     pass
 
 
-class UnknownKey(BillingError):
+class UnknownKey(NotFound):
     pass
 
 
@@ -31,15 +39,15 @@ class InvalidAdapter(BillingError):
     pass
 
 
-class UnknownAdapter(BillingError):
+class UnknownAdapter(NotFound):
     pass
 
 
-class DuplicateAdapter(BillingError):
+class DuplicateAdapter(AlreadyExists):
     pass
 
 
-class UnknownGrant(BillingError):
+class UnknownGrant(NotFound):
     pass
 
 
@@ -51,5 +59,5 @@ class MissingPrice(BillingError):
     pass
 
 
-class UnknownRequest(BillingError):
+class UnknownRequest(NotFound):
     pass

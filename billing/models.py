@@ -29,7 +29,8 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-LEDGER_STATUSES = ("ok", "cancelled", "error", "rejected")
+# interrupted: the server stopped the request (a drain's deadline); the row has the tokens it made.
+LEDGER_STATUSES = ("ok", "cancelled", "error", "rejected", "interrupted")
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY, not a BIGINT one.
 BigId = BigInteger().with_variant(Integer, "sqlite")

@@ -9,7 +9,8 @@ from scheduler.config import TierConfig, default_tiers
 
 
 def default_cache_dir() -> str:
-    return os.environ.get("TIERGATE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tiergate"))
+    """TIERGATE_CACHE_DIR, or ~/.cache/tiergate when it is unset or empty."""
+    return os.environ.get("TIERGATE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tiergate")
 
 
 @dataclass(frozen=True)

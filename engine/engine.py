@@ -97,6 +97,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._load_snapshot: dict[str, TierLoad] = self.scheduler.load()
         self._kv_snapshot: dict[str, int] = {}
+        self._adapter_snapshot: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self.busy_seconds = 0.0  # sum of step durations, for metering checks
 
     # ---- lifecycle -------------------------------------------------------
@@ -165,6 +166,10 @@ class Engine:
 
     def kv_usage(self) -> tuple[dict[str, int], int]:
         return dict(self._kv_snapshot), self.num_kv_blocks
+
+    def adapter_usage(self) -> tuple[frozenset[str], frozenset[str]]:
+        """LoRA adapters of running requests and of waiting ones, as of the last step."""
+        return self._adapter_snapshot
 
     @property
     def is_running(self) -> bool:
@@ -386,6 +391,7 @@ class Engine:
     def _publish_snapshots(self) -> None:
         self._load_snapshot = self.scheduler.load()
         self._kv_snapshot, _ = self.scheduler.kv_usage()
+        self._adapter_snapshot = self.scheduler.adapter_usage()
 
     def _emit(self, event: StepEvent | FinishEvent) -> None:
         for listener in self._listeners:

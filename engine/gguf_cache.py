@@ -25,10 +25,6 @@ from engine.model_config import ModelConfig
 COMPLETE_MARKER = "tiergate-complete"
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("TIERGATE_CACHE_DIR") or Path.home() / ".cache" / "tiergate")
-
-
 def cache_dir_for(gguf_path: Path, cache_dir: Path) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]

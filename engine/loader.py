@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from engine.gguf_cache import default_cache_dir, materialize_gguf
+from engine.config import default_cache_dir
+from engine.gguf_cache import materialize_gguf
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
 
@@ -68,7 +69,7 @@ def load_model(
     seed: int = 0,
 ) -> LoadedModel:
     dtype = dtype or default_dtype(device)
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = Path(cache_dir if cache_dir is not None else default_cache_dir())
     if spec.startswith(DUMMY_PREFIX):
         return _load_dummy(Path(spec[len(DUMMY_PREFIX) :]).expanduser(), device, dtype, seed)
 

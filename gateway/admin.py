@@ -21,7 +21,7 @@ from starlette.routing import Route
 from billing import adapters as billing_adapters
 from billing import keys as billing_keys
 from billing import tenants as billing_tenants
-from billing.errors import BillingError
+from billing.errors import AlreadyExists, BillingError, NotFound
 from billing.report_formats import as_dicts, render
 from billing.reports import usage_report
 from gateway.adapter_dirs import AdapterDirError, read_adapter_dir
@@ -33,10 +33,9 @@ MAX_ADMIN_BODY = 64 * 1024
 
 
 def billing_error(e: BillingError) -> APIError:
-    name = type(e).__name__
-    if name.startswith("Unknown"):
+    if isinstance(e, NotFound):
         return APIError(404, str(e), code="not_found")
-    if name.startswith("Duplicate"):
+    if isinstance(e, AlreadyExists):
         return APIError(409, str(e), code="conflict")
     return APIError(400, str(e), code="invalid_value")
 

@@ -120,17 +120,18 @@ def create_app(
     """An app serving ``engine``; it starts the engine and ledger at startup and shuts them down at the end."""
     meter = meter or UsageMeter()
     tiers = tuple(engine.config.tiers)
-    metrics = metrics or GatewayMetrics(tiers)
+    metrics = metrics or GatewayMetrics(tiers, vllm_names=settings.vllm_metric_names)
     gw = Gateway(
         settings=settings,
         engine=engine,
         db=db,
         usage=UsageRecorder(meter, ledger),
         auth=Authenticator(lambda secret: authenticate(db, secret), ttl_s=settings.auth_cache_ttl_s),
-        limiter=limiter or make_limiter(settings.redis_url, window_s=settings.rate_window_s),
+        limiter=limiter or make_limiter(settings.redis_url, window_s=settings.rate_window_s,
+                                       key_prefix=settings.redis_key_prefix, lease_s=settings.concurrency_lease_s),
         admission=AdmissionController(tiers, AdmissionPolicy(max_queued=settings.max_queued)),
         metrics=metrics,
-        lifecycle=Lifecycle(),
+        lifecycle=Lifecycle(on_drain=lambda: setattr(metrics, "draining", True)),
         tracing=tracing or Tracing(),
     )
     engine.add_listener(meter)

@@ -19,6 +19,7 @@ from engine.request import Delta, EngineRequest, SamplingParams
 from gateway.errors import APIError, invalid_param, model_not_found, service_unavailable
 from gateway.generation import Admitted, Job, JobStream
 from gateway.http_protocol import ON_DISCONNECT
+from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
 from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
@@ -118,7 +119,8 @@ async def _generate(request: Request, kind: str) -> Response:
     gw: Gateway = request.app.state.gateway
     arrived, queued_at = time.monotonic(), time.time()
     if gw.lifecycle.draining:
-        raise service_unavailable("The server is shutting down; retry on another replica.")
+        raise service_unavailable("The server is shutting down; retry on another replica.",
+                                  headers=retry_headers(DRAIN_RETRY_S))
     tenant = await gw.auth.authenticate(request)
     body = parse_json_body(await read_body(request, gw.settings.max_body_bytes))
     req = parse_chat(body) if kind == "chat" else parse_completion(body)

@@ -16,9 +16,9 @@ from billing import adapters as billing_adapters
 from billing import keys as billing_keys
 from billing import tenants as billing_tenants
 from gateway.adapter_dirs import AdapterDirError, read_adapter_dir
+from lora_pool.demo_adapters import DEMO_ADAPTERS_DIR, demo_adapters
 
 DEMO_TENANTS = (("acme", "premium"), ("globex", "standard"))
-DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent.parent / "lora_pool" / "demo_adapters"
 
 
 @dataclass
@@ -29,12 +29,6 @@ class DemoSetup:
     admin_token: str | None = None
 
 
-def demo_adapter_dirs(root: Path = DEMO_ADAPTERS_DIR) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if (p / "adapter_config.json").is_file())
-
-
 def set_up_demo(db: Database, adapters_root: Path = DEMO_ADAPTERS_DIR) -> DemoSetup:
     setup = DemoSetup()
     existing = {t.name for t in billing_tenants.list_tenants(db)}
@@ -43,8 +37,7 @@ def set_up_demo(db: Database, adapters_root: Path = DEMO_ADAPTERS_DIR) -> DemoSe
             billing_tenants.create_tenant(db, name, tier)
         setup.keys[name] = billing_keys.create_key(db, name)[1]
     registered = {a.name: a for a in billing_adapters.list_adapters(db)}
-    for path in demo_adapter_dirs(adapters_root):
-        name = path.name
+    for name, path in demo_adapters(adapters_root).items():
         if name not in registered:
             try:
                 found = read_adapter_dir(str(path))

@@ -19,7 +19,10 @@ from starlette.types import Receive, Scope, Send
 
 from engine.request import Delta, TokenLogprob, Usage
 from gateway import openai_format as fmt
+from gateway.errors import APIError
+from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
+from gateway.ratelimit.base import retry_headers
 from gateway.usage import gateway_record
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,13 @@ class Job:
         self.recorded = False  # the ledger row is durable
         self.closed = False
         self._first_token_mono: float | None = None
-        gateway.lifecycle.enter()
+        self.interrupted = False  # by a drain's deadline: ends as a server shutdown
+        gateway.lifecycle.enter(self)
+
+    def interrupt(self) -> None:
+        """The server is stopping: end the request now; its response says so and its row is ``interrupted``."""
+        self.interrupted = True
+        self.gw.engine.abort(self.a.request_id)
 
     # -- consuming deltas -------------------------------------------------
 
@@ -67,11 +76,16 @@ class Job:
             self.trace.mark_first_token()
         self.completion_tokens += len(delta.token_ids)
 
+    def _cut_by_shutdown(self, last: Delta) -> bool:
+        return self.interrupted and last.finish_reason == "abort"
+
     async def _record(self, status: str, last: Delta | None = None) -> str:
         """Write the ledger row (before the response's last byte) and account the finish; returns the status."""
         fallback = gateway_record(self.a.request_id, self.a.tenant, self.a.tier, self.a.adapter, status,
                                   self.a.queued_at, self.a.prompt_tokens, self.completion_tokens, self.first_token_at)
-        record = await self.gw.usage.finish(self.a.request_id, fallback)
+        # The engine saw an abort; the row says why: the server stopped, not the client.
+        override = "interrupted" if status == "interrupted" else None
+        record = await self.gw.usage.finish(self.a.request_id, fallback, status=override)
         self.recorded = True
         # The engine's count includes tokens made after a client left, which it never saw: they are
         # billed, and they count against the tenant's TPM when the reservation is settled.
@@ -96,6 +110,11 @@ class Job:
                 if chunk:
                     yield chunk
                 continue
+            if self._cut_by_shutdown(delta):
+                await self._record("interrupted", delta)
+                # The error is the stream's last event: no [DONE], so no client takes the text as whole.
+                yield fmt.sse(shutdown_error(self.completion_tokens).body())
+                return
             await self._record("error" if delta.error else "ok", delta)
             if delta.error:
                 yield fmt.sse({"error": {"message": "The engine failed while generating; the request was "
@@ -117,6 +136,9 @@ class Job:
                 texts.append(last.text)
                 logprobs.extend(last.logprobs)
                 if last.finish_reason is not None:
+                    if self._cut_by_shutdown(last):
+                        await self._record("interrupted", last)
+                        return shutdown_error(self.completion_tokens).response()
                     await self._record("error" if last.error else "ok", last)
                     break
         finally:
@@ -157,7 +179,7 @@ class Job:
                     # event of the abort, which needs no client, so it is written in the background.
                     self.gw.lifecycle.spawn(self._finish_cancelled())
             finally:
-                self.gw.lifecycle.exit()
+                self.gw.lifecycle.exit(self)
 
     async def _finish_cancelled(self) -> None:
         with request_context(self.a.request_id, tenant=self.a.tenant, tier=self.a.tier, trace_id=self.trace.trace_id):
@@ -172,6 +194,12 @@ class Job:
             await self.gw.limiter.release(self.a.tenant, self.a.request_id, self.a.reserved_tokens, used)
         except Exception:  # a limiter outage must not fail a finished response; the lease expires by itself
             log.exception("rate limiter release failed for %s", self.a.request_id)
+
+
+def shutdown_error(tokens_sent: int) -> APIError:
+    return APIError(503, f"The server is shutting down; the response was cut short after {tokens_sent} "
+                    "token(s). Retry the request.", type="server_shutdown", code="server_shutdown",
+                    headers=retry_headers(DRAIN_RETRY_S))
 
 
 class JobStream(StreamingResponse):

@@ -7,7 +7,9 @@ Who feeds what:
 - the engine thread, through ``engine.add_listener(metrics.on_engine_event)``:
   step time, GPU-seconds and tokens per tier, preemptions;
 - scrape time, once ``attach_engine(engine)`` was called: queue depth, KV blocks
-  used per tier, the pool size and each tier's reserve, adapter loads and hits.
+  used per tier, the pool size and each tier's reserve, adapter loads and hits,
+  and the endpoint picker's single series (gateway/epp_metrics.py), whose
+  ``tiergate_draining`` reads ``self.draining``.
 
 No label carries a tenant: tenants live in the billing ledger, and a per-tenant
 label would grow the series count without bound. Every label value is checked
@@ -24,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Count
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.epp_metrics import EndpointPickerCollector
 from scheduler.config import TierConfig, TierLoad, default_tiers
 
 # Bucket bounds cover a GPU (milliseconds) and this CPU (seconds to tens of
@@ -43,7 +46,8 @@ STEP_BUCKETS = (
 )  # fmt: skip
 
 # Requests that reached the engine; refused ones are tiergate_rejections_total.
-REQUEST_STATUSES = ("ok", "cancelled", "error")
+# interrupted: still running at a drain's deadline, ended by the server's shutdown.
+REQUEST_STATUSES = ("ok", "cancelled", "error", "interrupted")
 # rpm/tpm/concurrency: the tenant's rate limits; slo: predicted TTFT over the
 # tier's SLO (admission control); overload: the engine's queue is full.
 REJECTION_REASONS = ("rpm", "tpm", "concurrency", "slo", "overload")
@@ -61,7 +65,9 @@ class EngineLike(Protocol):
 class GatewayMetrics:
     """All tiergate metrics of one app instance, registered in ``self.registry``."""
 
-    def __init__(self, tiers: Sequence[TierConfig] | None = None) -> None:
+    def __init__(self, tiers: Sequence[TierConfig] | None = None, vllm_names: bool = False) -> None:
+        self.vllm_names = vllm_names
+        self.draining = False  # set by the app when a drain starts
         self.tiers: tuple[TierConfig, ...] = tuple(tiers) if tiers is not None else default_tiers()
         self.tier_names = tuple(t.name for t in self.tiers)
         self.registry = CollectorRegistry(auto_describe=True)
@@ -103,6 +109,7 @@ class GatewayMetrics:
         # The SLO as a series, so dashboards draw each tier's line from config rather than a constant.
         self.ttft_slo = Gauge("tiergate_ttft_slo_seconds", "The tier's time-to-first-token SLO.", ["tier"], registry=r)
         self._engine_collector: _EngineStateCollector | None = None
+        self._epp_collector: EndpointPickerCollector | None = None
         self._request_tiers: dict[str, str] = {}
         self._finished: set[str] = set()
         self._lock = threading.Lock()  # the request map is written by both the event loop and the engine thread
@@ -218,10 +225,13 @@ class GatewayMetrics:
 
     def attach_engine(self, engine: EngineLike) -> None:
         """Read queue depth, KV usage, reserves and adapter counters from ``engine`` at every scrape."""
-        if self._engine_collector is not None:
-            self.registry.unregister(self._engine_collector)
+        for collector in (self._engine_collector, self._epp_collector):
+            if collector is not None:
+                self.registry.unregister(collector)
         self._engine_collector = _EngineStateCollector(engine, self.tiers)
         self.registry.register(self._engine_collector)
+        self._epp_collector = EndpointPickerCollector(engine, lambda: self.draining, self.vllm_names)
+        self.registry.register(self._epp_collector)
 
     def _tier(self, tier: str) -> str:
         return _member(tier, self.tier_names, "tier")

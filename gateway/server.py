@@ -2,8 +2,9 @@
 
 SIGTERM starts a drain instead of uvicorn's immediate close: the listener
 stays open so a load balancer can read /readyz turn 503 while in-flight
-requests finish (new ones get 503); once they are done, or the drain timeout
-passes, uvicorn exits and the app's shutdown stops the engine. A second
+requests finish (new ones get 503 with Retry-After); once they are done, or
+the drain timeout passes and the rest are interrupted (gateway/lifecycle.py),
+uvicorn exits with status 0 and the app's shutdown stops the engine. A second
 signal exits at once.
 """
 
@@ -20,6 +21,7 @@ from starlette.applications import Starlette
 
 from billing.db import create_engine_for, upgrade
 from billing.ledger import Ledger
+from billing.spool import adopt_orphans, process_spool_path
 from engine.config import EngineConfig
 from scheduler.config import TierConfig
 from gateway.app import create_app
@@ -28,6 +30,8 @@ from gateway.services import Gateway
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
+
+DEFAULT_SPOOL_DIR = "var/spool"
 
 
 @dataclass
@@ -63,7 +67,9 @@ def build(settings: Settings, migrate: bool = True) -> Built:
             tiers=tiers(settings),
         )
     )
-    ledger = Ledger(db, settings.spool_path)
+    ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))
+    if settings.spool_path is None:
+        adopt_orphans(ledger.spool)  # before start(): the ledger replays them with its own
     return Built(create_app(settings, engine, db, ledger), engine, db)
 
 
@@ -71,6 +77,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self._drain_requested = False
         self._drain_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -79,18 +86,23 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_task is not None or self._loop is None or self.should_exit:
-            super().handle_exit(sig, frame)  # a second signal: stop now
+        if self._drain_requested or self._loop is None or self.should_exit:
+            super().handle_exit(sig, frame)  # a second signal: stop now (and end by that signal)
             return
-        self._captured_signals.append(sig)
+        # Not recorded in _captured_signals, which uvicorn re-raises once it stops: a drain is a
+        # clean end, so the process exits 0 (Kubernetes and systemd read a signal death as a failure).
+        self._drain_requested = True
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
+        self.gateway.lifecycle.start_draining()
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
-        log.info("draining: /readyz is 503, waiting for %d in-flight request(s)", self.gateway.lifecycle.in_flight)
-        await self.gateway.lifecycle.drain(self.gateway.settings.drain_timeout_s)
+        lifecycle, timeout_s = self.gateway.lifecycle, self.gateway.settings.drain_timeout_s
+        log.info("draining: /readyz is 503, waiting up to %.0f s for %d in-flight request(s)",
+                 timeout_s, lifecycle.in_flight)
+        await lifecycle.drain(timeout_s)
         self.should_exit = True
 
 

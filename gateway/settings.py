@@ -17,8 +17,11 @@ class SettingsError(ValueError):
 @dataclass(frozen=True)
 class Settings:
     database_url: str | None = None  # None: billing's default SQLite file under ./var
-    spool_path: str = "var/ledger-spool.jsonl"  # ledger rows wait here while the database is down
+    # Ledger rows wait here while the database is down. None: a file of this process's own under
+    # var/spool/ (host and pid in its name), so replicas started in one directory never share one.
+    spool_path: str | None = None
     redis_url: str | None = None  # None: in-process rate limits
+    redis_key_prefix: str = "tiergate:rl"  # one per deployment sharing a Redis
     model: str = "bundled"
     device: str = "cpu"
     admin_token: str | None = None  # None: the /admin API is closed
@@ -37,6 +40,12 @@ class Settings:
     rate_window_s: float = 60.0
     max_queued: int = 256
     drain_timeout_s: float = 30.0
+    # A concurrency slot is a lease in Redis that a heartbeat renews while the request runs, so a
+    # replica that dies without releasing its slots frees them within this time.
+    concurrency_lease_s: float = 30.0
+    # Also export the endpoint picker's series under vLLM's names (vllm:num_requests_waiting, ...),
+    # so default EPP, KEDA and HPA configurations work unchanged.
+    vllm_metric_names: bool = False
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -50,6 +59,10 @@ class Settings:
             raise SettingsError(f"premium_ttft_slo_s must be positive, not {self.premium_ttft_slo_s}")
         if not 0 <= self.premium_kv_reserve < 1:
             raise SettingsError(f"premium_kv_reserve must be in [0, 1), not {self.premium_kv_reserve}")
+        if not self.drain_timeout_s >= 0:
+            raise SettingsError(f"drain_timeout_s must be zero or more, not {self.drain_timeout_s}")
+        if not 1 <= self.concurrency_lease_s <= 3600:
+            raise SettingsError(f"concurrency_lease_s must be in [1, 3600], not {self.concurrency_lease_s}")
         for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
@@ -63,10 +76,15 @@ class Settings:
 
 
 _KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _convert(name: str, raw: str, default: Any) -> Any:
     kind = type(default) if default is not None else _KINDS_OF_NONE_DEFAULTS.get(name, str)
+    if kind is bool:  # bool("0") is True
+        if raw.lower() in _TRUE + _FALSE:
+            return raw.lower() in _TRUE
+        raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be true or false, not {raw!r}")
     try:
         return kind(raw)
     except ValueError:

@@ -9,7 +9,7 @@ a new one) and nothing leaves the process.
 The gateway's part, per request::
 
     trace = tracing.start_request(request_id=..., operation="chat", model=..., tenant=..., tier=...)
-    trace.mark_submitted()           # right before engine.generate(...)
+    trace.mark_submitted()           # right before engine.submit(...)
     ...  trace.mark_first_token()    # at the first delta with text or tokens
     trace.finish(usage=delta.usage, finish_reason=delta.finish_reason)   # or finish(error="...")
 

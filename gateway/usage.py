@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -56,14 +57,18 @@ class UsageRecorder:
                 self._finished[record.request_id] = record
                 self._cond.notify_all()
 
-    async def finish(self, request_id: str, fallback: UsageRecord) -> UsageRecord:
+    async def finish(self, request_id: str, fallback: UsageRecord, status: str | None = None) -> UsageRecord:
         """Wait for the request's finish event, then for its row to be durable; returns the row.
 
-        Not cancellable, like the worker thread it replaced: a cancelled caller (a client that
-        left) still gets its row written before this returns.
+        ``status`` replaces the engine's when the gateway knows better why a request ended (an
+        abort the server made while stopping is ``interrupted``, not ``cancelled``). Not
+        cancellable, like the worker thread it replaced: a cancelled caller (a client that left)
+        still gets its row written before this returns.
         """
         with self._cond:
             record = self._finished.pop(request_id, None)
+        if record is not None and status is not None:
+            record = replace(record, status=status)
         # A quiet SQLite ledger commits here, on the loop, faster than a handoff to its writer
         # and back; otherwise the writer group-commits the row with whatever else is waiting.
         if record is not None and self.ledger.write_now([record]):
@@ -71,6 +76,8 @@ class UsageRecorder:
         with anyio.CancelScope(shield=True):
             if record is None:  # a stream that ended before the engine's finish event (a client that left)
                 record = await anyio.to_thread.run_sync(self._wait_record, request_id, fallback)
+                if status is not None:
+                    record = replace(record, status=status)
                 if self.ledger.write_now([record]):
                     return record
             if self.ledger.writing:

@@ -3,7 +3,9 @@
 Two forms, as in Punica and vLLM:
 - segmented (prefill chunks): rows are grouped by slot through a sorted row index, so
   the batch itself is never reordered; each program handles BLOCK_M rows of one segment
-  and runs tensor-core dots over the slot's A (shrink) or B (expand).
+  and runs dots over the slot's A (shrink) or B (expand) in full float32
+  (input_precision="ieee", not TF32: TF32 would miss peft's output by more than the
+  1e-3 the engine promises).
 - gathered (decode rows): one program per row, loading that row's own slot.
 The shrink accumulates in float32 and hands float32 to the expand, which adds the scaled
 result into y (possibly a column slice of a fused projection output).

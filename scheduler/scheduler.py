@@ -343,6 +343,12 @@ class Scheduler:
         used = self.block_manager.used_by_tier()
         return {tier: used.get(tier, 0) for tier in self._priority}, self.config.num_blocks
 
+    def adapter_usage(self) -> tuple[frozenset[str], frozenset[str]]:
+        """LoRA adapters of the running batch, and of requests still waiting."""
+        running = frozenset(s.adapter for s in self.running if s.adapter is not None)
+        waiting = frozenset(s.adapter for q in self.waiting.values() for s in q if s.adapter is not None)
+        return running, waiting
+
     @property
     def num_used_blocks(self) -> int:
         return self.block_manager.num_used_blocks

@@ -9,12 +9,14 @@ from gateway.ratelimit.base import Decision, LimiterUnavailable, Limits, RateLim
 from gateway.ratelimit.memory import InProcessLimiter
 
 
-def make_limiter(redis_url: str | None, window_s: float = 60.0, key_prefix: str = "tiergate:rl") -> RateLimiter:
+def make_limiter(redis_url: str | None, window_s: float = 60.0, key_prefix: str = "tiergate:rl",
+                 lease_s: float = 30.0) -> RateLimiter:
+    """The in-process budget without a Redis URL (its slots die with the process, so need no lease)."""
     if not redis_url:
         return InProcessLimiter(window_s=window_s)
     from gateway.ratelimit.redis_budget import RedisLimiter
 
-    return RedisLimiter(redis_url, window_s=window_s, key_prefix=key_prefix)
+    return RedisLimiter(redis_url, window_s=window_s, key_prefix=key_prefix, lease_s=lease_s)
 
 
 __all__ = ["Decision", "LimiterUnavailable", "Limits", "RateLimiter", "InProcessLimiter", "make_limiter"]

@@ -10,14 +10,21 @@ sorted-set member per admission within the window, is small at per-tenant RPMs.
 
 Atomicity: every check and update of one acquire runs in one EVALSHA, so two
 replicas can never both take the last slot. Time comes from Redis's own clock
-(TIME), so replicas with skewed clocks share one window. Concurrency slots are
-leases that expire, so a replica that dies mid-request cannot hold a tenant's
-slots forever.
+(TIME), so replicas with skewed clocks share one window.
+
+Concurrency slots are short leases (``lease_s``, 30 s by default) that one
+heartbeat task per limiter renews every third of a lease for all the requests
+this process runs, and that release() drops at once. A replica that dies
+(SIGKILL, a lost node) stops renewing, so its slots free within one lease on
+every replica instead of being held until a long fixed expiry.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+from collections import defaultdict
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -25,10 +32,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.ratelimit.base import Decision, LimiterUnavailable, Limits
 
+log = logging.getLogger(__name__)
+
 CONCURRENCY_RETRY_S = 1.0
 # A Redis that does not answer within this is treated as down: requests are refused (503), not held.
 REDIS_TIMEOUT_S = 1.0
-DEFAULT_LEASE_S = 900.0  # longer than any request may run (engine timeouts are shorter)
+DEFAULT_LEASE_S = 30.0
+# Renewals per lease: two may be lost (a Redis blip) before a live request's slot lapses.
+RENEWALS_PER_LEASE = 3
 
 # KEYS: requests zset (id -> admitted at), tokens hash (id -> reserved), token total, concurrency zset (id -> lease end)
 # ARGV: request id, tokens, rpm, tpm, max_concurrent, window_s, lease_s
@@ -112,6 +123,21 @@ end
 return refund
 """
 
+# KEYS: the concurrency zset; ARGV: lease_s, then the request ids this process still runs.
+# XX: a lease that already lapsed (or was released) is not brought back.
+RENEW = """
+local t = redis.call('TIME')
+local until_ = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
+local renewed = 0
+for i = 2, #ARGV do
+  renewed = renewed + redis.call('ZADD', KEYS[1], 'XX', 'CH', until_, ARGV[i])
+end
+local ttl = redis.call('PTTL', KEYS[1])
+local want = math.ceil(tonumber(ARGV[1]) * 1000)
+if ttl >= 0 and ttl < want then redis.call('PEXPIRE', KEYS[1], want) end
+return renewed
+"""
+
 
 class RedisLimiter:
     def __init__(self, url: str, window_s: float = 60.0, key_prefix: str = "tiergate:rl",
@@ -123,6 +149,9 @@ class RedisLimiter:
                                               socket_connect_timeout=REDIS_TIMEOUT_S)
         self._acquire = self.client.register_script(ACQUIRE)
         self._release = self.client.register_script(RELEASE)
+        self._renew = self.client.register_script(RENEW)
+        self._held: dict[str, str] = {}  # request id -> tenant, for the leases this process renews
+        self._heartbeat: asyncio.Task | None = None
 
     def _keys(self, tenant: str) -> list[str]:
         # One hash tag per tenant keeps a tenant's keys in one Redis Cluster slot (a script needs that).
@@ -139,6 +168,10 @@ class RedisLimiter:
             # Fail closed: admitting without the shared budget is how limits stop holding across replicas.
             raise LimiterUnavailable(str(e)) from e
         allowed, reason, retry, used_req, used_tok, reset_req, reset_tok = (v.decode() for v in out)
+        if allowed == "1":
+            self._held[request_id] = tenant
+            if self._heartbeat is None or self._heartbeat.done():
+                self._heartbeat = asyncio.get_running_loop().create_task(self._renew_leases())
         retry_s = float(retry)
         if retry_s == -1:
             retry_s = CONCURRENCY_RETRY_S
@@ -156,7 +189,34 @@ class RedisLimiter:
         )
 
     async def release(self, tenant: str, request_id: str, reserved_tokens: int, used_tokens: int) -> None:
+        # Forgotten first: if Redis is down the lease lapses by itself, as it would after a crash.
+        self._held.pop(request_id, None)
         await self._release(keys=self._keys(tenant), args=[request_id, max(0, reserved_tokens - used_tokens)])
 
+    def held_leases(self) -> int:
+        """How many concurrency leases this process holds and renews."""
+        return len(self._held)
+
+    async def renew(self) -> int:
+        """Extend every lease this process holds by ``lease_s`` from now; returns how many were renewed."""
+        by_tenant: dict[str, list[str]] = defaultdict(list)
+        for request_id, tenant in list(self._held.items()):
+            by_tenant[tenant].append(request_id)
+        renewed = 0
+        for tenant, ids in by_tenant.items():
+            renewed += int(await self._renew(keys=self._keys(tenant)[3:], args=[self.lease_s, *ids]) or 0)
+        return renewed
+
+    async def _renew_leases(self) -> None:
+        interval = self.lease_s / RENEWALS_PER_LEASE
+        while self._held:
+            await asyncio.sleep(interval)
+            try:
+                await self.renew()
+            except Exception:  # Redis away: the next beat tries again; requests are not failed for it
+                log.warning("could not renew %d concurrency lease(s)", len(self._held), exc_info=True)
+
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         await self.client.aclose()

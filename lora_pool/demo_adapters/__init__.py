@@ -8,6 +8,8 @@ from pathlib import Path
 DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent
 
 
-def demo_adapters() -> dict[str, Path]:
-    """Name -> directory of each committed demo adapter."""
-    return {p.name: p for p in sorted(DEMO_ADAPTERS_DIR.iterdir()) if (p / "adapter_config.json").is_file()}
+def demo_adapters(root: Path = DEMO_ADAPTERS_DIR) -> dict[str, Path]:
+    """Name -> directory of each adapter under `root` (by default the committed demo adapters)."""
+    if not root.is_dir():
+        return {}
+    return {p.name: p for p in sorted(root.iterdir()) if (p / "adapter_config.json").is_file()}

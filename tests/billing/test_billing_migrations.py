@@ -11,6 +11,7 @@ from sqlalchemy import inspect, text
 
 from billing.db import alembic_config, create_engine_for, default_database_url, upgrade
 from billing.models import Base
+from billing.tenants import create_tenant, list_tenants
 
 
 def _alembic(connection):
@@ -42,8 +43,13 @@ def test_every_migration_applies_one_by_one_and_back(empty_db_url):
     engine.dispose()
 
 
-def test_upgrade_twice_is_a_no_op(db_url):
+def test_upgrade_twice_is_a_no_op(db_url, engine):
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    create_tenant(engine, "acme", "premium")
     upgrade(db_url)
+    with engine.connect() as connection:
+        assert MigrationContext.configure(connection).get_current_revision() == head
+    assert [t.name for t in list_tenants(engine)] == ["acme"]
 
 
 def test_default_database_is_a_sqlite_file_under_var_of_the_cwd(tmp_path, monkeypatch):
