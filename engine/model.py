@@ -131,7 +131,6 @@ class LlamaModel(nn.Module):
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}")
-        self.prepare_weights()
 
     def _param_slice(self, name: str) -> torch.Tensor:
         if name == "embed_tokens.weight":
@@ -156,7 +155,6 @@ class LlamaModel(nn.Module):
                 param.data.fill_(1.0)
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)
-        self.prepare_weights()
 
     @property
     def is_packed(self) -> bool:
@@ -168,8 +166,9 @@ class LlamaModel(nn.Module):
         Where ``packing_supported``, every projection and the head are packed and their
         plain copies dropped (a tied head keeps the embedding, which the lookup needs).
         Otherwise the head on CPU gets a transposed copy, faster for decode-sized row
-        counts, beside the plain one. Call ``unpack_weights`` before moving the model and
-        this again after.
+        counts, beside the plain one. ``ModelRunner`` calls it once the model is on its
+        device, after loading has let go of its buffers: packing inside the load raised the
+        process's peak RSS. Call ``unpack_weights`` before moving the model.
         """
         if self.is_packed:
             return

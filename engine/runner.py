@@ -34,7 +34,7 @@ class ModelRunner:
         if self.model.device != self.device or self.model.dtype != self.dtype:
             self.model.unpack_weights()
             self.model = self.model.to(device=self.device, dtype=self.dtype)
-            self.model.prepare_weights()
+        self.model.prepare_weights()
         self.block_size = block_size
         self.kv_cache = KVCache.allocate(self.config, num_blocks, block_size, self.device, self.dtype)
         self.thread_tuner = ThreadTuner.from_env() if self.device.type == "cpu" else None
