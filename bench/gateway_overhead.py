@@ -63,16 +63,15 @@ def run_child(model_dir: str, database_url: str, port: int, spool: str, log_leve
     from billing.ledger import Ledger
     from engine.engine import Engine
     from gateway.app import create_app
-    from gateway.http_protocol import OneWriteHttpToolsProtocol
     from gateway.logs import configure_logging
+    from gateway.server import uvicorn_config
     from gateway.settings import Settings
 
     configure_logging(log_level, stream=open(log_path, "a", encoding="utf-8"))  # noqa: SIM115 (the process's life)
     settings = Settings(database_url=database_url, port=port, spool_path=spool, log_level=log_level)
     db = create_engine_for(database_url)
     app = create_app(settings, Engine(engine_config(model_dir)), db, Ledger(db, spool))
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level=log_level, log_config=None, access_log=False,
-                http=OneWriteHttpToolsProtocol)
+    uvicorn.Server(uvicorn_config(settings, app)).run()
 
 
 def set_up(tmp: Path) -> tuple[str, str, str, str]:

@@ -15,14 +15,14 @@ import time
 import uuid
 from datetime import datetime, timedelta
 
-import psycopg2
+import psycopg
 from sqlalchemy.engine import make_url
 
 from billing.db import create_engine_for, upgrade
 from billing.report_formats import render
 from billing.reports import usage_report
 
-DEFAULT_SERVER = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+DEFAULT_SERVER = "postgresql://postgres@127.0.0.1:5432/test"
 MONTH_START = datetime(2026, 1, 1)
 MONTH = timedelta(days=31)
 LEDGER_COLUMNS = (
@@ -81,7 +81,7 @@ def _admin(server, statement: str) -> None:
 
 
 def _connect(url):
-    return psycopg2.connect(
+    return psycopg.connect(
         host=url.host, port=url.port or 5432, user=url.username, password=url.password, dbname=url.database
     )
 
@@ -120,8 +120,10 @@ def _load(url, rows: int) -> int:
                     charges += 1
             ledger.seek(0)
             recompute.seek(0)
-            cursor.copy_expert(f"COPY usage_ledger ({LEDGER_COLUMNS}) FROM STDIN", ledger)
-            cursor.copy_expert("COPY recompute_charges (request_id, charged_tier, gpu_seconds, finished_at) FROM STDIN", recompute)
+            with cursor.copy(f"COPY usage_ledger ({LEDGER_COLUMNS}) FROM STDIN") as copy:
+                copy.write(ledger.getvalue())
+            with cursor.copy("COPY recompute_charges (request_id, charged_tier, gpu_seconds, finished_at) FROM STDIN") as copy:
+                copy.write(recompute.getvalue())
         cursor.execute("ANALYZE usage_ledger")
         cursor.execute("ANALYZE recompute_charges")
     connection.close()

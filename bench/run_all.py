@@ -70,6 +70,8 @@ def benches() -> list[Bench]:
               quick_args=["--rates", "0.5", "--requests", "8"], timeout_s=900),
         Bench("gateway_overhead", "Gateway overhead", json_flag="--out"),
         Bench("report_speed", "Billing report speed", json_flag=""),
+        Bench("chaos", "Chaos: database cut, Redis restart, SIGKILL, dropped streams under load",
+              quick_args=["--phase-s", "4"], timeout_s=600),
     ]
 
 

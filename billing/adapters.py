@@ -23,8 +23,8 @@ class AdapterInfo:
 
 
 def register_adapter(engine: Engine, name: str, path: str, base_model: str, rank: int) -> AdapterInfo:
-    if not name or len(name) > 128:
-        raise InvalidAdapter(f"adapter name must be 1 to 128 characters, got {name!r}")
+    if not name or len(name) > 128 or not name.isprintable():
+        raise InvalidAdapter(f"adapter name must be 1 to 128 printable characters, got {name!r}")
     if not path:
         raise InvalidAdapter(f"adapter {name!r} needs a path")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:

@@ -9,9 +9,12 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 DEFAULT_SQLITE_PATH = Path("var") / "tiergate.db"
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+# What a database that is down, restarting or locked raises; anything else is a bug and propagates.
+UNAVAILABLE = (OperationalError, InterfaceError)
 
 
 def default_database_url() -> str:
@@ -25,18 +28,20 @@ def create_engine_for(url: str | None = None, *, connect_timeout_s: float = 5.0)
     pool_pre_ping drops connections a restarted server closed; the connect timeout bounds how
     long a write waits before the ledger falls back to its spool.
     """
-    url = url or default_database_url()
-    parsed = make_url(url)
+    parsed = make_url(url or default_database_url())
+    if parsed.drivername == "postgresql+psycopg2":
+        # psycopg 3 is the driver we ship; an older config naming psycopg2 keeps working on it.
+        parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": connect_timeout_s})
+        engine = create_engine(parsed, connect_args={"timeout": connect_timeout_s})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     connect_args = {}
     if parsed.get_backend_name() == "postgresql":
         connect_args["connect_timeout"] = max(1, round(connect_timeout_s))
-    return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+    return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from billing.errors import UnknownKey
@@ -89,6 +89,15 @@ def authenticate(engine: Engine, secret: str) -> TenantInfo | None:
             updated_at=tenant.updated_at,
             key_id=key.key_id,
         )
+
+
+def revocation_mark(engine: Engine) -> tuple[datetime | None, int]:
+    """Changes whenever a key is revoked: (latest revocation time, number of revoked keys); one indexed read."""
+    with engine.connect() as connection:
+        latest, count = connection.execute(
+            select(func.max(ApiKey.revoked_at), func.count(ApiKey.revoked_at))
+        ).one()
+    return latest, int(count)
 
 
 def parse_key_id(secret: str) -> str | None:

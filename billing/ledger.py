@@ -1,8 +1,9 @@
 """The usage ledger's writer: one committed row per request, spooled locally while the database is down.
 
 write() returns only once the record is durable: committed in the database, or fsynced to the
-spool. Spooled records are replayed at start and by a background thread; inserts skip request
-ids already present (ON CONFLICT DO NOTHING), so a record written twice is stored once.
+spool. Spooled records are replayed at start and by a background thread. A request has one row,
+keyed by its id: opened at admission (status `open`, billing.open_rows), closed by its final
+record; a record written twice is stored once (billing.ledger_rows).
 
 submit() is the same promise for callers that should not block (the gateway's event loop): a
 writer thread group-commits whatever arrived together in one transaction and resolves each
@@ -21,30 +22,26 @@ survives the process being killed (synchronous=NORMAL, see billing.db).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import InterfaceError, OperationalError
 
+from billing.db import UNAVAILABLE
 from billing.ledger_inline import InlineSqlite
-from billing.models import RecomputeCharge, UsageEntry
+from billing.ledger_rows import INSERTS, insert_records, statements
+from billing.open_rows import Progress, save_progress
 from billing.spool import Spool
 from billing.usage import UsageRecord
 
+
 log = logging.getLogger(__name__)
 
-# What a database that is down, restarting or locked raises; anything else is a bug and propagates.
-UNAVAILABLE = (OperationalError, InterfaceError)
-# The dialects whose INSERT has ON CONFLICT DO NOTHING.
-_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 # Bounds one group commit, so a flood's backlog cannot become one huge transaction.
 MAX_BATCH_RECORDS = 1000
 # When the checkpointer runs: after this many rows (a row dirties ~5 pages, so about SQLite's own
@@ -56,6 +53,16 @@ CHECKPOINT_INTERVAL_S = 0.5
 # racing with new commits never lets the WAL start over from its beginning, so it would grow.
 WAL_RESET_FRAMES = 4000
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Progress:
+    """A save of running requests' progress, queued for the writer like a batch of records."""
+
+    progress: list[Progress]
+
+    def __len__(self) -> int:
+        return len(self.progress)
 _NO_AUTOCHECKPOINT = "tiergate_no_autocheckpoint"
 
 
@@ -73,8 +80,8 @@ class Ledger:
         # (In-memory SQLite has no WAL, and its connections are per thread.)
         self._sqlite = engine.dialect.name == "sqlite" and engine.url.database not in (None, "", ":memory:")
         # Statements built once: building an INSERT per row costs more than SQLite's commit.
-        insert = _INSERTS.get(engine.dialect.name)
-        self._statements = None if insert is None else _statements(insert)
+        insert = INSERTS.get(engine.dialect.name)
+        self._statements = None if insert is None else statements(insert)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._submit_lock = threading.Lock()  # orders submits against close()'s stop marker
         self._commit_lock = threading.Lock()  # held by the writer per batch; the checkpointer may take it
@@ -205,9 +212,36 @@ class Ledger:
 
     # -- the writer thread -------------------------------------------------
 
+    def save_progress(self, progress: list[Progress]) -> Future[bool]:
+        """Save running requests' counts into their open rows (billing.open_rows); True once saved, False
+        if the database is unavailable (progress is not spooled: the next save supersedes it).
+
+        On the writer thread, so saves never contend with the ledger's own commits for SQLite's lock.
+        """
+        future: Future[bool] = Future()
+        with self._submit_lock:
+            if self._writer is not None:
+                self._queue.put((_Progress(progress), future))
+                return future
+        _settle(future, self._save_progress, [_Progress(progress)])
+        return future
+
+    def _save_progress(self, saves: list[_Progress]) -> bool:
+        try:
+            save_progress(self.engine, [p for save in saves for p in save.progress])
+        except UNAVAILABLE as exc:
+            log.debug("ledger: progress not saved, database unavailable: %s", _first_line(exc))
+            return False
+        return True
+
     def _write_loop(self) -> None:
         while True:
             batch, stop = self._take_batch()
+            saves = [(item, future) for item, future in batch if isinstance(item, _Progress)]
+            if saves:
+                batch = [(item, future) for item, future in batch if not isinstance(item, _Progress)]
+                with self._commit_lock:
+                    _settle_all([future for _, future in saves], self._save_progress, [item for item, _ in saves])
             if batch:
                 try:
                     with self._commit_lock:
@@ -325,36 +359,6 @@ class Ledger:
         return int(row[1])
 
 
-def insert_records(connection: Connection, records: Iterable[UsageRecord]) -> int:
-    """Insert records whose request id is not in the ledger yet; returns how many were inserted."""
-    insert = _INSERTS.get(connection.dialect.name)
-    if insert is None:
-        raise NotImplementedError(f"the ledger supports PostgreSQL and SQLite, not {connection.dialect.name}")
-    entry, charge = _statements(insert)
-    inserted = 0
-    for record in records:
-        values = record.ledger_values()
-        if connection.execute(entry, values).rowcount != 1:
-            continue  # already recorded, charges included (they commit with the row)
-        inserted += 1
-        if record.recompute_by_tier:
-            connection.execute(
-                charge,
-                [
-                    {"request_id": record.request_id, "charged_tier": tier, "gpu_seconds": seconds,
-                     "finished_at": values["finished_at"]}
-                    for tier, seconds in record.recompute_by_tier.items()
-                ],
-            )
-    return inserted
-
-
-@functools.cache
-def _statements(insert) -> tuple:
-    """(ledger row insert skipping request ids already stored, recompute charge insert)."""
-    return insert(UsageEntry).on_conflict_do_nothing(index_elements=["request_id"]), insert(RecomputeCharge)
-
-
 def _settle(future: Future, write, records: list[UsageRecord]) -> None:
     try:
         result = write(records)
@@ -363,6 +367,18 @@ def _settle(future: Future, write, records: list[UsageRecord]) -> None:
         return
     if not future.done():
         future.set_result(result)
+
+
+def _settle_all(futures: list[Future], work, argument) -> None:
+    try:
+        result = work(argument)
+    except Exception as exc:
+        for future in futures:
+            _settle_exception(future, exc)
+        return
+    for future in futures:
+        if not future.done():
+            future.set_result(result)
 
 
 def _settle_exception(future: Future, exc: BaseException) -> None:

@@ -24,8 +24,11 @@ class InlineSqlite:
         self.processors = [
             table.c[name].type.dialect_impl(engine.dialect).bind_processor(engine.dialect) for name in self.names
         ]
+        # The same upsert as billing.ledger._statements, written out.
+        updates = ", ".join(f"{n} = excluded.{n}" for n in self.names if n != "request_id")
         self.sql = (f"INSERT INTO {table.name} ({', '.join(self.names)}) VALUES ({', '.join('?' * len(self.names))}) "
-                    "ON CONFLICT (request_id) DO NOTHING")
+                    f"ON CONFLICT (request_id) DO UPDATE SET {updates} "
+                    f"WHERE {table.name}.status IN ('open', 'interrupted') AND excluded.status <> 'open'")
         self.errors = engine.dialect.loaded_dbapi.Error
         self.connection = engine.raw_connection()
         try:

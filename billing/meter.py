@@ -149,10 +149,16 @@ class UsageMeter:
             self._open.pop(request_id, None)
             self._finished.pop(request_id, None)
 
-    def pop_unclaimed(self) -> list[UsageRecord]:
-        """Finished records of requests never begun (engine-internal ones), for a periodic flush.
+    def gpu_seconds_so_far(self, request_ids: list[str]) -> dict[str, float]:
+        """The GPU-seconds of running requests up to now (recompute excluded), for saving their progress."""
+        with self._cond:
+            return {rid: entry.gpu_seconds for rid in request_ids if (entry := self._open.get(rid)) is not None}
 
-        Records of begun requests stay for their wait_record() caller.
+    def pop_unclaimed(self) -> list[UsageRecord]:
+        """Finished records nobody will claim: requests never begun (driven on the engine directly) or
+        forgotten (their caller gave up waiting); gateway.usage writes them periodically.
+
+        Records of begun requests stay for their wait_record() or take_record() caller.
         """
         with self._cond:
             records = [r for r in self._finished.values() if r.tenant is None]

@@ -17,6 +17,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -29,8 +30,10 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-# interrupted: the server stopped the request (a drain's deadline); the row has the tokens it made.
-LEDGER_STATUSES = ("ok", "cancelled", "error", "rejected", "interrupted")
+# A row is `open` from admission to the request's end, then ok, cancelled or error; a refused
+# request's row is `rejected` at once. `interrupted`: the server stopped the request (a drain's
+# deadline), or its process died and another closed its open row; the row has the tokens it made.
+LEDGER_STATUSES = ("ok", "cancelled", "error", "rejected", "interrupted", "open")
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY, not a BIGINT one.
 BigId = BigInteger().with_variant(Integer, "sqlite")
@@ -70,7 +73,7 @@ class ApiKey(Base):
     secret_sha256: Mapped[str] = mapped_column(String(64))  # hex digest; the secret itself is never stored
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime, index=True)
 
     tenant: Mapped[Tenant] = relationship(back_populates="keys")
 
@@ -100,7 +103,7 @@ class AdapterGrant(Base):
 
 
 class UsageEntry(Base):
-    """One row per request, written once at its end (or at its rejection).
+    """One row per request: opened at its admission and closed at its end (written once if rejected).
 
     tenant and adapter are names, not foreign keys: the ledger is an immutable history and a
     row replayed from the spool must never be refused because a tenant or adapter changed since.
@@ -116,6 +119,8 @@ class UsageEntry(Base):
         Index("ix_usage_ledger_finished_at_tier", "finished_at", "tier"),
         Index("ix_usage_ledger_tenant_finished_at", "tenant", "finished_at"),
         Index("ix_usage_ledger_adapter_finished_at", "adapter", "finished_at"),
+        Index("ix_usage_ledger_open", "status", postgresql_where=text("status = 'open'"),
+              sqlite_where=text("status = 'open'")),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
@@ -131,7 +136,9 @@ class UsageEntry(Base):
     status: Mapped[str] = mapped_column(String(16))
     queued_at: Mapped[datetime] = mapped_column(DateTime)
     first_token_at: Mapped[datetime | None] = mapped_column(DateTime)
+    # While open: the time of its last saved progress; closed: when it ended.
     finished_at: Mapped[datetime] = mapped_column(DateTime)
+    owner: Mapped[str | None] = mapped_column(String(128))  # the process holding an open row
 
 
 class RecomputeCharge(Base):

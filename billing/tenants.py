@@ -17,6 +17,7 @@ DEFAULT_RPM = 60
 DEFAULT_TPM = 100_000
 DEFAULT_MAX_CONCURRENT = 8
 LIMITS = ("rpm", "tpm", "max_concurrent")
+MAX_LIMIT = 2**31 - 1  # the limit columns are 32-bit integers in PostgreSQL
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ def create_tenant(
     tpm: int = DEFAULT_TPM,
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
 ) -> TenantSettings:
-    if not name or len(name) > 128:
-        raise InvalidLimit(f"tenant name must be 1 to 128 characters, got {name!r}")
+    if not name or len(name) > 128 or not name.isprintable():
+        raise InvalidLimit(f"tenant name must be 1 to 128 printable characters, got {name!r}")
     _check_tier(tier)
     limits = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent}
     for field, value in limits.items():
@@ -102,8 +103,8 @@ def _check_tier(tier: object) -> None:
 
 
 def _check_limit(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidLimit(f"{field} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_LIMIT:
+        raise InvalidLimit(f"{field} must be an integer from 1 to {MAX_LIMIT}, got {value!r}")
 
 
 def _settings(t: Tenant) -> TenantSettings:

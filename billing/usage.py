@@ -15,7 +15,7 @@ class UsageRecord:
     tenant: str | None
     tier: str
     adapter: str | None
-    status: str  # ok | cancelled | error | rejected
+    status: str  # open (admitted, still running) | ok | cancelled | error | rejected | interrupted
     queued_at: float  # time.time() seconds, like the engine's events
     finished_at: float
     first_token_at: float | None = None
@@ -25,6 +25,7 @@ class UsageRecord:
     gpu_seconds: float = 0.0  # the request's own compute
     # Recompute performed for this request after preemptions, by the tier that pays for it.
     recompute_by_tier: dict[str, float] = field(default_factory=dict)
+    owner: str | None = None  # an open row's process (billing.open_rows.PROCESS_OWNER)
 
     def __post_init__(self) -> None:
         # A bad row is refused here, before it could be spooled and retried forever.
@@ -60,6 +61,7 @@ class UsageRecord:
             "queued_at": utc_datetime(self.queued_at),
             "first_token_at": None if self.first_token_at is None else utc_datetime(self.first_token_at),
             "finished_at": utc_datetime(self.finished_at),
+            "owner": self.owner,
         }
 
 

@@ -4,8 +4,10 @@ Everything that depends only on the plan (slots, padded block tables, masks)
 is built once per step in :class:`AttentionMetadata`; the per-layer call does
 tensor work only, which matters with 30 layers and ~10 µs per eager op.
 
-Decode rows (chunks of one token) share one batched SDPA call over their
-contexts gathered from the cache into ``[B, max_ctx]`` with a length mask.
+Decode rows (chunks of one token) go to the in-place paged kernel of
+engine/paged_attention.py when the runner has one; otherwise (the fallback)
+they share one batched SDPA call over their contexts gathered from the cache
+into ``[B, max_ctx]`` with a length mask.
 Each longer chunk gets its own SDPA: causal over its own keys when it starts at
 position 0, otherwise over the cached context plus itself with an offset
 causal mask (later chunks of a chunked prefill, prefix-cache hits, recompute).
@@ -18,15 +20,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.paged_attention import DecodeKernel
+
 
 @dataclass
 class DecodeBatch:
     rows: slice | torch.Tensor  # rows of the step holding the decode tokens
     block_tables: torch.Tensor  # [B, max_blocks], padded with block 0
-    # [B, max_ctx] keys to attend: a [B, 1, 1, max_ctx] bool mask, or, for a single
-    # sequence, its context length (slicing is free; a mask costs SDPA time).
+    context_lens: torch.Tensor  # [B]
+    # For the gathered path, the [B, max_ctx] keys to attend: a [B, 1, 1, max_ctx] bool
+    # mask, or, for a single sequence, its context length (slicing is free; a mask costs
+    # SDPA time). The kernel reads context_lens instead and needs no mask.
     mask: torch.Tensor | None
     context_len: int
+    kernel: DecodeKernel | None = None
 
 
 @dataclass
@@ -59,8 +66,10 @@ class AttentionMetadata:
         chunks: list[tuple[int, int, list[int]]],
         block_size: int,
         device: torch.device | str,
+        decode_kernel: DecodeKernel | None = None,
     ) -> AttentionMetadata:
-        """``chunks`` is ``(start, num_tokens, block_table)`` per chunk in row order."""
+        """``chunks`` is ``(start, num_tokens, block_table)`` per chunk in row order; decode
+        rows run on ``decode_kernel`` when given, else over gathered contexts."""
         slots: list[int] = []
         decode_rows: list[int] = []
         decode_lens: list[int] = []
@@ -85,13 +94,14 @@ class AttentionMetadata:
             max_blocks = max(len(t) for t in decode_tables)
             padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
             mask = None
-            if len(decode_rows) > 1:
+            if len(decode_rows) > 1 and decode_kernel is None:
                 mask = torch.arange(max_blocks * block_size, device=device)[None, :] < as_tensor(decode_lens)[:, None]
                 mask = mask[:, None, None, :]
             first = decode_rows[0]
             contiguous = decode_rows[-1] - first == len(decode_rows) - 1
             rows = slice(first, first + len(decode_rows)) if contiguous else as_tensor(decode_rows)
-            decode = DecodeBatch(rows=rows, block_tables=as_tensor(padded), mask=mask, context_len=max(decode_lens))
+            decode = DecodeBatch(rows=rows, block_tables=as_tensor(padded), context_lens=as_tensor(decode_lens),
+                                 mask=mask, context_len=max(decode_lens), kernel=decode_kernel)
 
         prefills = []
         for row0, start, end, table in prefill_specs:
@@ -120,21 +130,13 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
 
     if meta.decode is not None:
         d = meta.decode
-        batch, kv_heads = d.block_tables.shape[0], kv_cache.shape[3]
-        # index_select over flattened block ids copies whole blocks; advanced indexing
-        # with the 2-D table was 1.5x slower.
-        context = kv_cache.index_select(0, d.block_tables.flatten()).view(batch, -1, 2, kv_heads, head_dim)
-        if d.mask is None:
-            context = context[:, : d.context_len]
-        k, v = context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)
-        # The query heads sharing a KV head go in as that head's queries: no K/V expansion for GQA.
-        qd = q[d.rows].view(batch, kv_heads, num_heads // kv_heads, head_dim)
-        # reshape, not view: fused CUDA kernels may return a transposed layout.
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask).reshape(batch, num_heads * head_dim)
+        if d.kernel is not None:
+            o = d.kernel(q[d.rows], kv_cache, d.block_tables, d.context_lens, head_dim**-0.5)
+        else:
+            o = _gathered_decode(q[d.rows], kv_cache, d)
         if out is None:
             return o
         out[d.rows] = o
-
     for p in meta.prefills:
         # 4-D [1, heads, n, d] inputs: what the fused CUDA kernels expect.
         qp = q[p.rows].transpose(0, 1).unsqueeze(0)
@@ -150,3 +152,19 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
             return o
         out[p.rows] = o
     return out
+
+
+def _gathered_decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
+    """The fallback: each context copied out of the pool into ``[B, max_ctx]``, then one SDPA."""
+    batch, num_heads, head_dim = q.shape
+    kv_heads = kv_cache.shape[3]
+    # index_select over flattened block ids copies whole blocks; advanced indexing
+    # with the 2-D table was 1.5x slower.
+    context = kv_cache.index_select(0, d.block_tables.flatten()).view(batch, -1, 2, kv_heads, head_dim)
+    if d.mask is None:
+        context = context[:, : d.context_len]
+    k, v = context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)
+    # The query heads sharing a KV head go in as that head's queries: no K/V expansion for GQA.
+    qd = q.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+    # reshape, not view: fused CUDA kernels may return a transposed layout.
+    return F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask).reshape(batch, num_heads * head_dim)

@@ -3,8 +3,9 @@
 Callers submit requests from any thread; the loop runs on its own thread:
 drain new requests and aborts -> scheduler plan -> adapters for the batch ->
 one forward pass over mixed prefill chunks and decodes -> sampling -> deltas
-out and events to listeners. An exception inside a step fails that step's
-requests and the loop keeps serving.
+out and events to listeners. An exception inside a step's forward pass fails
+that step's requests and the loop keeps serving; a failure confined to one
+request's sampling or detokenizing ends that request alone.
 """
 
 from __future__ import annotations
@@ -334,15 +335,31 @@ class Engine:
                 self._end_request(chunk.seq.seq_id, status="error", finish_reason="error", error=str(exc))
             return
         duration = self._timer.stop()
-        self.scheduler.update(plan, {c.seq.seq_id: s.token_id for c, s in zip(sampling, sampled)})
+        # The step is accounted before any request of it ends, so billing sees its share of the
+        # step before its finish event.
         self._account_step(plan, started_at, duration)
 
         # Deltas go out after all of the step's bookkeeping: a caller woken by one needs the GIL,
         # which this thread would otherwise hold through that bookkeeping.
         outgoing: list[tuple[Callable[[Delta], None], Delta]] = []
+        produced = []
         for chunk, token in zip(sampling, sampled):
+            if token.error is None:
+                produced.append((chunk, token))
+            else:  # ended before the update, which then skips the sequence it no longer knows
+                log.error("request %s: %s", chunk.seq.seq_id, token.error)
+                self._end_request(chunk.seq.seq_id, "error", "error", error=token.error, outgoing=outgoing)
+        self.scheduler.update(plan, {c.seq.seq_id: s.token_id for c, s in produced})
+
+        for chunk, token in produced:
             state = self._states[chunk.seq.seq_id]
-            delta = state.on_token(token, self.tokenizer, self.max_model_len)
+            try:
+                delta = state.on_token(token, self.tokenizer, self.max_model_len)
+            except Exception as exc:  # e.g. the detokenizer: this request's failure, not its batch's
+                log.exception("request %s: building its output failed", state.request_id)
+                self._end_request(state.request_id, "error", "error", error=f"detokenizing failed: {exc}",
+                                  outgoing=outgoing)
+                continue
             if delta.finish_reason is None:
                 outgoing.append((state.sink, delta))
             else:

@@ -3,6 +3,13 @@
 Each request owns a torch.Generator, so a seeded request draws the same
 tokens whatever else shares its batch. Greedy rows are taken in one batched
 argmax; only rows that really sample pay for a per-row draw.
+
+Hostile parameters are normalised rather than refused: a temperature under
+``GREEDY_TEMPERATURE`` is greedy (as in vLLM: dividing logits by it would
+overflow float32 to inf, and softmax of inf is NaN), and top_p always keeps
+the most likely token, however small it is (1e-46 is 0 in float32). A row
+whose draw still fails carries its error in ``SampledToken.error``: only that
+request ends, not the batch around it.
 """
 
 from __future__ import annotations
@@ -15,16 +22,25 @@ import torch
 from engine.request import SamplingParams
 
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SampledToken:
     token_id: int
     logprob: float | None = None  # of the chosen token, when asked for
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) alternatives
+    error: str | None = None  # this row's draw failed: its request ends, the token is meaningless
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_TEMPERATURE
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     """The request's own random stream; None for greedy decoding, which draws nothing."""
-    if params.temperature <= 0:
+    if is_greedy(params):
         return None  # a Generator costs several microseconds on the request path, for nothing here
     generator = torch.Generator(device="cpu")
     generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
@@ -42,6 +58,7 @@ def _filtered_probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.T
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = (cumulative - sorted_probs) >= params.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, sorted_ids, sorted_probs)
     return probs
@@ -55,13 +72,17 @@ def sample(
     """Sample one token per row of ``logits`` ([rows, vocab], float32)."""
     logits = logits.float().cpu()
     token_ids = torch.argmax(logits, dim=-1).tolist()
+    errors: dict[int, str] = {}
     for row, p in enumerate(params):
-        if p.temperature > 0:
-            probs = _filtered_probs(logits[row], p)
-            token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
+        if not is_greedy(p):
+            try:
+                probs = _filtered_probs(logits[row], p)
+                token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
+            except Exception as exc:  # e.g. NaN logits: this request's problem, not its batch's
+                errors[row] = f"sampling failed: {exc}"
 
-    wants_logprobs = [row for row, p in enumerate(params) if p.logprobs is not None]
-    results = [SampledToken(t) for t in token_ids]
+    wants_logprobs = [row for row, p in enumerate(params) if p.logprobs is not None and row not in errors]
+    results = [SampledToken(t, error=errors.get(row)) for row, t in enumerate(token_ids)]
     if wants_logprobs:
         logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1)
         for i, row in enumerate(wants_logprobs):

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
+
+
+# Texts longer than this are encoded through encode_batch: tokenizers' encode holds the GIL for the
+# whole call (seconds for a megabyte), encode_batch releases it, so a long prompt encoded on a worker
+# thread leaves the event loop free. For short texts encode is the cheaper call.
+RELEASE_GIL_CHARS = 8192
 
 
 @dataclass
@@ -17,6 +24,8 @@ class TextTokenizer:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > RELEASE_GIL_CHARS:
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
@@ -42,6 +51,15 @@ class TextTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         # The template already writes any BOS it wants; do not add another.
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its longest vocabulary entry.
+
+        An upper bound for byte-level BPE (an entry spells one byte a character, and a character
+        is at least one byte) and for sentencepiece vocabularies; added tokens are counted too.
+        """
+        return max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:

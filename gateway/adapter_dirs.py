@@ -23,8 +23,12 @@ class AdapterDir:
 
 
 def read_adapter_dir(path: str) -> AdapterDir:
-    root = Path(path).expanduser()
-    if not root.is_dir():
+    try:
+        root = Path(path).expanduser()
+        is_dir = root.is_dir()
+    except (OSError, ValueError) as e:  # a name too long for the OS, or one it cannot encode
+        raise AdapterDirError(f"adapter path {path[:200]!r} cannot be used: {e.__class__.__name__}") from None
+    if not is_dir:
         raise AdapterDirError(f"adapter path {path!r} is not a directory")
     config_file = root / "adapter_config.json"
     if not config_file.is_file():

@@ -96,6 +96,10 @@ async def list_tenants(request: Request) -> Response:
 async def set_tenant(request: Request) -> Response:
     gw = _gateway(request)
     changes = {k: v for k, v in (await _json(request)).items() if v is not None}
+    unknown = sorted(set(changes) - {"tier", *billing_tenants.LIMITS})
+    if unknown:  # "name" too: a tenant is renamed by no one
+        raise invalid_param(unknown[0], f"Unknown tenant setting(s): {', '.join(unknown)}; expected tier, "
+                            f"{', '.join(billing_tenants.LIMITS)}.", "invalid_value")
     t = await _call(billing_tenants.set_tenant, gw.db, request.path_params["name"], **changes)
     gw.auth.invalidate()
     return JSONResponse(_tenant_dict(t))

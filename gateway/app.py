@@ -7,10 +7,12 @@ settings for ``tiergate serve``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
 import time
+from collections.abc import Callable
 
 import anyio.to_thread
 from sqlalchemy import Engine as Database
@@ -22,17 +24,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from billing import adapters as billing_adapters
-from billing.keys import authenticate
+from billing.db import UNAVAILABLE
+from billing.keys import authenticate, revocation_mark
 from billing.ledger import Ledger
 from billing.meter import UsageMeter
+from billing.open_rows import close_orphans
 from gateway import admin
 from gateway.access_log import AccessLogMiddleware
 from gateway.admission import AdmissionController, AdmissionPolicy
-from gateway.auth import Authenticator
+from gateway.auth import DATABASE_RETRY_S, Authenticator, database_unavailable
 from gateway.completions import chat_completions, completions
 from gateway.errors import APIError
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics, render
+from gateway.prompts import PromptEncoder
 from gateway.ratelimit import RateLimiter, make_limiter
 from gateway.services import Gateway
 from gateway.settings import Settings
@@ -69,12 +74,15 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """Readiness: a load balancer should send new requests here (not while draining)."""
+    """Readiness: a load balancer should send new requests here (not while draining, nor before the database answered)."""
     gw: Gateway = request.app.state.gateway
     if gw.lifecycle.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     if not gw.engine.is_running:
         return JSONResponse({"status": "engine stopped"}, status_code=503)
+    if not gw.database_ready:
+        return JSONResponse({"status": "waiting for the database"}, status_code=503,
+                            headers={"retry-after": str(round(DATABASE_RETRY_S))})
     return JSONResponse({"status": "ready"})
 
 
@@ -87,6 +95,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+
+
+async def _database_unavailable(request: Request, exc: Exception) -> Response:
+    log.warning("database unavailable on %s: %s", request.url.path, str(exc).strip().splitlines()[0] if str(exc).strip()
+                else type(exc).__name__)
+    return database_unavailable().response()
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -116,8 +130,13 @@ def create_app(
     limiter: RateLimiter | None = None,
     metrics: GatewayMetrics | None = None,
     tracing: Tracing | None = None,
+    prepare_database: Callable[[], None] | None = None,
 ) -> Starlette:
-    """An app serving ``engine``; it starts the engine and ledger at startup and shuts them down at the end."""
+    """An app serving ``engine``; it starts the engine and ledger at startup and shuts them down at the end.
+
+    ``prepare_database`` (migrations, demo seeding) runs once the database answers; until then
+    (and until billing's adapters are loaded and dead processes' open rows closed) /readyz is 503.
+    """
     meter = meter or UsageMeter()
     tiers = tuple(engine.config.tiers)
     metrics = metrics or GatewayMetrics(tiers, vllm_names=settings.vllm_metric_names)
@@ -126,13 +145,15 @@ def create_app(
         engine=engine,
         db=db,
         usage=UsageRecorder(meter, ledger),
-        auth=Authenticator(lambda secret: authenticate(db, secret), ttl_s=settings.auth_cache_ttl_s),
+        auth=Authenticator(lambda secret: authenticate(db, secret), ttl_s=settings.auth_cache_ttl_s,
+                           stale_if_error_s=settings.auth_stale_if_error_s),
         limiter=limiter or make_limiter(settings.redis_url, window_s=settings.rate_window_s,
                                        key_prefix=settings.redis_key_prefix, lease_s=settings.concurrency_lease_s),
         admission=AdmissionController(tiers, AdmissionPolicy(max_queued=settings.max_queued)),
         metrics=metrics,
         lifecycle=Lifecycle(on_drain=lambda: setattr(metrics, "draining", True)),
         tracing=tracing or Tracing(),
+        prompts=PromptEncoder(engine, settings.tokenizer_threads),
     )
     engine.add_listener(meter)
     engine.add_listener(gw.usage.on_engine_event)  # after the meter: it takes the meter's records
@@ -140,12 +161,42 @@ def create_app(
     engine.add_listener(gw.tracing.on_engine_event)
     metrics.attach_engine(engine)
 
+    def set_up_database() -> None:
+        if prepare_database is not None:
+            prepare_database()
+        load_registered_adapters(db, engine)
+        close_orphans(db, settings.ledger_orphan_after_s)
+
+    async def try_database() -> bool:
+        try:
+            await anyio.to_thread.run_sync(set_up_database)
+        except UNAVAILABLE as exc:
+            log.warning("database unavailable, /readyz stays 503 until it answers: %s",
+                        str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+            return False
+        gw.database_ready = True
+        return True
+
+    async def wait_for_database() -> None:
+        while not await try_database():
+            await anyio.sleep(DATABASE_RETRY_S)
+        log.info("database ready")
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await anyio.to_thread.run_sync(ledger.start)
-        await anyio.to_thread.run_sync(load_registered_adapters, db, engine)
+        background: list[asyncio.Task] = []
+        gw.database_ready = False
+        # Tried once before serving, so a server whose database is up starts with its adapters loaded;
+        # otherwise it serves (health, cached keys) and keeps trying.
+        if not await try_database():
+            background.append(asyncio.create_task(wait_for_database()))
         engine.start()
         gw.started_at = time.time()
+        background += [
+            asyncio.create_task(gw.usage.run_background(settings.ledger_checkpoint_s, settings.ledger_orphan_after_s)),
+            asyncio.create_task(gw.auth.watch_revocations(lambda: revocation_mark(db), settings.auth_revocation_poll_s)),
+        ]
         # What startup built (torch, the model, tokenizers: ~300k objects) lives as long as the
         # app; frozen out of the collector, it no longer makes each full collection a 100 ms
         # pause of the event loop (measured under a 429 flood). Unfrozen at shutdown.
@@ -154,8 +205,13 @@ def create_app(
             yield
         finally:
             await gw.lifecycle.drain(settings.drain_timeout_s)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await gw.limiter.close()
             await anyio.to_thread.run_sync(engine.shutdown)
+            gw.usage.write_unclaimed()
+            gw.prompts.close()
             await anyio.to_thread.run_sync(ledger.close)  # writes the rows still queued, 429s included
             gw.tracing.shutdown()
             gc.unfreeze()  # a process that serves several apps in turn (tests) can collect this one
@@ -173,7 +229,8 @@ def create_app(
         routes=routes,
         lifespan=lifespan,
         middleware=[Middleware(AccessLogMiddleware)],
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected,
+                            **{cls: _database_unavailable for cls in UNAVAILABLE}},
     )
     app.state.gateway = gw
     return app

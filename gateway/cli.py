@@ -137,29 +137,28 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
+    from dataclasses import replace
+
     from gateway import demo
     from gateway.app import load_registered_adapters
     from gateway.logs import configure_logging
     from gateway.server import build, serve
 
     configure_logging(settings.log_level)
-    setup = None
+    seed = None
     if args.demo:
-        from dataclasses import replace
-
-        from billing.db import upgrade
-
-        upgrade(settings.database_url)
         if not settings.admin_token:
             settings = replace(settings, admin_token=demo.demo_admin_token())
-        setup = demo.set_up_demo(_db(settings))
-        setup.admin_token = settings.admin_token
-    built = build(settings, migrate=not args.demo)
-    if setup is not None:
-        load_registered_adapters(built.db, built.engine)
-        print(demo.banner(setup, settings.host, settings.port, built.engine.model_name,
-                          built.engine.list_adapters()), flush=True)
-    serve(settings, built)
+        admin_token = settings.admin_token
+
+        def seed(db, engine) -> None:  # once the database answers, after its migrations
+            setup = demo.set_up_demo(db)
+            setup.admin_token = admin_token
+            load_registered_adapters(db, engine)
+            print(demo.banner(setup, settings.host, settings.port, engine.model_name, engine.list_adapters()),
+                  flush=True)
+
+    serve(settings, build(settings, seed=seed))
 
 
 def cmd_db(args: argparse.Namespace, settings: Settings) -> None:

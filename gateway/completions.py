@@ -2,7 +2,9 @@
 
 Order matters: cheap checks that touch nothing come first (draining, key,
 body, model, context length), then admission control (it reserves nothing),
-then the rate limiter (it reserves budget), and only then the engine.
+then the rate limiter (it reserves budget), and only then the engine. A
+request refused for its prompt (gateway/prompts.py) is the exception: it is
+counted against its tenant's RPM, so refusals are not free to send.
 """
 
 from __future__ import annotations
@@ -16,22 +18,20 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from engine.request import Delta, EngineRequest, SamplingParams
-from gateway.errors import APIError, invalid_param, model_not_found, service_unavailable
+from gateway.errors import APIError, model_not_found, service_unavailable
 from gateway.generation import Admitted, Job, JobStream
 from gateway.http_protocol import ON_DISCONNECT
 from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
 from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
-from gateway.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_body
+from gateway.schemas import parse_chat, parse_completion, parse_json_body
 from gateway.services import Gateway
 
 log = logging.getLogger(__name__)
 
 # Metrics labels for the limiter's reasons.
 REJECTION_REASON = {"requests": "rpm", "tokens": "tpm", "concurrency": "concurrency"}
-# Tokenizing is fast; only long prompts are worth a thread hop off the event loop.
-INLINE_TOKENIZE_CHARS = 8192
 # Retry-After when the shared rate limiter cannot be reached.
 LIMITER_RETRY_S = 1.0
 
@@ -60,37 +60,6 @@ def resolve_adapter(model: str, tenant, engine) -> str | None:
     if model in tenant.adapters and model in engine.list_adapters():
         return model
     raise model_not_found(model)
-
-
-def _encode(req: GenerationRequest, engine) -> list[int]:
-    tok = engine.tokenizer
-    if req.kind == "chat":
-        try:
-            return tok.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages])
-        except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
-            raise invalid_param("messages", f"The messages could not be formatted for this model: {e}",
-                                "invalid_value") from None
-    if isinstance(req.prompt, tuple):
-        vocab = tok.vocab_size
-        if any(t >= vocab for t in req.prompt):
-            raise invalid_param("prompt", f"Prompt token ids must be smaller than the vocabulary size {vocab}.",
-                                "invalid_value")
-        return list(req.prompt)
-    return tok.encode(req.prompt)
-
-
-async def prompt_token_ids(req: GenerationRequest, engine) -> list[int]:
-    size = sum(len(m.content) for m in req.messages) if req.kind == "chat" else len(req.prompt)
-    if size <= INLINE_TOKENIZE_CHARS:
-        ids = _encode(req, engine)
-    else:
-        import anyio.to_thread
-
-        ids = await anyio.to_thread.run_sync(_encode, req, engine)
-    if not ids:
-        raise invalid_param("prompt" if req.kind == "completion" else "messages", "The prompt is empty.",
-                            "invalid_value")
-    return ids
 
 
 def completion_budget(prompt_len: int, max_tokens: int | None, max_model_len: int, default: int) -> int:
@@ -125,10 +94,14 @@ async def _generate(request: Request, kind: str) -> Response:
     body = parse_json_body(await read_body(request, gw.settings.max_body_bytes))
     req = parse_chat(body) if kind == "chat" else parse_completion(body)
     adapter = resolve_adapter(req.model, tenant, gw.engine)
-    prompt = await prompt_token_ids(req, gw.engine)
-    max_tokens = completion_budget(len(prompt), req.max_tokens, gw.engine.max_model_len,
-                                   gw.settings.default_max_tokens)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{gw.ids.getrandbits(128):032x}"
+    try:
+        prompt = await gw.prompts.token_ids(req)
+        max_tokens = completion_budget(len(prompt), req.max_tokens, gw.engine.max_model_len,
+                                       gw.settings.default_max_tokens)
+    except APIError:
+        await _count_refusal(gw, tenant, request_id, adapter, queued_at)
+        raise
     admitted = Admitted(
         request_id=request_id, kind=kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier, adapter=adapter,
         queued_at=queued_at, arrived=arrived, prompt_tokens=len(prompt), reserved_tokens=len(prompt) + max_tokens,
@@ -150,6 +123,8 @@ async def _generate(request: Request, kind: str) -> Response:
         headers = {"x-request-id": request_id, **decision.headers()}
         stream = await _submit(gw, admitted, EngineRequest(request_id, prompt, params, tenant.tier, adapter), trace)
         job = Job(admitted, stream, gw, trace)
+        job.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at, len(prompt),
+                                       lambda: job.completion_tokens)
         if req.stream:
             return JobStream(job, headers)
         # Starlette notices a client that leaves only on streams; the server's disconnect hook
@@ -184,6 +159,26 @@ async def _admit(gw: Gateway, a: Admitted, tenant) -> Decision:
         raise APIError(429, _limit_message(decision, a.reserved_tokens), type=decision.reason,
                        code="rate_limit_exceeded", headers=decision.headers())
     return decision
+
+
+async def _count_refusal(gw: Gateway, tenant, request_id: str, adapter: str | None, queued_at: float) -> None:
+    """A request refused for its prompt counts against its tenant's RPM (a 429 once over it).
+
+    Reading and measuring a prompt we then refuse is work: were it free, a tenant could
+    send megabyte prompts without limit.
+    """
+    limits = Limits(tenant.rpm, tenant.tpm, tenant.max_concurrent)
+    try:
+        decision = await gw.limiter.acquire(tenant.tenant, limits, request_id, 0)
+        if decision.allowed:
+            await gw.limiter.release(tenant.tenant, request_id, 0, 0)
+            return
+    except LimiterUnavailable:
+        return  # the refusal stands as it is: a limiter that is down must not turn a 400 into a 503
+    gw.metrics.count_rejection(tenant.tier, REJECTION_REASON[decision.reason])
+    gw.usage.reject(request_id, tenant.tenant, tenant.tier, adapter, queued_at)
+    raise APIError(429, _limit_message(decision, 0), type=decision.reason, code="rate_limit_exceeded",
+                   headers=decision.headers())
 
 
 async def _submit(gw: Gateway, a: Admitted, request: EngineRequest, trace) -> AsyncIterator[Delta]:

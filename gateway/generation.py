@@ -8,9 +8,11 @@ is written and the unused token reservation and the concurrency slot go back.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import anyio
@@ -56,6 +58,7 @@ class Job:
         self.completion_tokens = 0
         self.first_token_at: float | None = None
         self.recorded = False  # the ledger row is durable
+        self.row_opened: Future[bool] | None = None  # the open row's write, set by the admission path
         self.closed = False
         self._first_token_mono: float | None = None
         self.interrupted = False  # by a drain's deadline: ends as a server shutdown
@@ -102,6 +105,10 @@ class Job:
     async def sse(self) -> AsyncIterator[bytes]:
         a = self.a
         writer = fmt.ChunkWriter(a.kind, a.request_id, self.created, a.model, a.include_usage)
+        if self.row_opened is not None:
+            # Once a client has seen a request's id, a crash must leave a row for it: the open row is
+            # durable (committed or spooled) before the first chunk.
+            await asyncio.wrap_future(self.row_opened)
         yield writer.first()
         async for delta in self.stream:
             self._on_delta(delta)

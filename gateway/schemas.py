@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,13 +48,42 @@ class GenerationRequest:
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; 400 for anything that is not one, or that Python's json takes but we cannot use."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(400, f"We could not parse the JSON body of your request: {e}.", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "We could not parse the JSON body of your request: it is nested too deeply.",
+                       code="invalid_json") from None
+    except ValueError as e:  # an integer literal past Python's 4300-digit conversion limit
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    # A lone surrogate can only come from a \u escape (or a UTF-16/32 body, whose first bytes hold a
+    # NUL); it is not Unicode, so neither a tokenizer, a database nor our UTF-8 error body could take it.
+    if (b"\\u" in raw or b"\x00" in raw[:4]) and _has_lone_surrogate(body):
+        raise APIError(400, "We could not parse the JSON body of your request: it contains an unpaired UTF-16 "
+                       "surrogate escape (\\ud800 to \\udfff), which is not valid Unicode.", code="invalid_json")
     return body
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    pending = [value]  # a loop, not recursion: the body may be nested as deep as json.loads allows
+    while pending:
+        v = pending.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            pending.extend(v)
+            pending.extend(v.values())
+        elif isinstance(v, list):
+            pending.extend(v)
+    return False
 
 
 def _is_int(v: Any) -> bool:
@@ -61,7 +91,9 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return _is_int(v)  # not math.isfinite: an int past float's range raises there
 
 
 def _optional(body: dict, name: str) -> Any:

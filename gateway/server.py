@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 
@@ -50,12 +51,15 @@ def tiers(settings: Settings) -> tuple[TierConfig, ...]:
     )
 
 
-def build(settings: Settings, migrate: bool = True) -> Built:
-    """Everything ``serve`` needs, from settings; the model is loaded here (the slow part)."""
+def build(settings: Settings, migrate: bool = True,
+          seed: Callable[[Database, object], None] | None = None) -> Built:
+    """Everything ``serve`` needs, from settings; the model is loaded here (the slow part).
+
+    The database need not answer yet: migrations (and ``seed(db, engine)``, the demo's tenants)
+    run once it does, and /readyz says 503 until then.
+    """
     from engine.engine import Engine  # torch is imported only by commands that serve
 
-    if migrate:
-        upgrade(settings.database_url)
     db = create_engine_for(settings.database_url)
     engine = Engine(
         EngineConfig(
@@ -70,7 +74,14 @@ def build(settings: Settings, migrate: bool = True) -> Built:
     ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))
     if settings.spool_path is None:
         adopt_orphans(ledger.spool)  # before start(): the ledger replays them with its own
-    return Built(create_app(settings, engine, db, ledger), engine, db)
+
+    def prepare_database() -> None:
+        if migrate:
+            upgrade(settings.database_url)
+        if seed is not None:
+            seed(db, engine)
+
+    return Built(create_app(settings, engine, db, ledger, prepare_database=prepare_database), engine, db)
 
 
 class DrainingServer(uvicorn.Server):
@@ -106,16 +117,21 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(settings: Settings, built: Built) -> None:
-    config = uvicorn.Config(
-        built.app,
+def uvicorn_config(settings: Settings, app: Starlette) -> uvicorn.Config:
+    """How uvicorn serves the app: for ``serve``, and for tests and benches that run the real thing."""
+    return uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
-        http=OneWriteHttpToolsProtocol,
+        http=OneWriteHttpToolsProtocol.with_timeouts(settings.header_timeout_s, settings.body_timeout_s),
+        limit_concurrency=settings.max_connections,
         log_level=settings.log_level,
         access_log=False,  # the app writes its own, after the response (gateway/access_log.py)
         timeout_graceful_shutdown=5,
         lifespan="on",
         log_config=None,  # logging is configured once by the CLI (JSON lines); uvicorn must not replace it
     )
-    DrainingServer(config, built.app.state.gateway).run()
+
+
+def serve(settings: Settings, built: Built) -> None:
+    DrainingServer(uvicorn_config(settings, built.app), built.app.state.gateway).run()

@@ -36,7 +36,22 @@ class Settings:
     max_loras: int = 4
     default_max_tokens: int = 256  # when a request names none: bounds what TPM reserves for it
     max_body_bytes: int = 1 << 20
+    tokenizer_threads: int = 2  # long prompts are tokenized on this many threads, off the event loop
+    # Slow clients: a request's head must arrive within header_timeout_s of the connection (or of its
+    # first byte on a kept-alive one), its body within body_timeout_s of the head; else 408 and close.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # Open connections (and requests in flight) past which a request gets 503 + Retry-After and is closed.
+    max_connections: int = 1000
     auth_cache_ttl_s: float = 5.0
+    # While the database is unreachable, keys already seen keep working this long past their TTL.
+    auth_stale_if_error_s: float = 300.0
+    # How often every replica checks the database for keys revoked elsewhere (the CLI, another replica).
+    auth_revocation_poll_s: float = 0.5
+    # How often the token counts of running requests are saved to their open ledger rows.
+    ledger_checkpoint_s: float = 1.0
+    # An open ledger row whose process has not saved it for this long is closed as `interrupted`.
+    ledger_orphan_after_s: float = 60.0
     rate_window_s: float = 60.0
     max_queued: int = 256
     drain_timeout_s: float = 30.0
@@ -63,9 +78,20 @@ class Settings:
             raise SettingsError(f"drain_timeout_s must be zero or more, not {self.drain_timeout_s}")
         if not 1 <= self.concurrency_lease_s <= 3600:
             raise SettingsError(f"concurrency_lease_s must be in [1, 3600], not {self.concurrency_lease_s}")
-        for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued"):
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be positive, not {getattr(self, name)}")
+        for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued", "tokenizer_threads",
+                     "max_connections"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
+        for name in ("auth_revocation_poll_s", "ledger_checkpoint_s"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be positive, not {getattr(self, name)}")
+        if not self.ledger_orphan_after_s > 2 * self.ledger_checkpoint_s:
+            raise SettingsError("ledger_orphan_after_s must be more than twice ledger_checkpoint_s")
+        if self.auth_stale_if_error_s < 0:
+            raise SettingsError(f"auth_stale_if_error_s must not be negative, not {self.auth_stale_if_error_s}")
 
     @property
     def premium_slo_s(self) -> float:

@@ -1,13 +1,22 @@
-"""Ledger rows from the gateway's side: a finished request's row durable before its last byte, and 429s.
+"""Ledger rows from the gateway's side: opened at admission, saved as requests run, closed before their last byte.
 
-A finished request's row comes from billing's UsageMeter (fed by engine
-events) and is made durable (committed, or spooled) by billing's Ledger before
-the response ends: on a quiet SQLite ledger by a commit right on the event loop
-(cheaper than any thread handoff, and it never waits for a lock), otherwise by
-the ledger's writer thread, which group-commits the rows that arrive together
-while the loop awaits. Rejected requests cost nothing but are counted; their
-rows go to the same writer without waiting, since one commit per 429 would cap
-how fast a flood can be refused (the ledger's close() writes what is queued).
+A request's row is opened (status `open`, without waiting) when it is
+admitted; while it runs, `run_background` saves the token counts of every
+running request into their rows every `ledger_checkpoint_s`, so a crash loses
+at most that much; at its end the final row comes from billing's UsageMeter
+(fed by engine events) and is made durable (committed, or spooled) by billing's
+Ledger before the response ends: on a quiet SQLite ledger by a commit right on
+the event loop (cheaper than any thread handoff, and it never waits for a
+lock), otherwise by the ledger's writer thread, which group-commits the rows
+that arrive together while the loop awaits. Rejected requests cost nothing but
+are counted; their rows go to the same writer without waiting, since one commit
+per 429 would cap how fast a flood can be refused (the ledger's close() writes
+what is queued).
+
+Every finished request ends in exactly one row: records nobody claims (a
+request driven on the engine directly, or a finish event that came after its
+request gave up waiting and wrote its own account) are written by the same
+background loop; the ledger keeps the first final record of a request id.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
@@ -23,8 +33,10 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from billing.db import UNAVAILABLE
 from billing.ledger import Ledger
 from billing.meter import UsageMeter
+from billing.open_rows import PROCESS_OWNER, Progress, close_orphans
 from billing.usage import UsageRecord
 
 log = logging.getLogger(__name__)
@@ -40,6 +52,54 @@ class UsageRecorder:
         # finish() collects them; the condition serves a finish() that comes before its event.
         self._cond = threading.Condition()
         self._finished: dict[str, UsageRecord] = {}
+        # Running requests whose open rows the background loop saves: request id -> what tells
+        # its count of completion tokens sent so far (asked only by that loop, off the hot path).
+        self._running: dict[str, Callable[[], int]] = {}
+
+    # -- open rows --------------------------------------------------------
+
+    def open(self, request_id: str, tenant: str, tier: str, adapter: str | None, queued_at: float,
+             prompt_tokens: int, completion_tokens: Callable[[], int]) -> Future[bool]:
+        """Open the admitted request's row and save its progress until finish(); the future resolves once
+        the row is durable (a stream waits for it before its first byte shows the client the request id)."""
+        record = UsageRecord(request_id=request_id, tenant=tenant, tier=tier, adapter=adapter, status="open",
+                             queued_at=queued_at, finished_at=time.time(), prompt_tokens=prompt_tokens,
+                             owner=PROCESS_OWNER)
+        self._running[request_id] = completion_tokens
+        opened = self.ledger.submit([record])
+        opened.add_done_callback(_log_failure)
+        return opened
+
+    async def run_background(self, checkpoint_s: float, orphan_after_s: float) -> None:
+        """Until cancelled: save running requests' progress, write unclaimed records, close orphaned rows."""
+        last_sweep = time.monotonic()
+        while True:
+            await anyio.sleep(checkpoint_s)
+            try:
+                await self._save_progress()
+                self.write_unclaimed()
+                if time.monotonic() - last_sweep >= orphan_after_s / 2:
+                    last_sweep = time.monotonic()
+                    await anyio.to_thread.run_sync(close_orphans, self.ledger.engine, orphan_after_s)
+            except UNAVAILABLE as exc:
+                # Progress is saved again next time; the open rows wait, and the final rows spool.
+                log.debug("ledger: progress not saved, database unavailable: %s", exc)
+            except Exception:
+                log.exception("ledger: background save failed")
+
+    def write_unclaimed(self) -> None:
+        """Hand the records nobody claims to the ledger's writer (see the module's docstring)."""
+        unclaimed = self.meter.pop_unclaimed()
+        if unclaimed:
+            self.ledger.submit(unclaimed).add_done_callback(_log_failure)
+
+    async def _save_progress(self) -> None:
+        running = list(self._running.items())
+        if not running:
+            return
+        gpu = self.meter.gpu_seconds_so_far([request_id for request_id, _ in running])
+        progress = [Progress(request_id, tokens(), gpu.get(request_id, 0.0)) for request_id, tokens in running]
+        await asyncio.wrap_future(self.ledger.save_progress(progress))
 
     # -- admitted requests ------------------------------------------------
 
@@ -62,9 +122,10 @@ class UsageRecorder:
 
         ``status`` replaces the engine's when the gateway knows better why a request ended (an
         abort the server made while stopping is ``interrupted``, not ``cancelled``). Not
-        cancellable, like the worker thread it replaced: a cancelled caller (a client that left)
-        still gets its row written before this returns.
+        cancellable: a cancelled caller (a client that left) still gets its row written before
+        this returns.
         """
+        self._running.pop(request_id, None)
         with self._cond:
             record = self._finished.pop(request_id, None)
         if record is not None and status is not None:

@@ -7,6 +7,18 @@ import os
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_build_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The engine's JIT-built C++ kernels go to this session's tmp dir (built once per run), not the user's cache."""
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        yield os.environ["TORCH_EXTENSIONS_DIR"]
+        return
+    folder = str(tmp_path_factory.mktemp("torch-extensions"))
+    os.environ["TORCH_EXTENSIONS_DIR"] = folder
+    yield folder
+    del os.environ["TORCH_EXTENSIONS_DIR"]
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = reporter.stats.get("skipped", []) if reporter else []

@@ -27,6 +27,8 @@ import math
 from collections import defaultdict
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -40,6 +42,9 @@ REDIS_TIMEOUT_S = 1.0
 DEFAULT_LEASE_S = 30.0
 # Renewals per lease: two may be lost (a Redis blip) before a live request's slot lapses.
 RENEWALS_PER_LEASE = 3
+# A pooled connection idle this long is pinged before use, so one a restarted Redis closed is
+# replaced before a request needs it.
+HEALTH_CHECK_INTERVAL_S = 5
 
 # KEYS: requests zset (id -> admitted at), tokens hash (id -> reserved), token total, concurrency zset (id -> lease end)
 # ARGV: request id, tokens, rpm, tpm, max_concurrent, window_s, lease_s
@@ -145,8 +150,14 @@ class RedisLimiter:
         self.window_s = window_s
         self.lease_s = lease_s
         self.key_prefix = key_prefix
-        self.client = aioredis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S,
-                                              socket_connect_timeout=REDIS_TIMEOUT_S)
+        # A connection error is retried once, at once, on a fresh connection: after Redis restarts,
+        # every pooled connection is dead and only the retry tells "stale" from "down". Timeouts are
+        # not retried: the script may have run, and running it twice would reserve tokens twice.
+        self.client = aioredis.Redis.from_url(
+            url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
+            retry=Retry(NoBackoff(), retries=1), retry_on_error=[RedisConnectionError],
+            health_check_interval=HEALTH_CHECK_INTERVAL_S,
+        )
         self._acquire = self.client.register_script(ACQUIRE)
         self._release = self.client.register_script(RELEASE)
         self._renew = self.client.register_script(RENEW)

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 from alembic import op
 
+from migrations.sqlite_ledger import rebuild_usage_ledger
+
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
@@ -21,9 +23,15 @@ AFTER = (*BEFORE, "interrupted")
 
 
 def _allow(statuses: tuple[str, ...]) -> None:
-    with op.batch_alter_table("usage_ledger") as batch:
+    def change(batch) -> None:
         batch.drop_constraint(op.f("ck_usage_ledger_status"), type_="check")
         batch.create_check_constraint("status", "status IN (" + ", ".join(f"'{s}'" for s in statuses) + ")")
+
+    if op.get_bind().dialect.name == "sqlite":
+        rebuild_usage_ledger(change)  # a plain batch copy fails once the ledger has recompute charges
+    else:
+        with op.batch_alter_table("usage_ledger") as batch:
+            change(batch)
 
 
 def upgrade() -> None:

@@ -11,14 +11,14 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 
 from billing.db import create_engine_for, upgrade
-from billing_tcp_proxy import TcpProxy
+from bench.faults import TcpProxy
 
 PG_HOST, PG_PORT = "127.0.0.1", 5432
-PG_ADMIN_URL = f"postgresql+psycopg2://postgres@{PG_HOST}:{PG_PORT}/test"
+PG_ADMIN_URL = f"postgresql://postgres@{PG_HOST}:{PG_PORT}/test"
 
 
 def pg_url(schema: str, host: str = PG_HOST, port: int = PG_PORT) -> str:
-    return f"postgresql+psycopg2://postgres@{host}:{port}/test?options=-csearch_path%3D{schema}"
+    return f"postgresql://postgres@{host}:{port}/test?options=-csearch_path%3D{schema}"
 
 
 @pytest.fixture

@@ -35,11 +35,16 @@ def test_created_tenants_are_listed_by_name(engine):
         ({"rpm": 0}, InvalidLimit),
         ({"tpm": -5}, InvalidLimit),
         ({"max_concurrent": "3"}, InvalidLimit),
+        ({"rpm": 2**31}, InvalidLimit),  # past PostgreSQL's integer column
+        ({"tpm": 2**63}, InvalidLimit),
+        ({"name": "nul\x00byte"}, InvalidLimit),  # PostgreSQL text cannot hold NUL
+        ({"name": "lone\ud800surrogate"}, InvalidLimit),
+        ({"name": "line\nbreak"}, InvalidLimit),
     ],
 )
 def test_bad_tenant_settings_are_refused_with_one_line(engine, kwargs, error):
     with pytest.raises(error) as raised:
-        tenants.create_tenant(engine, "acme", **{"tier": "standard", **kwargs})
+        tenants.create_tenant(engine, **{"name": "acme", "tier": "standard", **kwargs})
     assert "\n" not in str(raised.value)
     assert tenants.list_tenants(engine) == []
 

@@ -274,3 +274,85 @@ def test_a_request_id_already_in_flight_is_refused_and_the_first_keeps_running(m
     first, second = asyncio.run(run())
     assert "already in flight" in second[-1].error
     assert sum(len(d.token_ids) for d in first) == 30 and first[-1].finish_reason == "length"
+
+
+def _run_together(engine: Engine, requests: list[EngineRequest]) -> dict[str, list]:
+    """Submit all requests at once (so they share steps) and collect each one's deltas."""
+
+    async def run():
+        streams = [engine.submit(r) for r in requests]
+
+        async def collect(stream):
+            return [d async for d in stream]
+
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    return {r.request_id: deltas for r, deltas in zip(requests, asyncio.run(run()))}
+
+
+def test_temperature_and_top_p_that_underflow_float32_sample_without_failing_the_batch(make_engine, hf_greedy):
+    engine, events = make_engine()
+    prompts = _prompts(4, seed=9)
+    hostile = [SamplingParams(max_tokens=6, temperature=1e-300, ignore_eos=True),
+               SamplingParams(max_tokens=6, temperature=1e-46, ignore_eos=True),
+               SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-46, seed=1, ignore_eos=True)]
+    requests = [EngineRequest(f"h{i}", prompts[i], p) for i, p in enumerate(hostile)]
+    requests.append(EngineRequest("bystander", prompts[3], SamplingParams(max_tokens=6, **GREEDY)))
+    out = _run_together(engine, requests)
+    for request_id, deltas in out.items():
+        assert deltas[-1].error is None and deltas[-1].finish_reason == "length", request_id
+    # A vanishing temperature is greedy, a vanishing top_p keeps only the most likely token: greedy too.
+    for i in range(3):
+        assert [t for d in out[f"h{i}"] for t in d.token_ids] == hf_greedy(prompts[i], 6)
+    assert {e.status for e in events if isinstance(e, FinishEvent)} == {"ok"}
+    _wait_idle(engine)
+
+
+@pytest.mark.parametrize("where", ["sampling", "detokenizing"])
+def test_a_failure_in_one_requests_sampling_or_detokenizing_ends_that_request_alone(
+        make_engine, hf_greedy, monkeypatch, where):
+    import engine.engine as engine_module
+    import engine.sampler as sampler_module
+
+    engine, events = make_engine()
+    prompts = _prompts(4, seed=10, hi=12)  # short: all four prefill in the same step
+    victim_prompt = prompts[0]
+    if where == "sampling":
+        real_filter = sampler_module._filtered_probs
+
+        def filtered_probs(row_logits, params):
+            if params.seed == 666:
+                raise RuntimeError("injected sampling failure")
+            return real_filter(row_logits, params)
+
+        monkeypatch.setattr(sampler_module, "_filtered_probs", filtered_probs)
+    else:
+        class ExplodingDetokenizer(engine_module.IncrementalDetokenizer):
+            def __init__(self, tokenizer, prompt_token_ids, stop=()):
+                super().__init__(tokenizer, prompt_token_ids, stop)
+                self.poisoned = list(prompt_token_ids) == victim_prompt
+
+            def add_token(self, token_id):
+                if self.poisoned:
+                    raise RuntimeError("injected detokenizer failure")
+                return super().add_token(token_id)
+
+        monkeypatch.setattr(engine_module, "IncrementalDetokenizer", ExplodingDetokenizer)
+
+    requests = [EngineRequest("victim", victim_prompt,
+                              SamplingParams(max_tokens=6, temperature=0.8, seed=666, ignore_eos=True))]
+    requests += [EngineRequest(f"n{i}", prompts[i], SamplingParams(max_tokens=6, **GREEDY)) for i in (1, 2)]
+    requests.append(EngineRequest("n3", prompts[3], SamplingParams(max_tokens=6, temperature=0.8, seed=3,
+                                                                   ignore_eos=True)))
+    out = _run_together(engine, requests)
+
+    assert out["victim"][-1].finish_reason == "error" and "injected" in out["victim"][-1].error
+    for i in (1, 2):
+        assert [t for d in out[f"n{i}"] for t in d.token_ids] == hf_greedy(prompts[i], 6)
+    assert out["n3"][-1].finish_reason == "length" and out["n3"][-1].error is None
+    statuses = {e.request_id: e.status for e in events if isinstance(e, FinishEvent)}
+    assert statuses == {"victim": "error", "n1": "ok", "n2": "ok", "n3": "ok"}
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert any({"victim", "n1", "n2", "n3"} <= {it.request_id for it in s.items} for s in steps), "never batched"
+    _wait_idle(engine)
+    assert engine.is_running

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.loader import load_model
+from engine.paged_attention import decode_kernel_for
 from engine.runner import ModelRunner
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.sequence import Sequence
@@ -20,10 +21,20 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(5, TINY_VOCAB, (length,), generator=g).tolist()
 
 
+@pytest.fixture(params=["kernel", "gathered"])
+def decode_kernel(request):
+    """Decode attention through the in-place paged kernel, or through the gathered fallback."""
+    if request.param == "gathered":
+        return None
+    kernel = decode_kernel_for("cpu")
+    assert kernel is not None, "the C++ paged attention kernel did not build on this machine (see the log)"
+    return kernel
+
+
 @pytest.fixture(params=list(TINY_CONFIGS))
-def setup(request, tiny_model_dirs, linear_path):
+def setup(request, tiny_model_dirs, decode_kernel, linear_path):
     path = tiny_model_dirs[request.param]
-    runner = ModelRunner(load_model(str(path)), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    runner = ModelRunner(load_model(str(path)), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, decode_kernel=decode_kernel)
     assert runner.model.is_packed == (linear_path == "packed")
     return runner, HFReference(path), BlockPool(NUM_BLOCKS)
 
@@ -75,6 +86,22 @@ def test_decode_rows_interleaved_with_prefill_rows_match_hf(setup, assert_matche
     logits = runner.execute(plan)
     assert logits.shape == (3, TINY_VOCAB) and logits.dtype == torch.float32
     assert_matches_hf(ref, plan, logits)
+
+
+def test_a_decode_batch_of_different_context_lengths_gives_hf_greedy_tokens_and_logprobs(setup):
+    """Contexts of 1 to 30 tokens decoded together: within one block, on block edges, across several blocks."""
+    runner, ref, pool = setup
+    seqs = [Sequence(str(n), _prompt(n, seed=n)) for n in (1, 3, 4, 8, 13, 30)]
+    finish_step(plan := StepPlan([chunk(s, 0, s.num_tokens, pool, BLOCK_SIZE) for s in seqs]), runner.execute(plan))
+    for _ in range(3):
+        plan = StepPlan([chunk(s, s.num_computed_tokens, 1, pool, BLOCK_SIZE) for s in seqs])
+        logits = runner.execute(plan)
+        for seq, row in zip(seqs, logits):
+            expected = torch.log_softmax(ref.logits(seq.all_token_ids), dim=-1)
+            assert int(row.argmax()) == int(expected.argmax())
+            diff = (torch.log_softmax(row, dim=-1) - expected).abs().max().item()
+            assert diff < 1e-3, f"seq of {seq.num_prompt_tokens} prompt tokens: logprobs differ by {diff}"
+        finish_step(plan, logits)
 
 
 def test_prefix_cached_blocks_computed_by_another_sequence_are_reused(setup, assert_matches_hf):

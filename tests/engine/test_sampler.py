@@ -74,3 +74,22 @@ def test_logprobs_report_the_chosen_token_and_sorted_alternatives():
     values = [lp for _, lp in out[0].top]
     assert values == sorted(values, reverse=True)
     assert out[1].logprob is None and out[1].top == ()
+
+
+def test_temperatures_and_top_ps_that_vanish_in_float32_take_the_most_likely_token():
+    logits = _logits(4, seed=7)
+    params = [SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-46, seed=1),
+              SamplingParams(temperature=1.0, top_p=1e-46, seed=2), SamplingParams(temperature=1.0, top_p=1e-300)]
+    out = sample(logits, params, [make_generator(p) for p in params])
+    assert [t.token_id for t in out] == logits.argmax(-1).tolist()
+    assert all(t.error is None for t in out)
+
+
+def test_a_row_whose_draw_fails_carries_the_error_and_the_other_rows_are_sampled():
+    logits = _logits(3, seed=8)
+    logits[1] = float("nan")
+    params = [SamplingParams(temperature=0.7, seed=s, logprobs=2) for s in range(3)]
+    out = sample(logits, params, [make_generator(p) for p in params])
+    assert out[1].error is not None
+    assert out[0].error is None and out[2].error is None
+    assert out[0].logprob is not None and len(out[2].top) == 2

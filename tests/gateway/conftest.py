@@ -8,7 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ from billing.ledger import Ledger
 from engine.config import EngineConfig
 from engine.engine import Engine
 from gateway.app import create_app
-from gateway.http_protocol import OneWriteHttpToolsProtocol
+from gateway.server import uvicorn_config
 from gateway.settings import Settings
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
@@ -110,10 +110,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(app, engine: Engine, db, port: int) -> LiveServer:
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                            http=OneWriteHttpToolsProtocol)
-    server = uvicorn.Server(config)
+def start_server(app, engine: Engine, db, settings: Settings) -> LiveServer:
+    """The app under uvicorn configured as ``tiergate serve`` configures it (timeouts, connection bound)."""
+    server = uvicorn.Server(uvicorn_config(replace(settings, log_level="warning"), app))
+    port = settings.port
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -129,15 +129,15 @@ def serve(make_engine, database_url: str, tmp_path: Path) -> Iterator[Callable[.
     """Start live servers: ``serve(settings overrides..., engine=..., limiter=...)``; all stopped at teardown."""
     started: list[LiveServer] = []
 
-    def start(engine: Engine | None = None, limiter=None, **settings_overrides) -> LiveServer:
+    def start(engine: Engine | None = None, limiter=None, prepare_database=None, **settings_overrides) -> LiveServer:
         engine = engine or make_engine()
         port = free_port()
         settings = Settings(database_url=database_url, admin_token=ADMIN_TOKEN, port=port,
                             spool_path=str(tmp_path / f"spool-{uuid.uuid4().hex}.jsonl"), **settings_overrides)
         db = create_engine_for(database_url)
         ledger = Ledger(db, settings.spool_path, retry_interval_s=0.5)
-        app = create_app(settings, engine, db, ledger, limiter=limiter)
-        live = start_server(app, engine, db, port)
+        app = create_app(settings, engine, db, ledger, limiter=limiter, prepare_database=prepare_database)
+        live = start_server(app, engine, db, settings)
         started.append(live)
         return live
 

@@ -85,3 +85,23 @@ def test_the_live_server_answers_json_head_and_streams_through_it(server):
     response = conn.getresponse()
     assert response.status == 200 and response.getheader("transfer-encoding") == "chunked"
     assert response.read().rstrip().endswith(b"data: [DONE]")
+
+
+def test_an_http_1_0_chunked_response_is_written_unchunked():
+    from gateway.http_protocol import CloseDelimitedTransport
+
+    inner = RecordingTransport()
+    transport = CloseDelimitedTransport(inner)
+    transport.write(STREAM_HEAD)
+    transport.write(b"5\r\nhello\r\n")
+    transport.write(b"1\r\n!\r\n3\r\nabc\r\n0\r\n\r\n")
+    transport.write(b"0\r\n\r\n")
+    assert inner.writes == [STREAM_HEAD.replace(b"transfer-encoding: chunked\r\n", b""), b"hello", b"!abc"]
+
+
+def test_an_http_1_0_content_length_response_passes_as_it_is():
+    from gateway.http_protocol import CloseDelimitedTransport
+
+    inner = RecordingTransport()
+    CloseDelimitedTransport(inner).write(JSON_HEAD + b"{}")
+    assert inner.writes == [JSON_HEAD + b"{}"]

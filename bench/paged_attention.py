@@ -1,0 +1,162 @@
+"""Decode step time with the in-place paged attention kernel against the gathered SDPA path.
+
+The bundled SmolLM2-135M on this CPU: 32 sequences prefill a prompt of
+``--prompt`` tokens once into a shuffled block pool (as a pool looks after some
+churn); then, for each concurrency level, the first N of them take decode
+steps at position ``--prompt``, each step run once through the kernel and once
+through the gathered path (order alternating, so both see the same load), both
+in this process on the same weights and KV cache. Then the same for one
+layer's attention call alone (cache flushed between calls, as the rest of a
+step flushes it). Prints median times and the gathered / kernel ratio; a ratio
+above 1 means the kernel is faster.
+
+    .venv/bin/python -m bench.paged_attention [--concurrency 1,8,32] [--prompt 250]
+        [--steps 30] [--threads N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench import machine
+from engine.attention import AttentionMetadata, paged_attention
+from engine.cpu_threads import ThreadTuner
+from engine.loader import load_model
+from engine.paged_attention import cpu_decode_kernel
+from engine.runner import ModelRunner
+from scheduler.plan import ScheduledChunk, StepPlan
+from scheduler.sequence import Sequence
+
+BLOCK_SIZE = 16  # EngineConfig's default
+PREFILL_TOKENS_PER_STEP = 512  # EngineConfig's max_num_batched_tokens
+
+
+def _prefilled(runner: ModelRunner, count: int, prompt_len: int, seed: int) -> list[Sequence]:
+    """``count`` sequences of ``prompt_len + 1`` tokens, all but the last in the cache."""
+    rng = random.Random(seed)
+    vocab = runner.config.vocab_size
+    per_seq = (prompt_len + BLOCK_SIZE) // BLOCK_SIZE
+    blocks = list(range(count * per_seq))
+    rng.shuffle(blocks)
+    seqs = []
+    for i in range(count):
+        seq = Sequence(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len + 1)])
+        seq.block_table = blocks[i * per_seq : (i + 1) * per_seq]
+        seqs.append(seq)
+    per_step = max(1, PREFILL_TOKENS_PER_STEP // prompt_len)
+    for i in range(0, count, per_step):
+        runner.execute(StepPlan([ScheduledChunk(seq=s, start=0, num_tokens=prompt_len) for s in seqs[i : i + per_step]]))
+    for seq in seqs:
+        seq.num_computed_tokens = prompt_len
+    return seqs
+
+
+def _run(runner: ModelRunner, plan: StepPlan, kernel) -> None:
+    runner.decode_kernel = kernel
+    runner.execute(plan)
+
+
+def _interleaved(calls: dict[str, Callable[[], object]], rounds: int, warmup: int,
+                 between: Callable[[], object] | None = None) -> dict[str, float]:
+    """Median seconds of each call, run in alternating order each round."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for i in range(warmup + rounds):
+        for name in order if i % 2 == 0 else reversed(order):
+            if between is not None:
+                between()
+            started = time.perf_counter()
+            calls[name]()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@torch.inference_mode()
+def _attention_alone(runner: ModelRunner, plan: StepPlan, kernel, rounds: int) -> dict[str, float]:
+    """One layer's decode attention for the plan's rows, kernel against gathered."""
+    cfg = runner.config
+    specs = [(c.start, 1, c.seq.block_table) for c in plan.chunks]
+    q = torch.randn(len(specs), cfg.num_heads, cfg.head_dim)
+    kv = torch.randn(len(specs), 2, cfg.num_kv_heads, cfg.head_dim)
+    layer = runner.kv_cache.layers[0]
+    metas = {name: AttentionMetadata.build(specs, BLOCK_SIZE, "cpu", k) for name, k in (("kernel", kernel), ("gathered", None))}
+    flush = torch.empty(64 * 2**20 // 4)  # larger than the L3 cache
+    calls = {name: (lambda m=meta: paged_attention(q, kv, layer, m)) for name, meta in metas.items()}
+    return _interleaved(calls, rounds, warmup=3, between=lambda: flush.add_(1.0))
+
+
+def run(args: argparse.Namespace) -> dict:
+    kernel = cpu_decode_kernel()
+    if kernel is None:
+        raise SystemExit("the C++ paged attention kernel did not build here; see the warning above")
+    loaded = load_model("bundled")
+    needed = max(args.concurrency) * ((args.prompt + BLOCK_SIZE) // BLOCK_SIZE)
+    runner = ModelRunner(loaded, num_blocks=needed, block_size=BLOCK_SIZE, decode_kernel=kernel)
+    # One fixed thread count for both paths: the tuner's trials would otherwise mix counts.
+    runner.thread_tuner = ThreadTuner([args.threads])
+    torch.set_num_threads(args.threads)
+    seqs = _prefilled(runner, max(args.concurrency), args.prompt, seed=0)
+
+    rows = []
+    for concurrency in args.concurrency:
+        # Each step recomputes position --prompt of every sequence, so the context stays put.
+        plan = StepPlan([ScheduledChunk(seq=s, start=args.prompt, num_tokens=1) for s in seqs[:concurrency]])
+        step = _interleaved({"kernel": lambda: _run(runner, plan, kernel), "gathered": lambda: _run(runner, plan, None)},
+                            args.steps, args.warmup)
+        alone = _attention_alone(runner, plan, kernel, rounds=5 * args.steps)
+        rows.append({"concurrency": concurrency,
+                     "kernel_ms": step["kernel"] * 1e3, "gathered_ms": step["gathered"] * 1e3,
+                     "ratio": step["gathered"] / step["kernel"],
+                     "attention_kernel_ms": alone["kernel"] * 1e3, "attention_gathered_ms": alone["gathered"] * 1e3,
+                     "attention_ratio": alone["gathered"] / alone["kernel"]})
+    return {"machine": machine.describe(), "threads": args.threads, "prompt": args.prompt, "steps": args.steps,
+            "rows": rows}
+
+
+def render(result: dict) -> str:
+    lines = [f"{result['prompt']}-token contexts, {result['threads']} thread(s), A/B interleaved, medians "
+             f"({result['steps']} decode steps; {5 * result['steps']} attention calls)",
+             f"{'':>11}  {'decode step (ms)':^36}  {'one layer attention (ms)':^36}",
+             f"{'concurrency':>11}  {'kernel':>9} {'gathered':>9} {'ratio':>15}  {'kernel':>9} {'gathered':>9} {'ratio':>15}"]
+    for r in result["rows"]:
+        lines.append(f"{r['concurrency']:>11}  {r['kernel_ms']:>9.2f} {r['gathered_ms']:>9.2f} {r['ratio']:>14.2f}x"
+                     f"  {r['attention_kernel_ms']:>9.3f} {r['attention_gathered_ms']:>9.3f} {r['attention_ratio']:>14.2f}x")
+    lines.append("ratio = gathered / kernel: above 1, the in-place kernel is faster")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--prompt", type=int, default=250)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+    if min(args.concurrency) < 1 or args.prompt < 1 or args.steps < 1 or args.threads < 1:
+        parser.error("concurrency, prompt, steps and threads must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print(render(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

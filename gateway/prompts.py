@@ -1,0 +1,82 @@
+"""A request's prompt as token ids: what cannot fit is refused before it is tokenized, the rest is tokenized
+off the event loop.
+
+A prompt of more than ``max_model_len * max_token_chars`` characters (the model's
+context times its tokenizer's longest vocabulary entry) cannot fit in the context,
+so it is refused as ``context_length_exceeded`` without tokenizing it: tokenizing a
+megabyte takes seconds of CPU. What may fit is tokenized inline when short, else
+on a small pool of threads (``tokenizer_threads``), so long prompts queue for the
+pool instead of for the event loop (engine/tokenizer.py releases the GIL for them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.tokenizer import TextTokenizer
+from gateway.errors import APIError, invalid_param
+from gateway.schemas import GenerationRequest
+
+# Shorter prompts are tokenized inline: a thread hop costs more than their encode.
+INLINE_TOKENIZE_CHARS = 8192
+
+
+class PromptEncoder:
+    def __init__(self, engine, threads: int) -> None:
+        # Anything with the engine's ``tokenizer`` and ``max_model_len``, read at the first prompt:
+        # apps built on stand-in engines that never see one (probes, benches) need neither.
+        self._engine = engine
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @functools.cached_property
+    def max_chars(self) -> int:
+        return self.max_model_len * self.tokenizer.max_token_chars
+
+    async def token_ids(self, req: GenerationRequest) -> list[int]:
+        """The prompt's token ids; 400 for an empty prompt or one that cannot fit the context."""
+        param = "messages" if req.kind == "chat" else "prompt"
+        if req.kind == "completion" and isinstance(req.prompt, tuple):
+            ids = self._checked_ids(req.prompt)
+        else:
+            size = sum(len(m.content) for m in req.messages) if req.kind == "chat" else len(req.prompt)
+            if size > self.max_chars:
+                raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and no "
+                               f"prompt of more than {self.max_chars} characters fits in it; yours has {size}. "
+                               "Please reduce the length of the prompt.", param=param,
+                               code="context_length_exceeded")
+            if size <= INLINE_TOKENIZE_CHARS:
+                ids = self._encode(req)
+            else:
+                ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, req)
+        if not ids:
+            raise invalid_param(param, "The prompt is empty.", "invalid_value")
+        return ids
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _checked_ids(self, ids: tuple[int, ...]) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t in ids):
+            raise invalid_param("prompt", f"Prompt token ids must be smaller than the vocabulary size {vocab}.",
+                                "invalid_value")
+        return list(ids)
+
+    def _encode(self, req: GenerationRequest) -> list[int]:
+        if req.kind == "completion":
+            return self.tokenizer.encode(req.prompt)
+        try:
+            return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages])
+        except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
+            raise invalid_param("messages", f"The messages could not be formatted for this model: {e}",
+                                "invalid_value") from None

@@ -1,0 +1,107 @@
+"""The CPU paged decode attention kernel against a float64 reference, and the gathered fallback on its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.paged_attention import cpu_decode_kernel
+from tests.engine.paged_attention_reference import CASES, random_case, reference
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    kernel = cpu_decode_kernel()
+    assert kernel is not None, "the C++ paged attention kernel did not build on this machine (see the log)"
+    return kernel
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_kernel_matches_float64_reference(kernel, case, threads):
+    lens, heads, kv_heads, head_dim, block_size = CASES[case]
+    data = random_case(lens, heads, kv_heads, head_dim, block_size, seed=len(case))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(data.q, data.kv_cache, data.block_tables, data.context_lens, data.scale)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (len(lens), heads * head_dim) and out.dtype == torch.float32
+    assert (out.double() - reference(data)).abs().max().item() < 1e-5
+
+
+def test_cpu_kernel_accumulates_bfloat16_caches_in_float32(kernel):
+    lens, heads, kv_heads, head_dim, block_size = CASES["smollm2_gqa"]
+    data = random_case(lens, heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16)
+    out = kernel(data.q, data.kv_cache, data.block_tables, data.context_lens, data.scale)
+    assert out.dtype == torch.bfloat16
+    # One bf16 rounding of the output: anything coarser would mean bf16 accumulation.
+    assert (out.double() - reference(data)).abs().max().item() < 1e-2
+
+
+def test_cpu_kernel_refuses_mismatched_inputs(kernel):
+    data = random_case([5], 4, 2, 16, 4)
+    with pytest.raises(RuntimeError, match="one row per query"):
+        kernel(data.q, data.kv_cache, data.block_tables, torch.tensor([5, 5]), data.scale)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernel(data.q, data.kv_cache, data.block_tables.int(), data.context_lens, data.scale)
+
+
+def _decode_metadata(lens: list[int], tables: torch.Tensor, block_size: int, kernel) -> AttentionMetadata:
+    """Metadata for a step of decodes only: row i is position lens[i] - 1 of sequence i."""
+    chunks = [(n - 1, 1, tables[i].tolist()) for i, n in enumerate(lens)]
+    return AttentionMetadata.build(chunks, block_size, "cpu", decode_kernel=kernel)
+
+
+@pytest.mark.parametrize("case", ["smollm2_gqa", "odd_block_size", "single_sequence"])
+@pytest.mark.parametrize("with_kernel", [True, False], ids=["kernel", "gathered"])
+def test_decode_attention_through_the_step_matches_reference(case, with_kernel, kernel):
+    """paged_attention writes the step's K/V, then attends: the kernel and the fallback both match."""
+    lens, heads, kv_heads, head_dim, block_size = CASES[case]
+    data = random_case(lens, heads, kv_heads, head_dim, block_size, seed=3)
+    meta = _decode_metadata(lens, data.block_tables, block_size, kernel if with_kernel else None)
+    assert (meta.decode.mask is None) == (with_kernel or len(lens) == 1)
+    # This step's K/V: the last position of each context, written by paged_attention itself.
+    last = [int(data.block_tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)]
+    new_kv = data.kv_cache.reshape(-1, 2, kv_heads, head_dim)[last].clone()
+    data.kv_cache.reshape(-1, 2, kv_heads, head_dim)[last] = 0.0
+    out = paged_attention(data.q, new_kv, data.kv_cache, meta)
+    assert (out.double() - reference(data)).abs().max().item() < 1e-5
+
+
+def test_a_kernel_that_cannot_build_leaves_the_gathered_path_and_warns_once(tmp_path):
+    """No compiler: the engine logs one warning and decodes through the gathered path."""
+    script = textwrap.dedent("""
+        import logging
+        import torch
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+        from engine.paged_attention import decode_kernel_for
+        assert decode_kernel_for("cpu") is None
+        assert decode_kernel_for("cpu") is None
+        print("fallback ok")
+    """)
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "fallback ok" in run.stdout
+    warnings = [line for line in run.stderr.splitlines() if "paged attention kernel unavailable" in line]
+    assert len(warnings) == 1, run.stderr
+
+
+def test_paged_attention_off_keeps_the_gathered_path(monkeypatch):
+    from engine.paged_attention import decode_kernel_for
+
+    monkeypatch.setenv("TIERGATE_PAGED_ATTENTION", "off")
+    assert decode_kernel_for("cpu") is None

@@ -1,0 +1,66 @@
+"""Every request ends in exactly one ledger row: revoked keys stop at once on every replica, unclaimed records are written."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import httpx
+from sqlalchemy import select
+
+from billing.keys import revoke_key
+from billing.models import UsageEntry
+from engine.request import EngineRequest, SamplingParams
+
+
+def _wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_key_revoked_by_the_cli_stops_working_on_every_replica_at_once(serve):
+    replicas = [serve(auth_revocation_poll_s=0.2), serve(auth_revocation_poll_s=0.2)]
+    key = replicas[0].add_tenant("acme", "premium")
+    key_id = key.split("-")[1]
+    auth = {"authorization": f"Bearer {key}"}
+    assert [httpx.get(r.url + "/v1/models", headers=auth).status_code for r in replicas] == [200, 200]
+    revoke_key(replicas[0].db, key_id)  # what `tiergate keys revoke` does, outside either replica
+    revoked_at = time.monotonic()
+    for replica in replicas:  # the cache TTL (5 s) alone would keep the key working that long
+        assert _wait_for(lambda: httpx.get(replica.url + "/v1/models", headers=auth).status_code == 401, 1.5)
+    assert time.monotonic() - revoked_at < 2.5
+
+
+def test_a_request_driven_on_the_engine_directly_gets_its_ledger_row(serve):
+    live = serve(ledger_checkpoint_s=0.1)
+    request = EngineRequest("engine-direct-1", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    live.engine.generate_batch_sync([request])
+
+    def row():
+        with live.db.connect() as c:
+            return c.execute(select(UsageEntry.tenant, UsageEntry.status, UsageEntry.completion_tokens)
+                             .where(UsageEntry.request_id == "engine-direct-1")).all()
+
+    assert _wait_for(lambda: row() == [(None, "ok", 4)], 5), row()
+
+
+def test_a_finish_that_comes_after_its_request_gave_up_waiting_leaves_one_row(serve, monkeypatch):
+    from gateway import usage
+
+    monkeypatch.setattr(usage, "FINISH_WAIT_S", 0.0)
+    live = serve(ledger_checkpoint_s=0.1)
+    recorder = live.gateway.usage
+    fallback = usage.gateway_record("late-1", "acme", "premium", None, "cancelled", time.time(), 3, 1, None)
+    live.gateway.usage.meter.begin("late-1", "acme", "premium")
+    anyio.run(recorder.finish, "late-1", fallback)  # gives up at once: the gateway's own account is written
+    # The engine's finish event for it comes afterwards: nobody claims it; it must not make a second row.
+    live.engine.generate_batch_sync([EngineRequest("late-1", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True))])
+    time.sleep(0.5)
+    with live.db.connect() as c:
+        rows = c.execute(select(UsageEntry.status).where(UsageEntry.request_id == "late-1")).all()
+    assert rows == [("cancelled",)]
+    assert recorder.meter.pop_unclaimed() == []  # written (and ignored), not piling up
