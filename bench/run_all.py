@@ -68,6 +68,11 @@ def benches() -> list[Bench]:
               module="slo_sim"),
         Bench("slo_sweep", "SLO sweep through the real gateway: tiered vs fcfs",
               quick_args=["--rates", "0.5", "--requests", "8"], timeout_s=900),
+        # Like for like with fcfs: no premium KV reserve (it would idle with no premium traffic).
+        Bench("fair_share_sim", "Fair share inside a tier on a virtual clock: a light tenant beside a flood",
+              ["--premium-reserve", "0"]),
+        Bench("fair_share_gateway", "Fair share through the real gateway: a light tenant beside a 30-stream flood",
+              quick_args=["--flood", "4", "--alone-s", "3", "--warmup-s", "3", "--flood-s", "6"], timeout_s=900),
         Bench("gateway_overhead", "Gateway overhead", json_flag="--out"),
         Bench("report_speed", "Billing report speed", json_flag=""),
         Bench("chaos", "Chaos: database cut, Redis restart, SIGKILL, dropped streams under load",

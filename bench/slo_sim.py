@@ -71,6 +71,7 @@ class Request:
     prompt: tuple[int, ...]
     max_tokens: int
     adapter: str | None
+    tenant: str | None = None
 
 
 @dataclass
@@ -87,11 +88,12 @@ class SimSettings:
     max_model_len: int = 4096
     max_loras: int = 4
     standard_min_share: float = 0.1
+    premium_kv_reserve: float = 0.3
 
 
-def scheduler_config(s: SimSettings, policy: str) -> SchedulerConfig:
+def scheduler_config(s: SimSettings, policy: str, fair_share: bool = True) -> SchedulerConfig:
     tiers = (
-        TierConfig("premium", priority=0, ttft_slo_s=s.premium_slo_s, kv_reserve_fraction=0.3),
+        TierConfig("premium", priority=0, ttft_slo_s=s.premium_slo_s, kv_reserve_fraction=s.premium_kv_reserve),
         TierConfig("standard", priority=1, ttft_slo_s=s.standard_slo_s),
     )
     return SchedulerConfig(
@@ -102,6 +104,7 @@ def scheduler_config(s: SimSettings, policy: str) -> SchedulerConfig:
         max_model_len=s.max_model_len,
         max_loras=s.max_loras,
         policy=policy,
+        fair_share=fair_share,
         tiers=tiers,
         standard_min_share=s.standard_min_share,
     )
@@ -154,7 +157,7 @@ def simulate(s: SimSettings, policy: str, requests: list[Request], cost: CostMod
         while nxt < len(pending) and pending[nxt].arrival_s <= now:
             r = pending[nxt]
             seq = Sequence(r.request_id, list(r.prompt), tier=r.tier, adapter=r.adapter,
-                           max_tokens=r.max_tokens, arrival_time=r.arrival_s)
+                           max_tokens=r.max_tokens, arrival_time=r.arrival_s, tenant=r.tenant)
             predicted[r.request_id] = sched.load()[r.tier].predicted_ttft_s
             sched.add(seq)
             seqs[r.request_id] = seq

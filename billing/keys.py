@@ -34,6 +34,7 @@ class TenantInfo:
     version: int
     updated_at: datetime
     key_id: str
+    weight: float = 1.0  # fair share inside the tier
 
 
 def create_key(engine: Engine, tenant: str) -> tuple[str, str]:
@@ -88,6 +89,7 @@ def authenticate(engine: Engine, secret: str) -> TenantInfo | None:
             version=tenant.version,
             updated_at=tenant.updated_at,
             key_id=key.key_id,
+            weight=tenant.weight,
         )
 
 

@@ -99,6 +99,7 @@ class UsageMeter:
                 completion_tokens=event.completion_tokens,
                 gpu_seconds=entry.gpu_seconds,
                 recompute_by_tier=dict(recompute),
+                queue_seconds=getattr(event, "queue_s", 0.0),
             )
             self._cond.notify_all()
 

@@ -56,6 +56,8 @@ class Tenant(Base):
     rpm: Mapped[int] = mapped_column(Integer)
     tpm: Mapped[int] = mapped_column(Integer)
     max_concurrent: Mapped[int] = mapped_column(Integer)
+    # Its share of its tier's engine time relative to the tier's other tenants (fair share).
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
     # Bumped on every change of settings or grants: the gateway's auth cache compares it.
     version: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
@@ -138,6 +140,8 @@ class UsageEntry(Base):
     first_token_at: Mapped[datetime | None] = mapped_column(DateTime)
     # While open: the time of its last saved progress; closed: when it ended.
     finished_at: Mapped[datetime] = mapped_column(DateTime)
+    # Seconds the request waited in the engine's queue (after preemptions too): who waited for whom.
+    queue_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     owner: Mapped[str | None] = mapped_column(String(128))  # the process holding an open row
 
 

@@ -32,6 +32,7 @@ def as_dicts(rows: list[ReportRow]) -> list[dict]:
             "bucket": r.bucket.isoformat(),
             "gpu_seconds": round(r.gpu_seconds, 6),
             "recompute_gpu_seconds": round(r.recompute_gpu_seconds, 6),
+            "queue_seconds": round(r.queue_seconds, 6),
             "cost": round(r.cost, 6),
         }
         for r in rows
@@ -61,6 +62,7 @@ def render_table(rows: list[ReportRow]) -> str:
             str(r.completion_tokens),
             f"{r.gpu_seconds:.3f}",
             f"{r.recompute_gpu_seconds:.3f}",
+            f"{r.queue_seconds:.3f}",
             f"{r.cost:.4f}",
         ]
         for r in rows

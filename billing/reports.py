@@ -1,8 +1,10 @@
-"""Usage reports from the ledger: requests, tokens, GPU-seconds and cost per time bucket and tier/tenant/adapter.
+"""Usage reports from the ledger: requests, tokens, GPU-seconds, queue time and cost per bucket and tier/tenant/adapter.
 
 Grouped by tier, recompute_gpu_seconds is the recompute charged to that tier (it preempted) and
 is part of its cost. Grouped by tenant or adapter it is the recompute performed on the group's
 requests, shown but not in their cost: the payer of recompute is a tier, not a tenant.
+queue_seconds is the time the group's requests waited in the engine's queue, so a report by tenant
+shows who waited behind whom.
 Buckets are in UTC; the range is [start, end).
 """
 
@@ -40,6 +42,7 @@ class ReportRow:
     completion_tokens: int
     gpu_seconds: float
     recompute_gpu_seconds: float
+    queue_seconds: float
     cost: float
 
 
@@ -51,6 +54,7 @@ class _Totals:
     completion_tokens: int = 0
     gpu_seconds: float = 0.0
     recompute_gpu_seconds: float = 0.0
+    queue_seconds: float = 0.0
     cost: float = 0.0
 
 
@@ -125,13 +129,15 @@ def _report(
             func.sum(ledger.completion_tokens),
             func.sum(ledger.gpu_seconds),
             func.sum(ledger.recompute_gpu_seconds),
+            func.sum(ledger.queue_seconds),
         )
         .where((ledger.finished_at >= start) & (ledger.finished_at < end))
         .group_by(*keys)
     )
     totals: dict[tuple[Any, str | None], _Totals] = defaultdict(_Totals)
-    for when_value, group_value, tier, served, rejected, prompt, completion, gpu, recompute in usage:
+    for when_value, group_value, tier, served, rejected, prompt, completion, gpu, recompute, queued in usage:
         t = totals[when_value, group_value]
+        t.queue_seconds += queued
         t.requests += served
         t.rejected += rejected
         t.prompt_tokens += prompt

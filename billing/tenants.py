@@ -1,4 +1,4 @@
-"""Tenants: their tier and rate limits, created and changed by the admin API and the CLI."""
+"""Tenants: their tier, rate limits and fair-share weight, created and changed by the admin API and the CLI."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ DEFAULT_RPM = 60
 DEFAULT_TPM = 100_000
 DEFAULT_MAX_CONCURRENT = 8
 LIMITS = ("rpm", "tpm", "max_concurrent")
+DEFAULT_WEIGHT = 1.0
+MAX_WEIGHT = 1000.0  # a weight is a ratio between tenants; beyond this it is surely a typo
 MAX_LIMIT = 2**31 - 1  # the limit columns are 32-bit integers in PostgreSQL
 
 
@@ -29,6 +31,7 @@ class TenantSettings:
     max_concurrent: int
     version: int
     updated_at: datetime
+    weight: float = DEFAULT_WEIGHT
 
 
 def create_tenant(
@@ -38,6 +41,7 @@ def create_tenant(
     rpm: int = DEFAULT_RPM,
     tpm: int = DEFAULT_TPM,
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+    weight: float = DEFAULT_WEIGHT,
 ) -> TenantSettings:
     if not name or len(name) > 128 or not name.isprintable():
         raise InvalidLimit(f"tenant name must be 1 to 128 printable characters, got {name!r}")
@@ -45,8 +49,9 @@ def create_tenant(
     limits = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent}
     for field, value in limits.items():
         _check_limit(field, value)
+    _check_weight(weight)
     with Session(engine) as session:
-        tenant = Tenant(name=name, tier=tier, **limits)
+        tenant = Tenant(name=name, tier=tier, weight=float(weight), **limits)
         session.add(tenant)
         try:
             session.commit()
@@ -66,8 +71,8 @@ def get_tenant(engine: Engine, name: str) -> TenantSettings:
 
 
 def set_tenant(engine: Engine, name: str, **changes: str | int) -> TenantSettings:
-    """Change a tenant's tier and/or limits (rpm, tpm, max_concurrent); bumps its version."""
-    unknown = set(changes) - {"tier", *LIMITS}
+    """Change a tenant's tier, limits (rpm, tpm, max_concurrent) and/or weight; bumps its version."""
+    unknown = set(changes) - {"tier", "weight", *LIMITS}
     if unknown:
         raise InvalidLimit(f"unknown tenant setting(s): {', '.join(sorted(unknown))}")
     if "tier" in changes:
@@ -75,6 +80,9 @@ def set_tenant(engine: Engine, name: str, **changes: str | int) -> TenantSetting
     for field in LIMITS:
         if field in changes:
             _check_limit(field, changes[field])
+    if "weight" in changes:
+        _check_weight(changes["weight"])
+        changes["weight"] = float(changes["weight"])
     with Session(engine) as session:
         tenant = find_tenant(session, name)
         for field, value in changes.items():
@@ -107,5 +115,11 @@ def _check_limit(field: str, value: object) -> None:
         raise InvalidLimit(f"{field} must be an integer from 1 to {MAX_LIMIT}, got {value!r}")
 
 
+def _check_weight(value: object) -> None:
+    # Compared, never converted: an int too large for a float must be refused, not overflow.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_WEIGHT:
+        raise InvalidLimit(f"weight must be a number in (0, {MAX_WEIGHT:g}], got {value!r}")
+
+
 def _settings(t: Tenant) -> TenantSettings:
-    return TenantSettings(t.name, t.tier, t.rpm, t.tpm, t.max_concurrent, t.version, t.updated_at)
+    return TenantSettings(t.name, t.tier, t.rpm, t.tpm, t.max_concurrent, t.version, t.updated_at, t.weight)

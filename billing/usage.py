@@ -25,6 +25,7 @@ class UsageRecord:
     gpu_seconds: float = 0.0  # the request's own compute
     # Recompute performed for this request after preemptions, by the tier that pays for it.
     recompute_by_tier: dict[str, float] = field(default_factory=dict)
+    queue_seconds: float = 0.0  # waiting in the engine's queue
     owner: str | None = None  # an open row's process (billing.open_rows.PROCESS_OWNER)
 
     def __post_init__(self) -> None:
@@ -61,6 +62,7 @@ class UsageRecord:
             "queued_at": utc_datetime(self.queued_at),
             "first_token_at": None if self.first_token_at is None else utc_datetime(self.first_token_at),
             "finished_at": utc_datetime(self.finished_at),
+            "queue_seconds": self.queue_seconds,
             "owner": self.owner,
         }
 

@@ -25,6 +25,8 @@ def validate_request(
             f"prompt ({prompt_len} tokens) plus max_tokens ({request.params.max_tokens}) "
             f"exceeds the context length of {max_model_len} tokens"
         )
+    if not 0 < request.tenant_weight < float("inf"):
+        raise ValueError(f"a tenant's weight must be positive and finite, not {request.tenant_weight!r}")
     if request.tier not in tier_capacity:
         raise ValueError(f"unknown tier {request.tier!r}")
     fits = tier_capacity[request.tier]

@@ -27,7 +27,9 @@ class EngineConfig:
     policy: str = "tiered"
     tiers: tuple[TierConfig, ...] = field(default_factory=default_tiers)
     standard_min_share: float = 0.1
+    fair_share: bool = True  # tiered policy: tenants of one tier take turns by virtual token counter
     enable_prefix_caching: bool = True
+    prefix_cache_scope: str = "tenant"  # "tenant" or "shared" (see scheduler/block_manager.py)
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 16

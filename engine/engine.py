@@ -79,7 +79,9 @@ class Engine:
                 max_model_len=self.max_model_len,
                 max_loras=config.max_loras,
                 enable_prefix_caching=config.enable_prefix_caching,
+                prefix_cache_scope=config.prefix_cache_scope,
                 policy=config.policy,
+                fair_share=config.fair_share,
                 tiers=config.tiers,
                 standard_min_share=config.standard_min_share,
             )
@@ -98,6 +100,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._load_snapshot: dict[str, TierLoad] = self.scheduler.load()
         self._kv_snapshot: dict[str, int] = {}
+        self._spread_snapshot: dict[str, float] = {}
         self._adapter_snapshot: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self.busy_seconds = 0.0  # sum of step durations, for metering checks
 
@@ -168,6 +171,10 @@ class Engine:
     def kv_usage(self) -> tuple[dict[str, int], int]:
         return dict(self._kv_snapshot), self.num_kv_blocks
 
+    def fair_share_spread(self) -> dict[str, float]:
+        """Per tier: max minus min virtual token counter over tenants with requests waiting."""
+        return self._spread_snapshot
+
     def adapter_usage(self) -> tuple[frozenset[str], frozenset[str]]:
         """LoRA adapters of running requests and of waiting ones, as of the last step."""
         return self._adapter_snapshot
@@ -224,6 +231,8 @@ class Engine:
             tier=request.tier,
             adapter=request.adapter,
             max_tokens=request.params.max_tokens,
+            tenant=request.tenant,
+            weight=request.tenant_weight,
         )
         state = RequestState(
             request=request,
@@ -408,6 +417,7 @@ class Engine:
     def _publish_snapshots(self) -> None:
         self._load_snapshot = self.scheduler.load()
         self._kv_snapshot, _ = self.scheduler.kv_usage()
+        self._spread_snapshot = self.scheduler.counter_spread()
         self._adapter_snapshot = self.scheduler.adapter_usage()
 
     def _emit(self, event: StepEvent | FinishEvent) -> None:

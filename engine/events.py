@@ -37,6 +37,7 @@ class FinishEvent:
     first_token_at: float | None = None
     finished_at: float = 0.0
     num_preemptions: int = 0
+    queue_s: float = 0.0  # time spent waiting in the scheduler's queue (after preemptions too)
 
 
 def step_event(plan, started_at: float, duration_s: float) -> StepEvent:

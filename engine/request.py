@@ -38,6 +38,9 @@ class EngineRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     tier: str = "standard"
     adapter: str | None = None
+    # Opaque: whose request it is, for fair share in its tier and the prefix cache's scope.
+    tenant: str | None = None
+    tenant_weight: float = 1.0
 
 
 @dataclass(frozen=True)

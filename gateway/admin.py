@@ -83,7 +83,7 @@ def _tenant_dict(t: Any) -> dict:
 async def create_tenant(request: Request) -> Response:
     gw = _gateway(request)
     body = await _json(request)
-    limits = {k: body[k] for k in billing_tenants.LIMITS if body.get(k) is not None}
+    limits = {k: body[k] for k in (*billing_tenants.LIMITS, "weight") if body.get(k) is not None}
     t = await _call(billing_tenants.create_tenant, gw.db, _str(body, "name"), _str(body, "tier"), **limits)
     return JSONResponse(_tenant_dict(t), status_code=201)
 

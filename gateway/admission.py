@@ -51,23 +51,26 @@ class AdmissionController:
             return self.policy.max_queued
         return max(1, int(self.policy.max_queued * self.policy.standard_queue_fraction))
 
-    def check(self, tier: str, load: Mapping[str, TierLoad]) -> Refusal | None:
+    def check(self, tier: str, load: Mapping[str, TierLoad], tenant: str | None = None) -> Refusal | None:
+        """Under fair share a ``tenant`` with nothing waiting is judged by its own predicted wait,
+        not by the backlog other tenants of its tier built: their flood must not shed it."""
         mine = load.get(tier)
         if mine is None:
             return None  # the engine has not published a load for this tier yet: nothing is queued
+        predicted = mine.predicted_ttft_for(tenant)
         config = self.tiers[tier]
         if mine.queue_depth >= self.queue_bound(tier):
             return Refusal("overload", f"The {tier} queue is full ({mine.queue_depth} requests waiting); "
                            "retry later.", mine.predicted_ttft_s)
         if config.ttft_slo_s is not None:
-            if mine.queue_depth > 0 and mine.predicted_ttft_s > config.ttft_slo_s:
+            if mine.queue_depth > 0 and predicted > config.ttft_slo_s:
                 return Refusal("slo", f"The server is overloaded: predicted time to first token "
-                               f"{mine.predicted_ttft_s:.2f}s exceeds the {tier} SLO of {config.ttft_slo_s}s.",
-                               mine.predicted_ttft_s - config.ttft_slo_s)
+                               f"{predicted:.2f}s exceeds the {tier} SLO of {config.ttft_slo_s}s.",
+                               predicted - config.ttft_slo_s)
             return None
-        if mine.queue_depth > 0 and mine.predicted_ttft_s > self.policy.standard_max_wait_s:
-            return Refusal("slo", f"The server is overloaded: predicted wait {mine.predicted_ttft_s:.1f}s.",
-                           mine.predicted_ttft_s - self.policy.standard_max_wait_s)
+        if mine.queue_depth > 0 and predicted > self.policy.standard_max_wait_s:
+            return Refusal("slo", f"The server is overloaded: predicted wait {predicted:.1f}s.",
+                           predicted - self.policy.standard_max_wait_s)
         best_load = load.get(self.best.name)
         if tier != self.best.name and self._backlogged(load, self.best.name) and self.best.ttft_slo_s is not None:
             threshold = self.best.ttft_slo_s * self.policy.standard_shed_fraction

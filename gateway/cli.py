@@ -95,6 +95,8 @@ def build_parser() -> OneLineParser:
         parser.add_argument("--rpm", type=positive_int)
         parser.add_argument("--tpm", type=positive_int)
         parser.add_argument("--max-concurrent", type=positive_int)
+        parser.add_argument("--weight", type=positive_float,
+                            help="share of the tier's engine time relative to its other tenants (default 1)")
 
     k = sub.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True, metavar="ACTION")
     k.add_parser("create", help="create a key; prints it once, alone on stdout").add_argument("tenant")
@@ -172,20 +174,22 @@ def cmd_tenants(args: argparse.Namespace, settings: Settings) -> None:
     from billing import tenants
 
     db = _db(settings)
-    limits = {k: getattr(args, k, None) for k in ("rpm", "tpm", "max_concurrent")}
+    limits = {k: getattr(args, k, None) for k in ("rpm", "tpm", "max_concurrent", "weight")}
     limits = {k: v for k, v in limits.items() if v is not None}
     if args.action == "create":
         t = tenants.create_tenant(db, args.name, args.tier, **limits)
-        print(f"created tenant {t.name} ({t.tier}, rpm {t.rpm}, tpm {t.tpm}, max concurrent {t.max_concurrent})")
+        print(f"created tenant {t.name} ({t.tier}, rpm {t.rpm}, tpm {t.tpm}, max concurrent {t.max_concurrent}, "
+              f"weight {t.weight:g})")
     elif args.action == "list":
-        rows = [(t.name, t.tier, t.rpm, t.tpm, t.max_concurrent) for t in tenants.list_tenants(db)]
-        print(_table(("NAME", "TIER", "RPM", "TPM", "MAX_CONCURRENT"), rows))
+        rows = [(t.name, t.tier, t.rpm, t.tpm, t.max_concurrent, f"{t.weight:g}") for t in tenants.list_tenants(db)]
+        print(_table(("NAME", "TIER", "RPM", "TPM", "MAX_CONCURRENT", "WEIGHT"), rows))
     else:
         changes = {**limits, **({"tier": args.tier} if args.tier else {})}
         if not changes:
-            raise CommandError("nothing to change: give --tier, --rpm, --tpm or --max-concurrent")
+            raise CommandError("nothing to change: give --tier, --rpm, --tpm, --max-concurrent or --weight")
         t = tenants.set_tenant(db, args.name, **changes)
-        print(f"tenant {t.name}: {t.tier}, rpm {t.rpm}, tpm {t.tpm}, max concurrent {t.max_concurrent}")
+        print(f"tenant {t.name}: {t.tier}, rpm {t.rpm}, tpm {t.tpm}, max concurrent {t.max_concurrent}, "
+              f"weight {t.weight:g}")
 
 
 def cmd_keys(args: argparse.Namespace, settings: Settings) -> None:

@@ -121,7 +121,9 @@ async def _generate(request: Request, kind: str) -> Response:
         # Built before the engine has the request: from then on this thread holds the GIL the
         # engine thread needs for its step, until it awaits the first delta.
         headers = {"x-request-id": request_id, **decision.headers()}
-        stream = await _submit(gw, admitted, EngineRequest(request_id, prompt, params, tenant.tier, adapter), trace)
+        engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
+                                       tenant_weight=tenant.weight)
+        stream = await _submit(gw, admitted, engine_request, trace)
         job = Job(admitted, stream, gw, trace)
         job.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at, len(prompt),
                                        lambda: job.completion_tokens)
@@ -139,7 +141,7 @@ async def _generate(request: Request, kind: str) -> Response:
 
 async def _admit(gw: Gateway, a: Admitted, tenant) -> Decision:
     """Admission control, then the tenant's rate limits; a refusal is counted, billed as rejected, and raised."""
-    refusal = gw.admission.check(a.tier, gw.engine.load())
+    refusal = gw.admission.check(a.tier, gw.engine.load(), a.tenant)
     if refusal is not None:
         gw.metrics.count_rejection(a.tier, refusal.reason)
         gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)

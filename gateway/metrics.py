@@ -266,7 +266,12 @@ class _EngineStateCollector(Collector):
         hits = CounterMetricFamily(
             "tiergate_adapter_cache_hits", "A step's adapter found in a device slot or the host cache (no disk read)."
         )
-        families = [queue, running, predicted, used, total, reserved, loads, hits]
+        spread = GaugeMetricFamily(
+            "tiergate_fair_share_counter_spread",
+            "Max minus min virtual token counter over the tier's tenants with requests waiting (fair share).",
+            labels=["tier"],
+        )
+        families = [queue, running, predicted, used, total, reserved, loads, hits, spread]
         if engine is None:
             return families
         for tier, load in engine.load().items():
@@ -278,6 +283,9 @@ class _EngineStateCollector(Collector):
             used.add_metric([tier_config.name], used_by_tier.get(tier_config.name, 0))
             reserved.add_metric([tier_config.name], int(num_blocks * tier_config.kv_reserve_fraction))
         total.add_metric([], num_blocks)
+        spreads = _fair_share_spread(engine)
+        for tier_config in self.tiers:
+            spread.add_metric([tier_config.name], spreads.get(tier_config.name, 0.0))
         adapter_loads, adapter_hits = _adapter_counts(engine)
         loads.add_metric([], adapter_loads)
         hits.add_metric([], adapter_hits)
@@ -291,6 +299,12 @@ def _adapter_counts(engine: Any) -> tuple[int, int]:
     if pool is None:
         return 0, 0
     return int(pool.loads), int(pool.cache_hits)
+
+
+def _fair_share_spread(engine: Any) -> dict[str, float]:
+    # Only an engine under the tiered policy with fair share keeps counters.
+    spread = getattr(engine, "fair_share_spread", None)
+    return spread() if spread is not None else {}
 
 
 def _member(value: str, allowed: Sequence[str], what: str) -> str:

@@ -26,6 +26,8 @@ class Settings:
     device: str = "cpu"
     admin_token: str | None = None  # None: the /admin API is closed
     scheduler_policy: str = "tiered"
+    # "tenant": a request hits only its own tenant's cached prefixes; "shared": anyone's (see README).
+    prefix_cache_scope: str = "tenant"
     # The premium tier's TTFT SLO (admission sheds over it) and its KV reserve. None: 0.5 s on a
     # GPU, 2 s on a CPU, where one step of the bundled model at full batch takes ~0.3 s.
     premium_ttft_slo_s: float | None = None
@@ -68,6 +70,8 @@ class Settings:
             raise SettingsError(f"device must be cpu or cuda, not {self.device!r}")
         if self.scheduler_policy not in ("tiered", "fcfs"):
             raise SettingsError(f"scheduler policy must be tiered or fcfs, not {self.scheduler_policy!r}")
+        if self.prefix_cache_scope not in ("tenant", "shared"):
+            raise SettingsError(f"prefix cache scope must be tenant or shared, not {self.prefix_cache_scope!r}")
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, not {self.port}")
         if self.premium_ttft_slo_s is not None and not self.premium_ttft_slo_s > 0:

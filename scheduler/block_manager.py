@@ -4,7 +4,10 @@ Block ``i`` of a sequence's ``block_table`` holds positions
 ``[i*block_size, (i+1)*block_size)``. A block that is full and computed is
 registered in the prefix cache under a hash chained over (parent hash, its
 token ids, the sequence's adapter): a LoRA adapter changes keys and values, so
-the same tokens under another adapter are another block. Blocks with no
+the same tokens under another adapter are another block. With
+``scope_by_tenant`` the chain starts from the sequence's tenant, so one
+tenant never hits another's blocks: a hit shows in ``cached_tokens`` and in
+time to first token, which would tell a tenant what others have sent. Blocks with no
 reference are free; a free block keeps its hash (and can be hit again) until it
 is reused, least recently freed first.
 
@@ -62,6 +65,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         caps: tuple[TierCap, ...] = (),
+        scope_by_tenant: bool = True,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -69,6 +73,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.caps = caps
+        self.scope_by_tenant = scope_by_tenant
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # Insertion order is the reuse order: least recently freed first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -222,9 +227,14 @@ class BlockManager:
             if tokens is None:
                 tokens = seq.all_token_ids
             i = len(hashes)
-            parent = hashes[-1] if hashes else b""
+            parent = hashes[-1] if hashes else self._chain_root(seq)
             hashes.append(_chain_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size], seq.adapter))
         return hashes
+
+    def _chain_root(self, seq: Sequence) -> bytes:
+        if not self.scope_by_tenant or seq.tenant is None:
+            return b""
+        return hashlib.sha256(b"tenant\x00" + seq.tenant.encode("utf-8", "surrogatepass")).digest()
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Raise AssertionError if the books do not balance against ``live`` sequences."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -30,6 +31,13 @@ class SchedulerConfig:
     max_loras: int = 4  # distinct adapters in one step (device slots)
     enable_prefix_caching: bool = True
     policy: str = "tiered"  # "tiered" or "fcfs"
+    # Inside a tier (tiered policy only): admit from the tenant with the lowest virtual token
+    # counter (scheduler/fairness.py) instead of in arrival order; decode dearer than prefill.
+    fair_share: bool = True
+    fair_prefill_weight: float = 1.0
+    fair_decode_weight: float = 2.0
+    # "tenant": a sequence hits only cached blocks of its own tenant; "shared": of anyone.
+    prefix_cache_scope: str = "tenant"
     tiers: tuple[TierConfig, ...] = field(default_factory=default_tiers)
     # Under sustained premium load, standard still gets this share of each
     # step's token budget when it has work waiting.
@@ -56,3 +64,13 @@ class TierLoad:
     running: int
     queued_prefill_tokens: int
     predicted_ttft_s: float  # for a new request of this tier arriving now
+    # Fair share: tenants take turns, so a tenant's new request waits for its own backlog and about
+    # as much of each other tenant's, not for the whole tier's. None without fair share.
+    newcomer_ttft_s: float | None = None  # a tenant with nothing queued in the tier
+    tenant_ttft_s: Mapping[str | None, float] = field(default_factory=dict)  # tenants with work queued
+
+    def predicted_ttft_for(self, tenant: str | None) -> float:
+        """Predicted TTFT of a new request of ``tenant`` (None: unknown, the tier's prediction)."""
+        if self.newcomer_ttft_s is None or tenant is None:
+            return self.predicted_ttft_s
+        return self.tenant_ttft_s.get(tenant, self.newcomer_ttft_s)

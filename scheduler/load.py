@@ -1,8 +1,11 @@
-"""Moving averages of step time, prefill throughput and prompt length, for predicted TTFT."""
+"""Predicted TTFT per tier: moving averages of step time, prefill throughput and prompt length, and the backlog."""
 
 from __future__ import annotations
 
-from scheduler.config import SchedulerConfig
+from collections.abc import Iterable
+
+from scheduler.config import SchedulerConfig, TierLoad
+from scheduler.sequence import Sequence, SequenceStatus
 
 
 class LoadEstimator:
@@ -51,3 +54,63 @@ class LoadEstimator:
     def predict_ttft(self, tier: str, tokens_ahead: int) -> float:
         """TTFT of a new ``tier`` request behind ``tokens_ahead`` queued prefill tokens."""
         return (tokens_ahead + self.typical_prompt(tier)) / self.prefill_tokens_per_s + self.step_time_s
+
+
+def tier_loads(
+    live: Iterable[Sequence], priority: dict[str, int], estimator: LoadEstimator, tiered: bool, fair: bool
+) -> dict[str, TierLoad]:
+    """Per tier: queue depth, running, queued prefill tokens and predicted TTFT of a new request.
+
+    ``tiered``: better tiers' backlogs are ahead, worse ones are not (else everyone's is);
+    ``fair``: also per tenant, since tenants of a tier take turns.
+    """
+    waiting = dict.fromkeys(priority, 0)
+    running = dict.fromkeys(priority, 0)
+    queued = dict.fromkeys(priority, 0)  # prefill tokens not yet computed
+    by_tenant: dict[str, dict[str | None, int]] = {t: {} for t in priority}
+    for s in live:
+        if s.status is SequenceStatus.WAITING:
+            waiting[s.tier] += 1
+            left = s.num_tokens
+        else:
+            running[s.tier] += 1
+            left = s.num_tokens - s.num_computed_tokens if s.is_prefilling else 0
+        queued[s.tier] += left
+        if left:
+            by_tenant[s.tier][s.tenant] = by_tenant[s.tier].get(s.tenant, 0) + left
+    result = {}
+    for tier, rank in priority.items():
+        if tiered:
+            ahead = sum(n for t, n in queued.items() if priority[t] <= rank)
+        else:
+            ahead = sum(queued.values())  # FCFS: everyone queued is ahead
+        newcomer, per_tenant = None, {}
+        if fair:
+            better = sum(n for t, n in queued.items() if priority[t] < rank)
+            newcomer, per_tenant = _fair_predictions(tier, by_tenant[tier], better, estimator)
+        result[tier] = TierLoad(
+            queue_depth=waiting[tier],
+            running=running[tier],
+            queued_prefill_tokens=queued[tier],
+            predicted_ttft_s=estimator.predict_ttft(tier, ahead),
+            newcomer_ttft_s=newcomer,
+            tenant_ttft_s=per_tenant,
+        )
+    return result
+
+
+def _fair_predictions(
+    tier: str, queued: dict[str | None, int], better: int, estimator: LoadEstimator
+) -> tuple[float, dict[str | None, float]]:
+    """(TTFT of a tenant with nothing queued, TTFT per tenant with work queued) under fair share.
+
+    Taking turns, a request waits for its tenant's own backlog and, of every other tenant's, as
+    much again plus one request (a tie); counters make the turns, so this is an estimate.
+    """
+    typical = estimator.typical_prompt(tier)
+    newcomer = estimator.predict_ttft(tier, better + int(sum(min(n, typical) for n in queued.values())))
+    per_tenant = {}
+    for tenant, own in queued.items():
+        others = sum(min(n, own + typical) for t, n in queued.items() if t != tenant)
+        per_tenant[tenant] = estimator.predict_ttft(tier, int(better + own + others))
+    return newcomer, per_tenant

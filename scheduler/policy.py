@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from scheduler.block_manager import TierCap
 from scheduler.config import SchedulerConfig
+from scheduler.fairness import VirtualTokenCounters
 from scheduler.sequence import Sequence
 
 # Why a waiting sequence could not be admitted.
@@ -51,6 +52,31 @@ class Policy(ABC):
         """Tokens of each step kept for the queues after the best one while they have work."""
         return 0
 
+    def next_to_admit(self, queue: Iterable[Sequence], skipped: set[str]) -> Sequence | None:
+        """The waiting sequence of ``queue`` to admit next, passing over ``skipped`` ids."""
+        return next((s for s in queue if s.seq_id not in skipped), None)
+
+    def goes_before(self, waiting: Sequence, running: Sequence) -> bool:
+        """Whether ``waiting`` is admitted before ``running`` (same queue) continues its prefill."""
+        return False
+
+    # Fair-share bookkeeping; only the tiered policy with fair_share keeps any.
+    def enqueued(self, seq: Sequence) -> None:
+        pass
+
+    def dequeued(self, seq: Sequence) -> None:
+        pass
+
+    def charge_prefill(self, seq: Sequence, start: int, num_tokens: int, sign: int = 1) -> None:
+        pass
+
+    def charge_decode(self, seq: Sequence) -> None:
+        pass
+
+    def counter_spread(self) -> dict[str, float]:
+        """Per tier: max minus min virtual token counter over backlogged tenants."""
+        return {}
+
     @abstractmethod
     def victim_for_running(self, needy: Sequence, running: list[Sequence]) -> Sequence:
         """The sequence to preempt so that running ``needy`` gets a block (may be ``needy``)."""
@@ -89,16 +115,54 @@ class FcfsPolicy(Policy):
 
 
 class TieredPolicy(Policy):
-    """Better tiers first, FCFS within a tier; KV reserves; worse tiers preempted first."""
+    """Better tiers first; KV reserves; worse tiers preempted first.
+
+    Within a tier, with ``fair_share``, tenants take turns by virtual token
+    counter (scheduler/fairness.py), FCFS inside each tenant; without it, FCFS.
+    """
 
     name = "tiered"
 
     def __init__(self, config: SchedulerConfig, arrival: dict[str, int]) -> None:
         super().__init__(config, arrival)
         self.priority = {t.name: t.priority for t in config.tiers}
+        self.fair = (
+            VirtualTokenCounters(config.fair_prefill_weight, config.fair_decode_weight) if config.fair_share else None
+        )
 
     def rank(self, seq: Sequence) -> tuple:
-        return (self.priority[seq.tier], self.arrival[seq.seq_id])
+        if self.fair is None:
+            return (self.priority[seq.tier], self.arrival[seq.seq_id])
+        return (self.priority[seq.tier], self.fair.counter(seq), self.arrival[seq.seq_id])
+
+    def next_to_admit(self, queue: Iterable[Sequence], skipped: set[str]) -> Sequence | None:
+        if self.fair is None:
+            return super().next_to_admit(queue, skipped)
+        return self.fair.pick(queue, skipped)
+
+    def goes_before(self, waiting: Sequence, running: Sequence) -> bool:
+        return self.fair is not None and self.fair.counter(waiting) < self.fair.counter(running)
+
+    def enqueued(self, seq: Sequence) -> None:
+        if self.fair is not None:
+            self.fair.enqueued(seq)
+
+    def dequeued(self, seq: Sequence) -> None:
+        if self.fair is not None:
+            self.fair.dequeued(seq)
+
+    def charge_prefill(self, seq: Sequence, start: int, num_tokens: int, sign: int = 1) -> None:
+        if self.fair is not None:
+            self.fair.charge_prefill(seq, start, num_tokens, sign)
+
+    def charge_decode(self, seq: Sequence) -> None:
+        if self.fair is not None:
+            self.fair.charge_decode(seq)
+
+    def counter_spread(self) -> dict[str, float]:
+        if self.fair is None:
+            return {}
+        return {t.name: self.fair.spread(t.name) for t in self.config.tiers}
 
     def queue_of(self, seq: Sequence) -> str:
         return seq.tier
@@ -134,8 +198,12 @@ class TieredPolicy(Policy):
         worse = self._worse(needy, running)
         if worse:
             return self._most_blocks(worse)
-        # Never a better tier: among equals the latest arrival goes first.
-        return self.latest([s for s in running if self.priority[s.tier] == self.priority[needy.tier]])
+        # Never a better tier: among equals the latest arrival of the most served tenant goes first.
+        equals = [s for s in running if self.priority[s.tier] == self.priority[needy.tier]]
+        if self.fair is not None:
+            top = max(self.fair.counter(s) for s in equals)
+            equals = [s for s in equals if self.fair.counter(s) == top]
+        return self.latest(equals)
 
     def victim_for_waiting(
         self,

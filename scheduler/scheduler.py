@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig, TierLoad
-from scheduler.load import LoadEstimator
+from scheduler.load import LoadEstimator, tier_loads
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
@@ -29,6 +29,8 @@ class _Step:
 
     plan: StepPlan
     budget: int
+    # charge(seq, start, num_tokens, sign): the policy's fair-share charge for planned tokens.
+    charge: Callable[[Sequence, int, int, int], None]
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
     # A better queue's head could not get blocks or a slot: worse queues admit nobody.
@@ -40,6 +42,7 @@ class _Step:
             chunk = ScheduledChunk(seq, seq.num_computed_tokens, 0)
             self.chunks[seq.seq_id] = chunk
             self.plan.chunks.append(chunk)
+        self.charge(seq, chunk.end, num_tokens, 1)
         chunk.num_tokens += num_tokens
         self.budget -= num_tokens
 
@@ -48,6 +51,7 @@ class _Step:
         if chunk is not None:
             self.plan.chunks.remove(chunk)
             self.budget += chunk.num_tokens
+            self.charge(seq, chunk.start, chunk.num_tokens, -1)
 
 
 class Scheduler:
@@ -65,6 +69,8 @@ class Scheduler:
             raise ValueError("standard_min_share must be in [0, 1)")
         if sum(t.kv_reserve_fraction for t in config.tiers) >= 1:
             raise ValueError("the tiers' KV reserves must add up to less than the whole pool")
+        if config.prefix_cache_scope not in ("tenant", "shared"):
+            raise ValueError(f"prefix_cache_scope must be tenant or shared, not {config.prefix_cache_scope!r}")
         self.config = config
         self.clock = clock
         self._priority = {t.name: t.priority for t in config.tiers}
@@ -72,7 +78,11 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.policy: Policy = make_policy(config, self._arrival)
         self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, self.policy.caps()
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.policy.caps(),
+            scope_by_tenant=config.prefix_cache_scope == "tenant",
         )
         self.load_estimator = LoadEstimator(config)
         self.waiting: dict[str, deque[Sequence]] = {q: deque() for q in self.policy.queue_names()}
@@ -106,9 +116,11 @@ class Scheduler:
             raise ValueError(f"a {seq.tier} sequence of {needed} blocks can never fit its share of the KV pool")
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
             raise ValueError("only a fresh waiting sequence can be added")
+        if not 0 < seq.weight < float("inf"):
+            raise ValueError(f"a tenant's weight must be positive and finite, not {seq.weight!r}")
         self._live[seq.seq_id] = seq
         self._arrival[seq.seq_id] = next(self._arrivals)
-        self.waiting[self.policy.queue_of(seq)].append(seq)
+        self._enqueue(seq, arriving=True)
         self.load_estimator.observe_prompt(seq.tier, seq.num_prompt_tokens)
 
     def abort(self, seq_id: str) -> Sequence | None:
@@ -126,11 +138,28 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
-            self.waiting[self.policy.queue_of(seq)].remove(seq)
+            self._dequeue(seq)
         self.block_manager.forget(seq)
         self._arrival.pop(seq_id, None)
         seq.status = status
         return seq
+
+    def _enqueue(self, seq: Sequence, arriving: bool) -> None:
+        """Into its waiting queue: at the back when new, at the front after a preemption."""
+        queue = self.waiting[self.policy.queue_of(seq)]
+        if arriving:
+            queue.append(seq)
+        else:
+            queue.appendleft(seq)
+        seq.waiting_since = self.clock()
+        self.policy.enqueued(seq)
+
+    def _dequeue(self, seq: Sequence) -> None:
+        self.waiting[self.policy.queue_of(seq)].remove(seq)
+        if seq.waiting_since is not None:
+            seq.queue_time_s += max(0.0, self.clock() - seq.waiting_since)
+            seq.waiting_since = None
+        self.policy.dequeued(seq)
 
     def get(self, seq_id: str) -> Sequence | None:
         return self._live.get(seq_id)
@@ -142,7 +171,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Plan one step; blocks for every chunk are allocated, preemptions already done."""
-        step = _Step(StepPlan(), self.config.max_num_batched_tokens)
+        step = _Step(StepPlan(), self.config.max_num_batched_tokens, self.policy.charge_prefill)
         queues = self.policy.queue_names()
         prefilling: dict[str, list[Sequence]] = {q: [] for q in queues}
         for seq in sorted(self.running, key=self.policy.rank):
@@ -179,16 +208,23 @@ class Scheduler:
     def _schedule_prefills(
         self, queue: str, prefilling: list[Sequence], step: _Step, keep: int, may_preempt: bool
     ) -> None:
-        """Continue ``queue``'s running prefills, then admit its waiting sequences in order."""
+        """Continue ``queue``'s running prefills, then admit its waiting sequences in order.
+
+        Under fair share a waiting sequence of a tenant served less than a running prefill's
+        is admitted before that prefill continues: else a flood's long prefills would take
+        every step's budget while a neighbour's short request waited behind them.
+        """
+        queued = self.waiting[queue]
+        skipped: set[str] = set()
         for seq in prefilling:
-            room = step.budget - keep
-            if room <= 0:
-                return
+            if step.budget - keep <= 0:
+                break
             if seq.seq_id in step.preempted:
                 continue
+            self._admit_waiting(queued, step, keep, may_preempt, skipped, before=seq)
             chunk = step.chunks.get(seq.seq_id)
             start = chunk.end if chunk else seq.num_computed_tokens
-            n = min(seq.num_tokens - start, room)
+            n = min(seq.num_tokens - start, step.budget - keep)
             if n <= 0:
                 continue
             if may_preempt:
@@ -199,22 +235,33 @@ class Scheduler:
                     self.block_manager.allocate(seq, start + n)
             if ok:
                 step.add(seq, n)
-        queued = self.waiting[queue]
-        if queued and queued[0].seq_id in step.preempted:
-            # It was preempted for want of blocks this step: it stays first in
-            # line, and worse queues must not take the blocks it will need.
+        self._admit_waiting(queued, step, keep, may_preempt, skipped)
+        if any(s.seq_id in step.preempted for s in queued):
+            # Preempted for want of blocks this step: worse queues must not take the blocks it will
+            # need. (Under fair share a less-served tenant of the same queue may still go first.)
             step.admission_closed = True
-        i = 0  # admitted sequences leave the queue; skipped ones stay in place
-        while i < len(queued):
-            if step.admission_closed or step.budget - keep <= 0:
+
+    def _admit_waiting(
+        self,
+        queued: deque[Sequence],
+        step: _Step,
+        keep: int,
+        may_preempt: bool,
+        skipped: set[str],
+        before: Sequence | None = None,
+    ) -> None:
+        """Admit ``queued`` in the policy's order (only those that go ``before`` a running prefill)."""
+        while not step.admission_closed and step.budget - keep > 0:
+            seq = self.policy.next_to_admit(queued, skipped)
+            if seq is None or seq.seq_id in step.preempted:
+                return  # a sequence preempted this step stays next in line: nobody overtakes it
+            if before is not None and not self.policy.goes_before(seq, before):
                 return
-            seq = queued[i]
             reason = self._admit(seq, step, keep, may_preempt)
             if reason in (NO_SLOT, NO_BLOCKS):
-                step.admission_closed = True  # FCFS within a tier: nobody overtakes
-                return
-            if reason == NO_ADAPTER:
-                i += 1  # it waits for a slot; later requests with resident adapters may go
+                step.admission_closed = True  # the policy's order holds: nobody overtakes
+            elif reason == NO_ADAPTER:
+                skipped.add(seq.seq_id)  # it waits for a slot; later requests with resident adapters may go
 
     def _admission_need(self, seq: Sequence, step: _Step, keep: int) -> tuple[str | None, list[int], int]:
         """(why ``seq`` cannot start now or None, its cached prefix blocks, its chunk)."""
@@ -249,7 +296,7 @@ class Scheduler:
             seq.first_scheduled_time = self.clock()
             seq.num_cached_tokens = min(start, seq.num_prompt_tokens)
         seq.status = SequenceStatus.RUNNING
-        self.waiting[self.policy.queue_of(seq)].remove(seq)
+        self._dequeue(seq)
         self.running.append(seq)
         step.add(seq, n)
         return None
@@ -286,7 +333,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = SequenceStatus.WAITING
-        self.waiting[self.policy.queue_of(victim)].appendleft(victim)
+        self._enqueue(victim, arriving=False)
         step.preempted.add(victim.seq_id)
         step.plan.preempted.append(victim)
 
@@ -303,6 +350,7 @@ class Scheduler:
             seq.num_computed_tokens = chunk.end
             if samples:
                 seq.output_token_ids.append(sampled[seq.seq_id])
+                self.policy.charge_decode(seq)
             self.block_manager.register_computed(seq)
 
     # -- load and accounting -------------------------------------------------
@@ -313,30 +361,17 @@ class Scheduler:
 
     def load(self) -> dict[str, TierLoad]:
         """Per tier: queue depth, running, queued prefill tokens and predicted TTFT of a new request."""
-        waiting = dict.fromkeys(self._priority, 0)
-        running = dict.fromkeys(self._priority, 0)
-        queued = dict.fromkeys(self._priority, 0)  # prefill tokens not yet computed
-        for s in self._live.values():
-            if s.status is SequenceStatus.WAITING:
-                waiting[s.tier] += 1
-                queued[s.tier] += s.num_tokens
-            else:
-                running[s.tier] += 1
-                if s.is_prefilling:
-                    queued[s.tier] += s.num_tokens - s.num_computed_tokens
-        result = {}
-        for tier, priority in self._priority.items():
-            if self.policy.name == "tiered":
-                ahead = sum(n for t, n in queued.items() if self._priority[t] <= priority)
-            else:
-                ahead = sum(queued.values())  # FCFS: everyone queued is ahead
-            result[tier] = TierLoad(
-                queue_depth=waiting[tier],
-                running=running[tier],
-                queued_prefill_tokens=queued[tier],
-                predicted_ttft_s=self.load_estimator.predict_ttft(tier, ahead),
-            )
-        return result
+        return tier_loads(
+            self._live.values(),
+            self._priority,
+            self.load_estimator,
+            tiered=self.policy.name == "tiered",
+            fair=self.policy.name == "tiered" and self.config.fair_share,
+        )
+
+    def counter_spread(self) -> dict[str, float]:
+        """Per tier (fair share only): max minus min virtual token counter over backlogged tenants."""
+        return self.policy.counter_spread()
 
     def kv_usage(self) -> tuple[dict[str, int], int]:
         """Blocks held per tier (a shared block counts for each tier using it) and the pool size."""

@@ -29,6 +29,9 @@ class Sequence:
     prompt_token_ids: list[int]
     tier: str = "standard"
     adapter: str | None = None
+    # Opaque to the scheduler: whose request this is, for fair share and the prefix cache's scope.
+    tenant: str | None = None
+    weight: float = 1.0  # the tenant's share of its tier relative to others (fair share)
     max_tokens: int = 16
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
@@ -43,6 +46,9 @@ class Sequence:
     recompute_charged_tier: str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # Time spent in a waiting queue, first wait and waits after preemptions together.
+    queue_time_s: float = 0.0
+    waiting_since: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

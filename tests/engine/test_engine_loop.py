@@ -276,6 +276,30 @@ def test_a_request_id_already_in_flight_is_refused_and_the_first_keeps_running(m
     assert sum(len(d.token_ids) for d in first) == 30 and first[-1].finish_reason == "length"
 
 
+def test_tenants_reach_the_scheduler_and_finish_events_report_queue_time(make_engine):
+    engine, events = make_engine(max_num_seqs=1)
+    requests = [EngineRequest(f"t{i}", _prompts(1, seed=i)[0], SamplingParams(max_tokens=6, **GREEDY),
+                              tenant=tenant, tenant_weight=2.0) for i, tenant in enumerate(["a", "b"])]
+    engine.generate_batch_sync(requests)
+    finished = {e.request_id: e for e in events if isinstance(e, FinishEvent)}
+    # One slot: the second request waited for the whole of the first.
+    assert finished["t1"].queue_s > finished["t0"].queue_s >= 0
+    assert engine.scheduler.policy.fair.counter(_seq_of("b", 2.0)) > 0
+
+
+def test_a_bad_tenant_weight_is_refused_before_the_scheduler(make_engine):
+    engine, _ = make_engine()
+    with pytest.raises(ValueError, match="weight"):
+        engine.generate_batch_sync([EngineRequest("w", [5, 6, 7], SamplingParams(max_tokens=2), tenant="a",
+                                                  tenant_weight=0.0)])
+
+
+def _seq_of(tenant: str, weight: float):
+    from scheduler.sequence import Sequence
+
+    return Sequence("probe", [1], tenant=tenant, weight=weight)
+
+
 def _run_together(engine: Engine, requests: list[EngineRequest]) -> dict[str, list]:
     """Submit all requests at once (so they share steps) and collect each one's deltas."""
 

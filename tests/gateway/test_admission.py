@@ -51,3 +51,18 @@ def test_queues_are_bounded_and_standard_bound_is_smaller():
     assert c.check("standard", load(standard_queue=5)).reason == "overload"
     assert c.check("premium", load(premium_queue=5)) is None
     assert c.check("premium", load(premium_queue=10)).reason == "overload"
+
+
+def test_a_floods_backlog_does_not_shed_a_tenant_with_nothing_waiting():
+    flooded = {"premium": TierLoad(0, 0, 0, 0.0),
+               "standard": TierLoad(30, 2, 9000, 40.0, newcomer_ttft_s=1.5, tenant_ttft_s={"flood": 40.0, "light": 3.0})}
+    c = controller(standard_max_wait_s=30)
+    assert c.check("standard", flooded, "flood").reason == "slo"
+    assert c.check("standard", flooded, "light") is None  # its own queued work and its turns: 3 s
+    assert c.check("standard", flooded, "newcomer") is None
+    assert c.check("standard", flooded).reason == "slo"  # no tenant named: the tier's prediction
+
+
+def test_without_fair_share_every_tenant_is_judged_by_the_tiers_backlog():
+    fifo = {"premium": TierLoad(0, 0, 0, 0.0), "standard": TierLoad(30, 2, 9000, 40.0)}
+    assert controller(standard_max_wait_s=30).check("standard", fifo, "light").reason == "slo"

@@ -45,7 +45,15 @@ def test_tenant_lifecycle(tg):
     code, out, _ = tg("tenants", "list")
     assert code == 0
     header, row = out.strip().splitlines()
-    assert row.split() == ["acme", "standard", "10", "500", "8"]
+    assert row.split() == ["acme", "standard", "10", "500", "8", "1"]
+
+
+def test_tenant_weight_is_set_by_create_and_set_and_listed(tg):
+    code, out, _ = tg("tenants", "create", "heavy", "--tier", "standard", "--weight", "0.5")
+    assert code == 0 and "weight 0.5" in out
+    assert tg("tenants", "set", "heavy", "--weight", "3")[0] == 0
+    header, row = tg("tenants", "list")[1].strip().splitlines()
+    assert header.split()[-1] == "WEIGHT" and row.split()[-1] == "3"
 
 
 def test_keys_create_prints_the_key_alone_on_stdout_and_revoke_works(tg, database_url):
@@ -87,6 +95,9 @@ def test_report_formats(tg):
         ("tenants", "create", "acme"),
         ("tenants", "set", "nobody", "--rpm", "5"),
         ("tenants", "set", "acme"),
+        ("tenants", "set", "acme", "--weight", "0"),
+        ("tenants", "set", "acme", "--weight", "inf"),
+        ("tenants", "create", "other", "--tier", "standard", "--weight", "lots"),
         ("keys", "create", "nobody"),
         ("keys", "revoke", "deadbeef"),
         ("adapters", "register", "x", "/does/not/exist"),

@@ -34,12 +34,16 @@ class EngineState:
     used_blocks: dict[str, int] = field(default_factory=dict)
     num_blocks: int = 0
     lora_pool: LoraPoolCounters = field(default_factory=LoraPoolCounters)
+    spread: dict[str, float] = field(default_factory=dict)
 
     def load(self) -> dict[str, TierLoad]:
         return dict(self.loads)
 
     def kv_usage(self) -> tuple[dict[str, int], int]:
         return dict(self.used_blocks), self.num_blocks
+
+    def fair_share_spread(self) -> dict[str, float]:
+        return dict(self.spread)
 
 
 @pytest.fixture
@@ -54,6 +58,7 @@ def engine_state() -> EngineState:
         used_blocks={"premium": 12, "standard": 50},
         num_blocks=100,
         lora_pool=LoraPoolCounters(loads=3, cache_hits=17),
+        spread={"standard": 120.0},
     )
 
 

@@ -27,6 +27,7 @@ EXPECTED = {
     "tiergate_tokens": ("counter", {"tier", "kind"}),
     "tiergate_adapter_loads": ("counter", set()),
     "tiergate_adapter_cache_hits": ("counter", set()),
+    "tiergate_fair_share_counter_spread": ("gauge", {"tier"}),
 }
 
 
@@ -179,6 +180,8 @@ def test_scrape_reads_queue_kv_reserve_and_adapter_counters_from_the_engine(metr
     assert value(body, "tiergate_ttft_slo_seconds", tier="premium") == 0.5
     assert value(body, "tiergate_adapter_loads_total") == 3
     assert value(body, "tiergate_adapter_cache_hits_total") == 17
+    assert value(body, "tiergate_fair_share_counter_spread", tier="standard") == 120.0
+    assert value(body, "tiergate_fair_share_counter_spread", tier="premium") == 0.0
     # Read at every scrape, never cached.
     engine_state.used_blocks["premium"] = 20
     engine_state.lora_pool.cache_hits = 18

@@ -118,7 +118,8 @@ def test_random_traffic_keeps_every_invariant_and_ends_with_all_blocks_free(conf
             _, tier, prefix, suffix_len, adapter, max_tokens = op
             n = len(made)
             prompt = PREFIXES.get(prefix, []) + [(n * 37 + i) % 500 for i in range(suffix_len)]
-            seq = Sequence(f"r{n}", prompt, tier=tier, adapter=adapter, max_tokens=max_tokens, arrival_time=n)
+            seq = Sequence(f"r{n}", prompt, tier=tier, adapter=adapter, max_tokens=max_tokens, arrival_time=n,
+                           tenant=f"t{n % 3}")
             sched.add(seq)
             made.append(seq)
         elif op[0] == "step":

@@ -1,0 +1,275 @@
+"""Fair share through the real gateway: a light standard tenant's TTFT beside a flooding one, tiered vs fcfs.
+
+For each policy a fresh `tiergate serve` (bundled model, this CPU, a
+throwaway SQLite database) with two standard tenants: "flood" keeps 30
+streams of long requests open (a new one as each ends) and "light" sends a
+short request every ``--light-every`` seconds. The light tenant's TTFT is
+measured alone first, then beside the flood after a warm-up; throughput is
+the streamed output tokens (SSE text chunks) of both tenants over the flood
+window. Both policies run with no
+premium KV reserve (`TIERGATE_PREMIUM_KV_RESERVE=0`), so they have the same
+pool for standard and the comparison is of ordering alone.
+
+    .venv/bin/python -m bench.fair_share_gateway [--policies tiered,fcfs] [--flood-s 45] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.slo_sweep import _free_port, _tiergate, start_server, stop_server
+from bench.stats import percentile
+
+ROOT = Path(__file__).parent.parent
+PLOT = Path(__file__).parent / "out" / "fair_share" / "fair_share_light_ttft.png"
+PASSAGES = (Path(__file__).parent / "data" / "passages.txt").read_text().split("\n\n")
+LIMITS = ["--rpm", "100000", "--tpm", "100000000", "--max-concurrent", "1000"]
+
+
+def flood_prompt(n: int, chars: int) -> str:
+    """A long prompt that shares no prefix with any other (the number comes first)."""
+    text = f"Request {n}. " + " ".join(PASSAGES)
+    return text[:chars]
+
+
+def light_prompt(n: int) -> str:
+    return f"Note {n}: summarise in one line. " + PASSAGES[n % len(PASSAGES)][:120]
+
+
+@dataclass
+class Streamed:
+    """Text chunks (about one token each) received so far, by every stream."""
+
+    chunks: int = 0
+    refused: int = 0  # requests answered 429
+
+
+async def ttft(client: httpx.AsyncClient, url: str, key: str, prompt: str, max_tokens: int,
+               streamed: Streamed) -> float | None:
+    """Seconds to the first streamed text of one completion; None if it failed."""
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    first = None
+    async with client.stream("POST", url + "/v1/completions", json=body,
+                             headers={"authorization": f"Bearer {key}"}) as response:
+        if response.status_code != 200:  # a 429: counted as not ok
+            streamed.refused += 1
+            await response.aread()
+            return None
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and _has_text(line[5:].strip()):
+                streamed.chunks += 1
+                if first is None:
+                    first = time.perf_counter() - start
+    return first
+
+
+def _has_text(data: str) -> bool:
+    if data == "[DONE]":
+        return False
+    return any(choice.get("text") for choice in json.loads(data).get("choices") or ())
+
+
+async def light_loop(client, url, key, every_s: float, duration_s: float, streamed: Streamed) -> list[asyncio.Task]:
+    """Send for ``duration_s``; the requests' tasks (TTFT or None), still running."""
+    tasks = []
+    end = time.monotonic() + duration_s
+    for n in itertools.count():
+        if time.monotonic() >= end:
+            return tasks
+        tasks.append(asyncio.create_task(ttft(client, url, key, light_prompt(n), 8, streamed)))
+        await asyncio.sleep(every_s)
+
+
+async def flood_stream(client, url, key, ids, prompt_chars: int, max_tokens: int, stop: asyncio.Event,
+                       streamed: Streamed) -> None:
+    while not stop.is_set():
+        try:
+            if await ttft(client, url, key, flood_prompt(next(ids), prompt_chars), max_tokens, streamed) is None:
+                await asyncio.sleep(0.5)  # refused: a real client backs off too
+        except httpx.HTTPError:
+            await asyncio.sleep(0.5)
+
+
+async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> dict:
+    timeout = httpx.Timeout(600, connect=10)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=100)) as client:
+        streamed = Streamed()
+        alone = await asyncio.gather(*await light_loop(client, url, keys["light"], args.light_every, args.alone_s,
+                                                       streamed))
+        stop = asyncio.Event()
+        ids = itertools.count()
+        flood = [asyncio.create_task(flood_stream(client, url, keys["flood"], ids, args.flood_prompt_chars,
+                                                  args.flood_max_tokens, stop, streamed)) for _ in range(args.flood)]
+        await asyncio.sleep(args.warmup_s)
+        before, refused_before, started = streamed.chunks, streamed.refused, time.monotonic()
+        sent = await light_loop(client, url, keys["light"], args.light_every, args.flood_s, streamed)
+        # Throughput over the sending window alone, the same length under every policy; counted as
+        # the tokens arrive (the gateway's own counters move only when a request ends).
+        after, elapsed = streamed.chunks, time.monotonic() - started
+        refused = streamed.refused - refused_before
+        beside = await asyncio.gather(*sent)
+        stop.set()
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+    return {"alone": _summary(alone), "flood": _summary(beside), "tokens_per_s": (after - before) / elapsed,
+            "refused_in_window": refused,
+            "flood_requests_started": next(ids)}
+
+
+def _summary(ttfts: list) -> dict:
+    ok = [t for t in ttfts if t is not None]
+    return {"sent": len(ttfts), "ok": len(ok), "ttft_p50_s": percentile(ok, 50), "ttft_p99_s": percentile(ok, 99),
+            "ttfts": ok}
+
+
+def run(args: argparse.Namespace) -> dict:
+    by_policy = {}
+    with tempfile.TemporaryDirectory(prefix="tiergate-fair-share-") as tmp:
+        env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{tmp}/tiergate.db",
+               "TIERGATE_SPOOL_PATH": f"{tmp}/spool.jsonl", "TIERGATE_LOG_LEVEL": "warning",
+               "TIERGATE_PREMIUM_KV_RESERVE": "0"}
+        _tiergate(env, "db", "upgrade")
+        keys = {}
+        for name in ("flood", "light"):
+            _tiergate(env, "tenants", "create", name, "--tier", "standard", *LIMITS)
+            keys[name] = _tiergate(env, "keys", "create", name).splitlines()[-1]
+        for policy in args.policies.split(","):
+            port = _free_port()
+            print(f"fair_share_gateway: {policy} on port {port}", file=sys.stderr, flush=True)
+            server = start_server(env, policy, port, premium_slo_s=2.0)
+            try:
+                by_policy[policy] = asyncio.run(measure(f"http://127.0.0.1:{port}", keys, args))
+            finally:
+                stop_server(server)
+            r = by_policy[policy]
+            # None: no light request was served beside the flood (all refused with 429).
+            served = r["flood"]["ttft_p99_s"] is not None and r["alone"]["ttft_p99_s"] is not None
+            r["p99_ratio"] = r["flood"]["ttft_p99_s"] / r["alone"]["ttft_p99_s"] if served else None
+            print(f"fair_share_gateway: {policy}: {json.dumps({k: v for k, v in r.items()})}", file=sys.stderr)
+    result = {"settings": {k: v for k, v in vars(args).items() if k != "json"}, "policies": by_policy,
+              "goals": goals(by_policy)}
+    result["plots"] = [str(plot(by_policy).relative_to(ROOT))]
+    return result
+
+
+def goals(by_policy: dict) -> list[dict]:
+    if not {"tiered", "fcfs"} <= by_policy.keys():
+        return []
+    t, f = by_policy["tiered"], by_policy["fcfs"]
+    throughput = t["tokens_per_s"] / max(f["tokens_per_s"], 1e-9)
+    inf = float("inf")  # a ratio with nothing served beside the flood
+    t_ratio, f_ratio = t["p99_ratio"] or inf, f["p99_ratio"] or inf
+    worse = f_ratio / t_ratio if t_ratio != inf else 0.0
+    return [
+        {"goal": "light TTFT p99 beside the flood within 2x of alone (tiered)", "value": t_ratio,
+         "met": t_ratio <= 2},
+        {"goal": "fcfs far worse (its p99 ratio over tiered's, at least 5; inf: none served)", "value": worse,
+         "met": worse >= 5},
+        {"goal": "throughput beside the flood within 5% of fcfs (tiered / fcfs)", "value": throughput,
+         "met": abs(throughput - 1) <= 0.05},
+    ]
+
+
+def plot(by_policy: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for i, (policy, r) in enumerate(by_policy.items()):
+        for phase, style in (("alone", ":"), ("flood", "-")):
+            values = sorted(r[phase]["ttfts"])
+            if values:
+                ys = [(k + 1) / len(values) for k in range(len(values))]
+                ax.step(values, ys, style, color=f"C{i}", where="post", label=f"{policy}, {phase}")
+    ax.set_xscale("log")
+    ax.set_xlabel("light tenant's TTFT (s, log scale)")
+    ax.set_ylabel("share of its requests")
+    ax.set_title("Light standard tenant beside a 30-stream flood: tiered (fair share) vs fcfs")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=110)
+    plt.close(fig)
+    return PLOT
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _ratio(v) -> str:
+    return "none served" if v is None else f"{v:.1f}x"
+
+
+def render_markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [
+        f"`tiergate serve`, bundled model on this CPU, no premium KV reserve. Flood: {s['flood']} streams, "
+        f"prompts of {s['flood_prompt_chars']} characters, {s['flood_max_tokens']} output tokens; light: one "
+        f"request every {s['light_every']:g} s, about 40 prompt tokens, 8 output tokens; {s['alone_s']:g} s alone, "
+        f"then {s['warmup_s']:g} s of flood warm-up and {s['flood_s']:g} s measured beside it.",
+        "",
+        "| policy | light TTFT p50 / p99 alone (s) | light TTFT p50 / p99 beside the flood (s) | p99 ratio "
+        "| light ok / sent | 429s in the window (both tenants) | output tokens/s beside the flood |",
+        "|---|---|---|---:|---|---:|---:|",
+    ]
+    for policy, r in result["policies"].items():
+        a, f = r["alone"], r["flood"]
+        lines.append(f"| {policy} | {_fmt(a['ttft_p50_s'])} / {_fmt(a['ttft_p99_s'])} | {_fmt(f['ttft_p50_s'])} / "
+                     f"{_fmt(f['ttft_p99_s'])} | {_ratio(r['p99_ratio'])} | {f['ok']} / {f['sent']} "
+                     f"| {r.get('refused_in_window', '-')} | {r['tokens_per_s']:.1f} |")
+    lines += ["", *[f"- [{'MET' if g['met'] else 'MISSED'}] {g['goal']}: {g['value']:.3g}" for g in result["goals"]]]
+    lines += ["", "The plot: the light tenant's TTFT distribution per policy, alone (dotted) and beside the flood."]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.fair_share_gateway", description=__doc__.split("\n\n")[0])
+    p.add_argument("--policies", default="tiered,fcfs")
+    p.add_argument("--flood", type=int, default=30, help="concurrent flood streams")
+    p.add_argument("--flood-prompt-chars", type=int, default=1000, help="about 4 characters a token")
+    p.add_argument("--flood-max-tokens", type=int, default=128)
+    p.add_argument("--light-every", type=float, default=1.5, help="seconds between light requests")
+    p.add_argument("--alone-s", type=float, default=15.0)
+    p.add_argument("--warmup-s", type=float, default=60.0, help="the flood reaches its steady state first")
+    p.add_argument("--flood-s", type=float, default=60.0)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if min(args.flood, args.flood_prompt_chars, args.flood_max_tokens) < 1 or min(
+            args.light_every, args.alone_s, args.flood_s) <= 0 or args.warmup_s < 0:
+        p.error("counts and durations must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        result = run(args)
+    except RuntimeError as exc:
+        print(f"fair_share_gateway: {exc}", file=sys.stderr)
+        return 1
+    print(render_markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

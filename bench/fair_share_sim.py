@@ -1,0 +1,172 @@
+"""Fair share on a virtual clock: a light standard tenant beside a flooding one, with and without fair share.
+
+The real scheduler and bench/slo_sim.py's step-cost model (its stated H100
+coefficients unless ``--cost-model`` names a fitted one). Tenant "flood" keeps
+30 long requests outstanding (a new one as each finishes); tenant "light"
+sends a short request every ``--light-every`` seconds. For each policy the
+light tenant's TTFT is measured alone and beside the flood, and the flood run's
+throughput (prompt tokens prefilled for the first time plus tokens generated,
+per second) is compared with fcfs's. Policies: ``tiered`` (fair share inside
+the tier, the default), ``tiered-nofair`` (FCFS inside the tier, as before fair
+share) and ``fcfs``. The KV pool is sized so the flood alone overfills the
+standard tier's share: that backlog is what a light tenant waits behind.
+
+    .venv/bin/python -m bench.fair_share_sim [--cost-model PATH] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+from bench.slo_sim import CostModel, SimSettings, scheduler_config
+from bench.stats import percentile
+from scheduler import Sequence, make_scheduler
+
+POLICIES = (("tiered", True), ("tiered-nofair", False), ("fcfs", True))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    duration_s: float = 120.0
+    flood_concurrency: int = 30
+    flood_prompt: int = 1024
+    flood_max_tokens: int = 256
+    light_every_s: float = 1.0
+    light_prompt: int = 128
+    light_max_tokens: int = 32
+    num_blocks: int = 2048  # of 16 tokens: standard's 70% holds about 18 flood requests, not 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    premium_kv_reserve: float = 0.3  # kept free of standard even with no premium traffic (tiered only)
+
+
+def run_policy(sc: Scenario, cost: CostModel, policy: str, fair: bool, flood: bool) -> dict:
+    """One virtual run; light TTFTs (a request still without a token at the end counts its wait so far)."""
+    now = 0.0
+    settings = SimSettings(num_blocks=sc.num_blocks, max_num_seqs=sc.max_num_seqs,
+                           max_num_batched_tokens=sc.max_num_batched_tokens, standard_min_share=0.1,
+                           premium_kv_reserve=sc.premium_kv_reserve)
+    sched = make_scheduler(scheduler_config(settings, "fcfs" if policy == "fcfs" else "tiered", fair),
+                           clock=lambda: now)
+    ids = itertools.count()
+    arrived: dict[str, float] = {}
+    first: dict[str, float] = {}
+    useful_tokens = 0
+
+    def submit(tenant: str, prompt: int, max_tokens: int) -> None:
+        n = next(ids)
+        seq_id = f"{tenant}-{n}"
+        base = 10**6 * (n + 1)  # unique tokens: no prefix-cache hits between requests
+        sched.add(Sequence(seq_id, list(range(base, base + prompt)), tier="standard", tenant=tenant,
+                           max_tokens=max_tokens, arrival_time=now))
+        arrived[seq_id] = now
+
+    if flood:
+        for _ in range(sc.flood_concurrency):
+            submit("flood", sc.flood_prompt, sc.flood_max_tokens)
+    next_light = 0.5
+    while now < sc.duration_s:
+        while next_light <= now:
+            submit("light", sc.light_prompt, sc.light_max_tokens)
+            next_light += sc.light_every_s
+        plan = sched.schedule()
+        if plan.is_empty:
+            now = next_light
+            continue
+        duration, prefill = cost.step_time(plan)
+        now += duration
+        for c in plan.chunks:
+            useful_tokens += max(0, min(c.end, c.seq.num_prompt_tokens) - max(c.start, c.seq.recompute_until))
+        sampling = [c.seq for c in plan.chunks if c.samples]
+        sched.update(plan, {s.seq_id: 1 + s.num_tokens % 30000 for s in sampling})
+        sched.observe_step(duration, plan.num_tokens, prefill)
+        useful_tokens += len(sampling)
+        for seq in sampling:
+            first.setdefault(seq.seq_id, now)
+            if len(seq.output_token_ids) >= seq.max_tokens:
+                sched.finish(seq.seq_id)
+                if seq.tenant == "flood":
+                    submit("flood", sc.flood_prompt, sc.flood_max_tokens)
+    light = [first.get(i, now) - t for i, t in arrived.items() if i.startswith("light")]
+    return {"light_ttft_p50_s": percentile(light, 50), "light_ttft_p99_s": percentile(light, 99),
+            "light_requests": len(light), "light_without_token": sum(1 for i in arrived if i.startswith("light")
+                                                                      and i not in first),
+            "tokens_per_s": useful_tokens / now}
+
+
+def run(sc: Scenario, cost: CostModel) -> dict:
+    rows = {}
+    for policy, fair in POLICIES:
+        alone = run_policy(sc, cost, policy, fair, flood=False)
+        flooded = run_policy(sc, cost, policy, fair, flood=True)
+        rows[policy] = {"alone": alone, "flood": flooded,
+                        "p99_ratio": flooded["light_ttft_p99_s"] / alone["light_ttft_p99_s"]}
+    throughput = rows["tiered"]["flood"]["tokens_per_s"] / rows["fcfs"]["flood"]["tokens_per_s"]
+    fairness_cost = rows["tiered"]["flood"]["tokens_per_s"] / rows["tiered-nofair"]["flood"]["tokens_per_s"]
+    goals = [
+        {"goal": "light TTFT p99 beside the flood within 2x of alone (tiered, fair share)",
+         "value": rows["tiered"]["p99_ratio"], "met": rows["tiered"]["p99_ratio"] <= 2},
+        {"goal": "fcfs far worse: its ratio at least 5x tiered's",
+         "value": rows["fcfs"]["p99_ratio"] / rows["tiered"]["p99_ratio"],
+         "met": rows["fcfs"]["p99_ratio"] >= 5 * rows["tiered"]["p99_ratio"]},
+        {"goal": "throughput beside the flood within 5% of fcfs (tiered / fcfs)", "value": throughput,
+         "met": abs(throughput - 1) <= 0.05},
+        {"goal": "fair share costs under 5% of throughput (tiered / tiered-nofair, same KV reserve)",
+         "value": fairness_cost, "met": fairness_cost >= 0.95},
+    ]
+    return {"scenario": asdict(sc), "cost_model": asdict(cost), "policies": rows, "goals": goals}
+
+
+def render_markdown(result: dict) -> str:
+    sc = result["scenario"]
+    lines = [
+        f"Virtual clock, {sc['duration_s']:g} s per run. Flood: {sc['flood_concurrency']} requests outstanding, "
+        f"{sc['flood_prompt']} prompt + {sc['flood_max_tokens']} output tokens; light: one request every "
+        f"{sc['light_every_s']:g} s, {sc['light_prompt']} + {sc['light_max_tokens']} tokens. KV pool "
+        f"{sc['num_blocks']} blocks of 16, {sc['max_num_seqs']} sequences, {sc['max_num_batched_tokens']} tokens "
+        f"a step; premium KV reserve {sc['premium_kv_reserve']:.0%} (tiered policies). "
+        f"Step cost: {result['cost_model']}.",
+        "",
+        "| policy | light TTFT p50 / p99 alone (s) | light TTFT p50 / p99 beside the flood (s) | p99 ratio "
+        "| tokens/s beside the flood |",
+        "|---|---|---|---:|---:|",
+    ]
+    for policy, r in result["policies"].items():
+        a, f = r["alone"], r["flood"]
+        lines.append(f"| {policy} | {a['light_ttft_p50_s']:.3f} / {a['light_ttft_p99_s']:.3f} "
+                     f"| {f['light_ttft_p50_s']:.3f} / {f['light_ttft_p99_s']:.3f} | {r['p99_ratio']:.1f}x "
+                     f"| {f['tokens_per_s']:.0f} |")
+    lines += ["", *[f"- [{'MET' if g['met'] else 'MISSED'}] {g['goal']}: {g['value']:.3g}" for g in result["goals"]]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.fair_share_sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cost-model", help="JSON of fitted step-cost coefficients (default: stated H100 ones)")
+    p.add_argument("--duration", type=float, default=Scenario.duration_s, help="virtual seconds per run")
+    p.add_argument("--premium-reserve", type=float, default=Scenario.premium_kv_reserve,
+                   help="share of the KV pool kept for premium under tiered (0 compares like for like with fcfs)")
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    if args.duration <= 0:
+        p.error("--duration must be positive")
+    if not 0 <= args.premium_reserve < 1:
+        p.error("--premium-reserve must be in [0, 1)")
+    try:
+        cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
+    except (OSError, ValueError, TypeError) as exc:
+        p.error(f"--cost-model {args.cost_model}: {exc}")
+    result = run(Scenario(duration_s=args.duration, premium_kv_reserve=args.premium_reserve), cost)
+    print(render_markdown(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
