@@ -21,7 +21,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_cache import KVCache
 from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
-from engine.packed_linear import PackedWeight, Weight, linear, packing_supported
+from engine.packed_linear import PackedWeight, Weight, linear, packing_supported, release_freed_heap
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -184,6 +184,7 @@ class LlamaModel(nn.Module):
         if not self.cfg.tie_word_embeddings:
             del self.lm_head
             self.lm_head = None
+        release_freed_heap()
 
     def unpack_weights(self) -> None:
         """Plain ``[in, out]`` Parameters again, as loaded: for moving the model or reading weights."""

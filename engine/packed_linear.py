@@ -13,6 +13,7 @@ not grow.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -67,6 +68,20 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     if isinstance(weight, PackedWeight):
         return weight(x)
     return torch.mm(x, weight)
+
+
+def release_freed_heap() -> None:
+    """Hand the heap pages freed by packing back to the OS (glibc only; elsewhere a no-op).
+
+    Packing frees the plain weights and the transposed copies oneDNN reorders from, a few MB
+    each; glibc keeps such freed chunks inside the heap rather than returning them, and the
+    process stayed about that much larger than the unpacked engine.
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def dense(weight: Weight) -> torch.Tensor:
