@@ -245,8 +245,11 @@ def render_markdown(result: dict) -> str:
         "picks 1 or more up to that by timing its own steps, as `tiergate serve` does. tiergate: fcfs policy, "
         "prefix cache off (levels replay the same prompts), KV pool sized like llama.cpp's n_ctx. "
         "HF: float32 `generate`, static left-padded batches of the concurrency level, each request credited only "
-        "its own tokens. llama.cpp: F32 GGUF of the same weights (Q4_1 for reference), `Llama.generate` at "
-        "concurrency 1, `llama_decode` with one sequence per slot and continuous joining above.",
+        "its own tokens. llama.cpp: F32 GGUF of the same weights (Q4_1 for reference), driven as llama-server's "
+        "slots are at every level: `llama_decode` with one sequence and KV stream per slot, lowest free id first, "
+        "tokens in ascending id order, continuous joining, and 1 or more threads per step size picked by timing "
+        "its steps (bench/peers/llama_cpp_runner.py). tiergate-unpacked: tiergate with TIERGATE_PACKED_WEIGHTS=0 "
+        "(projections on torch.mm).",
         "",
         "| engine | concurrency | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | peak RSS (MB) | KV peak use | KV waste |",
         "|---|---:|---:|---:|---|---|---:|---:|---:|",
