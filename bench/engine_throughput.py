@@ -29,7 +29,9 @@ from pathlib import Path
 from bench import machine, model_files
 from bench.workload import BenchRequest, build_workload, load_encoder
 
-ENGINES = ("tiergate", "llama.cpp-F32", "llama.cpp-Q4_1", "hf-transformers")
+# tiergate-unpacked is tiergate with its projections on torch.mm (TIERGATE_PACKED_WEIGHTS=0), as
+# before oneDNN packed weights: the "today's tiergate" of the engine issue, in the same run.
+ENGINES = ("tiergate", "llama.cpp-F32", "llama.cpp-Q4_1", "hf-transformers", "tiergate-unpacked")
 PEERS = ENGINES[1:]
 OUT_DIR = Path(__file__).parent / "out"
 STEP_COST_PATH = OUT_DIR / "step_cost.json"
@@ -41,8 +43,11 @@ def _context_per_sequence(requests: list[BenchRequest]) -> int:
 
 
 def _make_runner(engine: str, requests: list[BenchRequest], max_concurrency: int, threads: int):
-    if engine == "tiergate":
+    if engine in ("tiergate", "tiergate-unpacked"):
         from bench.peers.tiergate_runner import TiergateRunner
+
+        # Each engine runs in its own worker process, so this setting stays with this one.
+        os.environ["TIERGATE_PACKED_WEIGHTS"] = "0" if engine == "tiergate-unpacked" else "1"
 
         # As `tiergate serve` runs: its tuner picks 1..N threads for each step size by timing steps
         # (engine/cpu_threads.py).
@@ -50,7 +55,9 @@ def _make_runner(engine: str, requests: list[BenchRequest], max_concurrency: int
             os.environ["TIERGATE_CPU_THREADS"] = str(threads)
         else:
             os.environ.pop("TIERGATE_CPU_THREADS", None)
-        return TiergateRunner(max_concurrency, _context_per_sequence(requests))
+        runner = TiergateRunner(max_concurrency, _context_per_sequence(requests))
+        runner.name = engine
+        return runner
     if engine == "hf-transformers":
         from bench.peers.hf_transformers import HFTransformersRunner
 
@@ -93,12 +100,13 @@ def run_worker(engine: str, requests: list[BenchRequest], concurrencies: list[in
         "rss_at_end_mb": psutil.Process().memory_info().rss / 2**20,
         "runs": runs,
     }
+    if engine.startswith("tiergate"):
+        runner.close()
     if engine == "tiergate":
         from bench.step_cost import fit_step_cost
 
         out["step_cost"] = fit_step_cost(runner.steps)
         out["step_cost"]["source"] = "tiergate engine steps of this run (bundled model, this CPU)"
-        runner.close()
     return out
 
 
@@ -140,6 +148,31 @@ def copy_bandwidth_gbs(megabytes: int = 256, repeat: int = 5) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
+def read_bandwidth_gbs(threads: int, megabytes: int = 512, repeat: int = 5) -> float:
+    """Main-memory read bandwidth as a sum over a large float32 array on ``threads`` threads sees it, best of ``repeat``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.nbytes / best / 1e9
+
+
+def decode_weight_bytes(config_path: Path) -> int:
+    """Float32 weight bytes one decode step reads: every layer's projections and norms, the final
+    norm and the LM head (the embedding lookup reads one row)."""
+    cfg = json.loads(config_path.read_text())
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+    return 4 * (cfg["num_hidden_layers"] * per_layer + hidden + vocab * hidden)
+
+
 def ratios(summaries: dict[str, dict[int, dict]]) -> dict[str, dict[int, float]]:
     """tiergate's output tokens/s over each peer's, per concurrency."""
     ours = summaries.get("tiergate", {})
@@ -174,7 +207,9 @@ def run(args: argparse.Namespace) -> dict:
         "concurrency": [int(c) for c in args.concurrency.split(",")],
         "threads": args.threads,
         "copy_bandwidth_gbs": copy_bandwidth_gbs(),
+        "read_bandwidth_gbs": read_bandwidth_gbs(args.threads),
         "f32_weight_bytes": model_files.f32_gguf().stat().st_size,
+        "decode_weight_bytes": decode_weight_bytes(model_files.hf_dir() / "config.json"),
         "engines": [],
         "ratios": {},
         "complete": False,
@@ -210,8 +245,11 @@ def render_markdown(result: dict) -> str:
         "picks 1 or more up to that by timing its own steps, as `tiergate serve` does. tiergate: fcfs policy, "
         "prefix cache off (levels replay the same prompts), KV pool sized like llama.cpp's n_ctx. "
         "HF: float32 `generate`, static left-padded batches of the concurrency level, each request credited only "
-        "its own tokens. llama.cpp: F32 GGUF of the same weights (Q4_1 for reference), `Llama.generate` at "
-        "concurrency 1, `llama_decode` with one sequence per slot and continuous joining above.",
+        "its own tokens. llama.cpp: F32 GGUF of the same weights (Q4_1 for reference), driven as llama-server's "
+        "slots are at every level: `llama_decode` with one sequence and KV stream per slot, lowest free id first, "
+        "tokens in ascending id order, continuous joining, and 1 or more threads per step size picked by timing "
+        "its steps (bench/peers/llama_cpp_runner.py). tiergate-unpacked: tiergate with TIERGATE_PACKED_WEIGHTS=0 "
+        "(projections on torch.mm).",
         "",
         "| engine | concurrency | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | peak RSS (MB) | KV peak use | KV waste |",
         "|---|---:|---:|---:|---|---|---:|---:|---:|",
@@ -247,20 +285,36 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-GOALS = (  # (concurrency, peer, least ratio) from the engine issue
-    (1, "llama.cpp-F32", 0.9),
+GOALS = (  # (concurrency, peer, least ratio) from the engine issue (16)
+    (1, "llama.cpp-F32", 1.0),
+    (32, "llama.cpp-F32", 1.5),
+    (32, "tiergate-unpacked", 2.5),
     (32, "hf-transformers", 2.0),
-    (32, "llama.cpp-F32", 1.0),
 )
 
 
+def _floor_lines(result: dict) -> list[str]:
+    """The best batch-1 decode step memory allows, and how close each engine's single stream came."""
+    if "read_bandwidth_gbs" not in result:  # runs from before the read-bandwidth measure
+        floor = result["copy_bandwidth_gbs"] * 1e9 / result["f32_weight_bytes"]
+        return [f"Memory-bandwidth floor of single-stream float32 decode: {result['f32_weight_bytes'] / 1e6:.0f} MB "
+                f"of weights read per token at {result['copy_bandwidth_gbs']:.1f} GB/s (copy bandwidth) = "
+                f"{floor:.1f} tok/s.", ""]
+    floor_s = result["decode_weight_bytes"] / (result["read_bandwidth_gbs"] * 1e9)
+    lines = [f"Memory-bandwidth floor of a batch-1 float32 decode step: {result['decode_weight_bytes'] / 1e6:.0f} MB of "
+             f"weights read per step at {result['read_bandwidth_gbs']:.1f} GB/s (read bandwidth measured in this run, "
+             f"{result['threads']} threads; copy bandwidth {result['copy_bandwidth_gbs']:.1f} GB/s) = "
+             f"{floor_s * 1e3:.1f} ms per step, {1 / floor_s:.1f} tok/s at best."]
+    for w in result["engines"]:
+        single = next((r["summary"] for r in w.get("runs", []) if r["summary"]["concurrency"] == 1), None)
+        if single and single.get("tpot_p50_s"):
+            lines.append(f"- {w['engine']} at batch 1: TPOT p50 {single['tpot_p50_s'] * 1e3:.1f} ms, "
+                         f"{floor_s / single['tpot_p50_s']:.0%} of the floor.")
+    return lines + [""]
+
+
 def _goal_lines(result: dict) -> list[str]:
-    lines = []
-    floor = result["copy_bandwidth_gbs"] * 1e9 / result["f32_weight_bytes"]
-    lines.append(f"Memory-bandwidth floor of single-stream float32 decode: {result['f32_weight_bytes'] / 1e6:.0f} MB "
-                 f"of weights read per token at {result['copy_bandwidth_gbs']:.1f} GB/s (copy bandwidth measured in "
-                 f"this run) = {floor:.1f} tok/s.")
-    lines.append("")
+    lines = _floor_lines(result)
     for c, peer, least in GOALS:
         ratio = result["ratios"].get(peer, {}).get(str(c))
         if ratio is None:

@@ -20,6 +20,14 @@ def _proc_field(path: str, key: str) -> str | None:
     return None
 
 
+SIMD_FLAG_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx")
+
+
+def _simd_flags() -> list[str]:
+    flags = (_proc_field("/proc/cpuinfo", "flags") or "").split()
+    return sorted(f for f in flags if f.startswith(SIMD_FLAG_PREFIXES))
+
+
 def describe() -> dict:
     mem_kb = _proc_field("/proc/meminfo", "MemTotal")
     versions = {"python": sys.version.split()[0]}
@@ -31,6 +39,8 @@ def describe() -> dict:
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
+        # The SIMD the kernels can use decides most of the engine numbers (AVX-512, bf16, VNNI...).
+        "cpu_flags": _simd_flags(),
         "cores": os.cpu_count(),
         "ram_gb": round(int(mem_kb.split()[0]) / 2**20, 1) if mem_kb else None,
         "load_average": os.getloadavg(),
@@ -41,5 +51,6 @@ def describe() -> dict:
 def render_markdown(machine: dict) -> str:
     v = ", ".join(f"{k} {val}" for k, val in machine["versions"].items() if val)
     load = ", ".join(f"{x:.1f}" for x in machine["load_average"])
+    flags = " ".join(machine.get("cpu_flags") or []) or "not read"
     return (f"{machine['date']}; {machine['cpu']}, {machine['cores']} cores, {machine['ram_gb']} GB RAM; "
-            f"load average {load} at start; {v}")
+            f"load average {load} at start; {v}; CPU SIMD flags: {flags}")

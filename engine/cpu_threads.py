@@ -104,6 +104,10 @@ class ThreadTuner:
         choice = self._by_size.get(size_class(num_tokens))
         return choice.chosen if choice is not None else self.candidates[-1]
 
+    def choices(self) -> dict[int, int]:
+        """The count chosen so far for each step size seen (sizes as ``size_class`` rounds them)."""
+        return {size: choice.chosen for size, choice in sorted(self._by_size.items())}
+
     def before_step(self, num_tokens: int) -> None:
         size = size_class(num_tokens)
         choice = self._by_size.get(size)

@@ -4,6 +4,8 @@ Rows are the step's tokens, flattened in plan order with no padding. q/k/v and
 gate/up are fused into one weight each at load time so each is one matmul;
 LoRA deltas are added to the fused outputs, one hook call per fused group, through
 the ``LoraBatchLike`` hook. The LM head runs only on the rows that sample.
+Projections and the head go through ``engine.packed_linear`` (oneDNN with packed
+weights on CPU, ``torch.mm`` elsewhere): ``prepare_weights`` puts them in that form.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_cache import KVCache
 from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
+from engine.packed_linear import PackedWeight, Weight, linear, packing_supported, release_freed_heap
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -42,12 +45,20 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-# Below this many sampled rows the CPU LM head uses its transposed copy (see prepare_lm_head).
+# Below this many sampled rows the unpacked CPU LM head uses its transposed copy (see prepare_weights).
 LM_HEAD_TRANSPOSED_MAX_ROWS = 24
+# A layer's projection weights, in the order of the forward.
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class LlamaLayer(nn.Module):
-    """One decoder layer's weights; projections are stored ``[in, out]`` (see ``_LAYER_WEIGHTS``)."""
+    """One decoder layer's weights; projections are stored ``[in, out]`` (see ``_LAYER_WEIGHTS``)
+    until ``LlamaModel.prepare_weights`` packs them, when they become ``PackedWeight``s."""
+
+    qkv: Weight
+    o: Weight
+    gate_up: Weight
+    down: Weight
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -89,7 +100,8 @@ class LlamaModel(nn.Module):
             self.lm_head = self.embed
         else:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
-        self.lm_head_t: torch.Tensor | None = None
+        # The head as the forward multiplies it: packed, or a transposed copy on CPU (see prepare_weights).
+        self.head: Weight | None = None
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self._slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
@@ -119,7 +131,6 @@ class LlamaModel(nn.Module):
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}")
-        self.prepare_lm_head()
 
     def _param_slice(self, name: str) -> torch.Tensor:
         if name == "embed_tokens.weight":
@@ -144,13 +155,49 @@ class LlamaModel(nn.Module):
                 param.data.fill_(1.0)
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)
-        self.prepare_lm_head()
 
-    def prepare_lm_head(self) -> None:
-        """Call again after moving the model. On CPU a transposed copy of the head is
-        1.2-1.8x faster for up to ~16 sampled rows (decode) and slower from 32
-        (measured), so both are kept there."""
-        self.lm_head_t = self.lm_head.detach().t().contiguous() if self.device.type == "cpu" else None
+    @property
+    def is_packed(self) -> bool:
+        return isinstance(self.head, PackedWeight)
+
+    def prepare_weights(self) -> None:
+        """Put projections and the head in the form the forward reads on this device and dtype.
+
+        Where ``packing_supported``, every projection and the head are packed and their
+        plain copies dropped (a tied head keeps the embedding, which the lookup needs).
+        Otherwise the head on CPU gets a transposed copy, faster for decode-sized row
+        counts, beside the plain one. ``ModelRunner`` calls it once the model is on its
+        device, after loading has let go of its buffers: packing inside the load raised the
+        process's peak RSS. Call ``unpack_weights`` before moving the model.
+        """
+        if self.is_packed:
+            return
+        if not packing_supported(self.device, self.dtype):
+            self.head = self.lm_head.detach().t().contiguous() if self.device.type == "cpu" else None
+            return
+        for layer in self.layers:
+            for name in PROJECTIONS:
+                packed = PackedWeight(getattr(layer, name).detach())
+                delattr(layer, name)  # drops the Parameter, and with it the plain copy
+                setattr(layer, name, packed)
+        self.head = PackedWeight(self.lm_head.detach().t())
+        if not self.cfg.tie_word_embeddings:
+            del self.lm_head
+            self.lm_head = None
+        release_freed_heap()
+
+    def unpack_weights(self) -> None:
+        """Plain ``[in, out]`` Parameters again, as loaded: for moving the model or reading weights."""
+        if not self.is_packed:
+            return
+        for layer in self.layers:
+            for name in PROJECTIONS:
+                plain = getattr(layer, name).dense()
+                delattr(layer, name)
+                setattr(layer, name, nn.Parameter(plain, requires_grad=False))
+        if self.lm_head is None:
+            self.lm_head = nn.Parameter(self.head.dense().t().contiguous(), requires_grad=False)
+        self.head = None
 
     def forward(
         self,
@@ -172,30 +219,30 @@ class LlamaModel(nn.Module):
         h = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, hidden, layer.input_norm, eps)
-            qkv = torch.mm(x, layer.qkv)
+            qkv = linear(x, layer.qkv)
             if lora is not None:
                 lora.apply(i, "qkv", x, qkv)
             _apply_rope_(qkv[:, :qk_size].view(tokens, heads + kv_heads, head_dim), cos, sin)
             q = qkv[:, :q_size].view(tokens, heads, head_dim)
             kv = qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim)
             attn = paged_attention(q, kv, kv_cache.layers[i], meta)
-            o = torch.mm(attn, layer.o)
+            o = linear(attn, layer.o)
             if lora is not None:
                 lora.apply(i, "o", attn, o)
             h.add_(o)
             x = F.rms_norm(h, hidden, layer.post_norm, eps)
-            gate_up = torch.mm(x, layer.gate_up)
+            gate_up = linear(x, layer.gate_up)
             if lora is not None:
                 lora.apply(i, "gate_up", x, gate_up)
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            down = torch.mm(act, layer.down)
+            down = linear(act, layer.down)
             if lora is not None:
                 lora.apply(i, "down", act, down)
             h.add_(down)
 
         h = F.rms_norm(h[sample_rows], hidden, self.norm, eps)
-        if self.lm_head_t is not None and h.shape[0] < LM_HEAD_TRANSPOSED_MAX_ROWS:
-            return torch.mm(h, self.lm_head_t).float()
+        if isinstance(self.head, PackedWeight) or (self.head is not None and h.shape[0] < LM_HEAD_TRANSPOSED_MAX_ROWS):
+            return linear(h, self.head).float()
         return F.linear(h, self.lm_head).float()
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

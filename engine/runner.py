@@ -36,8 +36,9 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else self.model.device
         self.dtype = dtype or self.model.dtype
         if self.model.device != self.device or self.model.dtype != self.dtype:
+            self.model.unpack_weights()
             self.model = self.model.to(device=self.device, dtype=self.dtype)
-            self.model.prepare_lm_head()
+        self.model.prepare_weights()
         self.block_size = block_size
         self.kv_cache = KVCache.allocate(self.config, num_blocks, block_size, self.device, self.dtype)
         self.decode_kernel = decode_kernel_for(self.device) if decode_kernel == "auto" else decode_kernel

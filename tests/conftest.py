@@ -25,3 +25,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if os.environ.get("CI") and skipped and exitstatus == 0:
         reporter.write_line(f"CI: {len(skipped)} test(s) skipped; service tests are required in CI", red=True)
         session.exitstatus = 1
+
+
+@pytest.fixture(params=["packed", "torch.mm"])
+def linear_path(request, monkeypatch) -> str:
+    """Runs a test on both forms of the projections (engine/packed_linear.py): oneDNN with
+    packed weights, and the plain ``torch.mm`` fallback."""
+    monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "1" if request.param == "packed" else "0")
+    return request.param

@@ -103,6 +103,9 @@ class TiergateRunner:
         self.steps.extend(recorder.steps)
         extra = {"batching": "continuous (engine)", "steps": len(recorder.steps)}
         extra.update(recorder.kv_summary(self.engine.num_kv_blocks))
+        tuner = self.engine.runner.thread_tuner
+        if tuner is not None:  # step size (tokens, rounded up to a power of two) -> threads its steps ran on
+            extra["threads_chosen"] = {str(size): count for size, count in tuner.choices().items()}
         return RunResult(self.name, concurrency, wall, timings, extra)
 
     async def _drive(self, requests: list[BenchRequest], concurrency: int) -> tuple[float, list[RequestTiming]]:

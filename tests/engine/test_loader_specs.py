@@ -11,6 +11,7 @@ import torch
 import engine.gguf_cache
 from engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from engine.loader import load_model
+from engine.packed_linear import dense
 from engine.runner import ModelRunner
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.sequence import Sequence
@@ -40,8 +41,8 @@ def test_dummy_weights_are_seeded_and_need_no_checkpoint(tiny_model_dirs, tmp_pa
     first = load_model(f"dummy:{tmp_path / 'config.json'}", seed=3)
     again = load_model(f"dummy:{tmp_path}", seed=3)
     other = load_model(f"dummy:{tmp_path}", seed=4)
-    assert torch.equal(first.model.layers[0].qkv, again.model.layers[0].qkv)
-    assert not torch.equal(first.model.layers[0].qkv, other.model.layers[0].qkv)
+    assert torch.equal(dense(first.model.layers[0].qkv), dense(again.model.layers[0].qkv))
+    assert not torch.equal(dense(first.model.layers[0].qkv), dense(other.model.layers[0].qkv))
     # No tokenizer beside the config: a byte-level one still round-trips text.
     assert first.tokenizer.decode(first.tokenizer.encode("héllo").ids) == "héllo"
     runner = ModelRunner(first, num_blocks=4, block_size=4)
@@ -94,7 +95,7 @@ def test_second_gguf_load_uses_the_safetensors_cache(bundled_model, engine_cache
     again = load_model("bundled", cache_dir=engine_cache_dir)
     assert again.path == bundled_model.path
     assert again.path.is_relative_to(engine_cache_dir)
-    assert torch.equal(again.model.layers[5].gate_up, bundled_model.model.layers[5].gate_up)
+    assert torch.equal(dense(again.model.layers[5].gate_up), dense(bundled_model.model.layers[5].gate_up))
 
 
 def test_kv_cache_is_sized_from_the_memory_budget(tiny_model_dirs):

@@ -58,6 +58,7 @@ def test_each_step_size_keeps_its_own_choice():
         run_steps(tuner, 1, {1: 0.001, 2: 0.002}, num_tokens=300)  # prefills: 1 thread wins
         run_steps(tuner, 1, {1: 0.047, 2: 0.028}, num_tokens=1)  # decodes: 2 threads win
     assert (tuner.chosen(300), tuner.chosen(257), tuner.chosen(1)) == (1, 1, 2)
+    assert tuner.choices() == {1: 2, 512: 1}
     assert run_steps(tuner, 3, {1: 0.047, 2: 0.028}, num_tokens=1) == [2, 2, 2]
 
 
