@@ -29,9 +29,10 @@ from pathlib import Path
 from bench import machine, model_files
 from bench.workload import BenchRequest, build_workload, load_encoder
 
-# tiergate-unpacked is tiergate with its projections on torch.mm (TIERGATE_PACKED_WEIGHTS=0), as
-# before oneDNN packed weights: the "today's tiergate" of the engine issue, in the same run.
-ENGINES = ("tiergate", "llama.cpp-F32", "llama.cpp-Q4_1", "hf-transformers", "tiergate-unpacked")
+# tiergate-plain is tiergate with its projections on torch.mm (TIERGATE_PACKED_WEIGHTS=0) and its
+# decode attention over a gathered copy of the context (TIERGATE_PAGED_ATTENTION=off), as before
+# the packed weights and the paged kernel: the engine issue's "today's tiergate", in the same run.
+ENGINES = ("tiergate", "llama.cpp-F32", "llama.cpp-Q4_1", "hf-transformers", "tiergate-plain")
 PEERS = ENGINES[1:]
 OUT_DIR = Path(__file__).parent / "out"
 STEP_COST_PATH = OUT_DIR / "step_cost.json"
@@ -43,11 +44,13 @@ def _context_per_sequence(requests: list[BenchRequest]) -> int:
 
 
 def _make_runner(engine: str, requests: list[BenchRequest], max_concurrency: int, threads: int):
-    if engine in ("tiergate", "tiergate-unpacked"):
+    if engine in ("tiergate", "tiergate-plain"):
         from bench.peers.tiergate_runner import TiergateRunner
 
         # Each engine runs in its own worker process, so this setting stays with this one.
-        os.environ["TIERGATE_PACKED_WEIGHTS"] = "0" if engine == "tiergate-unpacked" else "1"
+        plain = engine == "tiergate-plain"
+        os.environ["TIERGATE_PACKED_WEIGHTS"] = "0" if plain else "1"
+        os.environ["TIERGATE_PAGED_ATTENTION"] = "off" if plain else "auto"
 
         # As `tiergate serve` runs: its tuner picks 1..N threads for each step size by timing steps
         # (engine/cpu_threads.py).
@@ -248,8 +251,8 @@ def render_markdown(result: dict) -> str:
         "its own tokens. llama.cpp: F32 GGUF of the same weights (Q4_1 for reference), driven as llama-server's "
         "slots are at every level: `llama_decode` with one sequence and KV stream per slot, lowest free id first, "
         "tokens in ascending id order, continuous joining, and 1 or more threads per step size picked by timing "
-        "its steps (bench/peers/llama_cpp_runner.py). tiergate-unpacked: tiergate with TIERGATE_PACKED_WEIGHTS=0 "
-        "(projections on torch.mm).",
+        "its steps (bench/peers/llama_cpp_runner.py). tiergate-plain: tiergate with TIERGATE_PACKED_WEIGHTS=0 "
+        "and TIERGATE_PAGED_ATTENTION=off (projections on torch.mm, decode attention over a gathered copy).",
         "",
         "| engine | concurrency | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | peak RSS (MB) | KV peak use | KV waste |",
         "|---|---:|---:|---:|---|---|---:|---:|---:|",
@@ -288,7 +291,7 @@ def render_markdown(result: dict) -> str:
 GOALS = (  # (concurrency, peer, least ratio) from the engine issue (16)
     (1, "llama.cpp-F32", 1.0),
     (32, "llama.cpp-F32", 1.5),
-    (32, "tiergate-unpacked", 2.5),
+    (32, "tiergate-plain", 2.5),
     (32, "hf-transformers", 2.0),
 )
 

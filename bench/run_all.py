@@ -59,7 +59,7 @@ def benches() -> list[Bench]:
     return [
         Bench("engine_throughput", "Engine throughput: tiergate vs HF transformers and llama.cpp",
               ["--requests", "48", "--output-len", "16:128", "--concurrency", "1,8,32",
-               "--single-stream-requests", "6", "--engines", "tiergate,llama.cpp-F32,hf-transformers,tiergate-unpacked"],
+               "--single-stream-requests", "6", "--engines", "tiergate,llama.cpp-F32,hf-transformers,tiergate-plain"],
               ["--requests", "16", "--concurrency", "1,8", "--single-stream-requests", "2"], timeout_s=1200),
         Bench("lora_throughput", "Multi-LoRA throughput", quick_args=[]),
         # Reads the step-cost model engine_throughput just fitted (when it ran); SLOs scaled to it.
