@@ -1,8 +1,10 @@
 """Parsing and validation of OpenAI request bodies into plain dataclasses.
 
 Everything a client can get wrong is caught here, as a 4xx naming the
-parameter, before anything touches the rate limiter or the engine.
-Unknown fields are ignored, as OpenAI's own clients send extras.
+parameter, before anything touches the rate limiter or the engine. As OpenAI
+does, an argument we do not know is refused, and so is one we know but do not
+serve (a penalty, a logit bias) unless it asks for its no-op default: a request
+is never answered as if part of it had not been asked.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +173,40 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(v)
 
 
+_SERVED_BY_BOTH = frozenset({
+    "model", "n", "best_of", "stream", "stream_options", "seed", "temperature", "top_p", "stop", "user",
+    "max_tokens", "max_completion_tokens", "logprobs", "response_format", "ignore_eos",
+})
+_SERVED = {
+    "chat": _SERVED_BY_BOTH | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"},
+    "completion": _SERVED_BY_BOTH | {"prompt", "suffix", "echo", "tools", "tool_choice"},
+}
+# Bookkeeping fields that change nothing in the answer: accepted and not used.
+_NO_EFFECT = frozenset({"metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
+# Known OpenAI arguments we do not serve; each is accepted only as null or as its no-op value.
+_UNSERVED_NO_OP: dict[str, Callable[[Any], bool]] = {
+    "frequency_penalty": lambda v: _is_number(v) and v == 0,
+    "presence_penalty": lambda v: _is_number(v) and v == 0,
+    "logit_bias": lambda v: v == {},
+    "store": lambda v: v is False,
+    "modalities": lambda v: v == ["text"],
+    **{name: lambda v: False for name in ("functions", "function_call", "audio", "prediction",
+                                            "web_search_options", "reasoning_effort", "verbosity")},
+}
+
+
+def _refuse_unserved(body: dict, kind: str) -> None:
+    for name, value in body.items():
+        if name in _SERVED[kind] or name in _NO_EFFECT or value is None and name in _UNSERVED_NO_OP:
+            continue
+        if name not in _UNSERVED_NO_OP:
+            raise invalid_param(name, f"Unrecognized request argument supplied: {name}", "unknown_parameter")
+        if not _UNSERVED_NO_OP[name](value):
+            hint = " Use 'tools' and 'tool_choice' instead." if name in ("functions", "function_call") else ""
+            raise invalid_param(name, f"The '{name}' parameter is not supported by this server.{hint}",
+                                "unsupported_parameter")
+
+
 def _common(body: dict) -> dict[str, Any]:
     model = _optional(body, "model")
     if model is None:
@@ -286,6 +323,7 @@ def _max_tokens(body: dict) -> int | None:
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationRequest:
+    _refuse_unserved(body, "chat")
     common = _common(body)
     messages = _messages(body)
     logprobs = _bool_field(body, "logprobs")
@@ -326,6 +364,7 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
+    _refuse_unserved(body, "completion")
     common = _common(body)
     if _optional(body, "suffix") is not None:
         raise invalid_param("suffix", "The 'suffix' parameter is not supported.", "invalid_value")

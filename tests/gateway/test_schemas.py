@@ -107,3 +107,24 @@ def test_ignore_eos_is_accepted_as_vllms_extension_and_must_be_a_boolean():
     assert parse_completion({**COMPLETION, "ignore_eos": True}).ignore_eos is True
     assert parse_chat(CHAT).ignore_eos is False
     assert error_of(parse_chat, {**CHAT, "ignore_eos": "yes"}).param == "ignore_eos"
+
+
+@pytest.mark.parametrize("parse, base", [(parse_chat, CHAT), (parse_completion, COMPLETION)], ids=["chat", "completion"])
+@pytest.mark.parametrize("name, value", [
+    ("frequency_penalty", 0.5), ("presence_penalty", -1), ("logit_bias", {"50256": -100}),
+    ("functions", [{"name": "f"}]), ("reasoning_effort", "high"), ("store", True), ("top_k", 5),
+    ("repetition_penalty", 1.1),
+])
+def test_an_argument_we_do_not_serve_is_400_naming_it(parse, base, name, value):
+    with pytest.raises(APIError) as e:
+        parse({**base, name: value})
+    assert (e.value.status, e.value.param) == (400, name)
+    assert e.value.code in ("unknown_parameter", "unsupported_parameter")
+
+
+@pytest.mark.parametrize("name, value", [
+    ("frequency_penalty", 0), ("presence_penalty", 0.0), ("logit_bias", {}), ("logit_bias", None),
+    ("store", False), ("modalities", ["text"]), ("metadata", {"k": "v"}), ("service_tier", "auto"),
+])
+def test_an_unserved_argument_at_its_no_op_value_is_accepted(name, value):
+    assert parse_chat({**CHAT, name: value}).model == CHAT["model"]
