@@ -32,7 +32,7 @@ haproxy:
 
 test: $(STAMP) promtool haproxy
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -m "not bench_peers"
 
 # llama-cpp-python compiles for about 12 minutes; pip keeps the wheel it builds in
 # its cache, and a wheel left in ~/.cache/tiergate-wheels is taken as is.
@@ -40,5 +40,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q --find-links $(HOME)/.cache/tiergate-wheels -e '.[test,bench]'
 	touch $@
 
+# The peers' own tests first (they need llama-cpp-python, which `make test` does not install).
 bench: $(BENCH_STAMP)
+	$(VENV)/bin/python -m pytest -q -m bench_peers tests/bench
 	$(VENV)/bin/python -m bench.run_all

@@ -89,6 +89,7 @@ def test_decode_weight_bytes_count_projections_norms_and_head(tmp_path):
     assert decode_weight_bytes(tmp_path / "config.json") == 4 * (3 * per_layer + 8 + 50 * 8)
 
 
+@pytest.mark.bench_peers
 def test_llama_cpp_runner_feeds_ascending_sequence_ids_and_counts_exact_tokens(monkeypatch):
     """llama.cpp cuts a batch into one micro-batch per run of consecutive sequence ids: the runner
     must hand out the lowest free id and send tokens in id order, or llama.cpp runs below itself."""
@@ -115,6 +116,7 @@ def test_llama_cpp_runner_feeds_ascending_sequence_ids_and_counts_exact_tokens(m
     assert result.extra["threads_chosen"]
 
 
+@pytest.mark.bench_peers
 def test_llama_cpp_thread_picker_keeps_the_faster_count_per_step_size(monkeypatch):
     import llama_cpp
 
