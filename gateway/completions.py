@@ -132,7 +132,7 @@ async def _generate(request: Request, kind: str) -> Response:
         stream = await _submit(gw, admitted, engine_request, trace)
         job = Job(admitted, stream, gw, trace)
         job.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at, len(prompt),
-                                       lambda: job.completion_tokens)
+                                       lambda: job.completion_tokens, now=req.stream)
         if req.stream:
             return JobStream(job, headers)
         # Starlette notices a client that leaves only on streams; the server's disconnect hook

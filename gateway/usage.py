@@ -1,9 +1,10 @@
-"""Ledger rows from the gateway's side: opened at admission, saved as requests run, closed before their last byte.
+"""Ledger rows from the gateway's side: opened as requests run, their progress saved, closed before their last byte.
 
-A request's row is opened (status `open`, without waiting) when it is
-admitted; while it runs, `run_background` saves the token counts of every
-running request into their rows every `ledger_checkpoint_s`, so a crash loses
-at most that much; at its end the final row comes from billing's UsageMeter
+A stream's row is opened (status `open`) when it is admitted, and is durable
+before its first byte; another request's open row is written by the first
+progress save, so one that ends within a checkpoint costs a single row write.
+While requests run, `run_background` saves their token counts into their rows
+every `ledger_checkpoint_s`, so a crash loses at most that much; at its end the final row comes from billing's UsageMeter
 (fed by engine events) and is made durable (committed, or spooled) by billing's
 Ledger before the response ends: on a quiet SQLite ledger by a commit right on
 the event loop (cheaper than any thread handoff, and it never waits for a
@@ -55,17 +56,27 @@ class UsageRecorder:
         # Running requests whose open rows the background loop saves: request id -> what tells
         # its count of completion tokens sent so far (asked only by that loop, off the hot path).
         self._running: dict[str, Callable[[], int]] = {}
+        # Open rows not written yet (see open()): written by the next progress save unless finished first.
+        self._unopened: dict[str, UsageRecord] = {}
 
     # -- open rows --------------------------------------------------------
 
     def open(self, request_id: str, tenant: str, tier: str, adapter: str | None, queued_at: float,
-             prompt_tokens: int, completion_tokens: Callable[[], int]) -> Future[bool]:
-        """Open the admitted request's row and save its progress until finish(); the future resolves once
-        the row is durable (a stream waits for it before its first byte shows the client the request id)."""
+             prompt_tokens: int, completion_tokens: Callable[[], int], now: bool = True) -> Future[bool] | None:
+        """Open the admitted request's row and save its progress until finish().
+
+        With ``now`` (a stream, whose first byte shows the client the request id) the row is written at
+        once and the future resolves when it is durable. Otherwise it is written with the next progress
+        save, so a request that ends within one checkpoint costs one row write, not an open and a close;
+        a crash before that save loses no more than the progress saves already leave unsaved.
+        """
         record = UsageRecord(request_id=request_id, tenant=tenant, tier=tier, adapter=adapter, status="open",
                              queued_at=queued_at, finished_at=time.time(), prompt_tokens=prompt_tokens,
                              owner=PROCESS_OWNER)
         self._running[request_id] = completion_tokens
+        if not now:
+            self._unopened[request_id] = record
+            return None
         opened = self.ledger.submit([record])
         opened.add_done_callback(_log_failure)
         return opened
@@ -94,6 +105,10 @@ class UsageRecorder:
             self.ledger.submit(unclaimed).add_done_callback(_log_failure)
 
     async def _save_progress(self) -> None:
+        unopened, self._unopened = list(self._unopened.values()), {}
+        if unopened:
+            # An upsert that cannot reopen a row: one whose final record got there first stays closed.
+            await asyncio.wrap_future(self.ledger.submit(unopened))
         running = list(self._running.items())
         if not running:
             return
@@ -126,6 +141,7 @@ class UsageRecorder:
         this returns.
         """
         self._running.pop(request_id, None)
+        self._unopened.pop(request_id, None)
         with self._cond:
             record = self._finished.pop(request_id, None)
         if record is not None and status is not None:

@@ -64,3 +64,36 @@ def test_a_finish_that_comes_after_its_request_gave_up_waiting_leaves_one_row(se
         rows = c.execute(select(UsageEntry.status).where(UsageEntry.request_id == "late-1")).all()
     assert rows == [("cancelled",)]
     assert recorder.meter.pop_unclaimed() == []  # written (and ignored), not piling up
+
+
+def _ledger_rows(live, request_id: str) -> list[tuple]:
+    with live.db.connect() as c:
+        return c.execute(select(UsageEntry.status, UsageEntry.completion_tokens)
+                         .where(UsageEntry.request_id == request_id)).all()
+
+
+def test_a_non_streamed_request_gets_its_open_row_at_the_first_progress_save(serve):
+    live = serve(ledger_checkpoint_s=600, ledger_orphan_after_s=1800)  # the test runs the save itself
+    recorder = live.gateway.usage
+    assert recorder.open("slow-1", "acme", "premium", None, time.time(), 3, lambda: 2, now=False) is None
+    assert _ledger_rows(live, "slow-1") == []
+    anyio.run(recorder._save_progress)
+    assert _ledger_rows(live, "slow-1") == [("open", 2)]
+
+
+def test_a_non_streamed_request_that_ends_before_a_save_writes_only_its_final_row(serve, monkeypatch):
+    from gateway import usage
+
+    monkeypatch.setattr(usage, "FINISH_WAIT_S", 0.0)
+    live = serve(ledger_checkpoint_s=600, ledger_orphan_after_s=1800)
+    recorder = live.gateway.usage
+    submitted: list[str] = []
+    real_submit = recorder.ledger.submit
+    monkeypatch.setattr(recorder.ledger, "submit", lambda records: submitted.extend(r.status for r in records)
+                        or real_submit(records))
+    recorder.open("quick-1", "acme", "premium", None, time.time(), 3, lambda: 1, now=False)
+    fallback = usage.gateway_record("quick-1", "acme", "premium", None, "ok", time.time(), 3, 1, None)
+    anyio.run(recorder.finish, "quick-1", fallback)
+    anyio.run(recorder._save_progress)
+    assert "open" not in submitted
+    assert _ledger_rows(live, "quick-1") == [("ok", 1)]
