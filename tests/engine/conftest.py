@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.sequence import Sequence
+from tests.tiny_llama import write_byte_llama, write_random_adapter
 
 TINY_VOCAB = 320
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -159,30 +160,12 @@ def assert_matches_hf() -> Callable[[HFReference, StepPlan, torch.Tensor], None]
 
 @pytest.fixture(scope="session")
 def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("byte-llama")
-    config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    }  # fmt: skip
-    (d / "config.json").write_text(json.dumps(config))
-    return d
+    return write_byte_llama(tmp_path_factory.mktemp("byte-llama"))
 
 
 @pytest.fixture(scope="session")
 def byte_adapter_dir(byte_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = json.loads((byte_model_dir / "config.json").read_text())
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
-    folder = tmp_path_factory.mktemp("byte-adapter") / "a"
-    model.save_pretrained(folder)
-    return folder
+    return write_random_adapter(byte_model_dir, tmp_path_factory.mktemp("byte-adapter") / "a")
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -23,40 +22,21 @@ from engine.engine import Engine
 from gateway.app import create_app
 from gateway.server import uvicorn_config
 from gateway.settings import Settings
+from tests.tiny_llama import CHAT_TEMPLATE, write_byte_llama, write_random_adapter
 
-CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 ADMIN_TOKEN = "test-admin-token"
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with the 256-token byte tokenizer (every token decodes to text) and a chat template."""
-    d = tmp_path_factory.mktemp("tiny-llama")
-    config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    }  # fmt: skip
-    (d / "config.json").write_text(json.dumps(config))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return d
+    return write_byte_llama(tmp_path_factory.mktemp("tiny-llama"), chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="session")
 def tiny_adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A rank-4 peft LoRA on q and v of the tiny model's shape, with random (non-zero) A and B."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = json.loads((tiny_model_dir / "config.json").read_text())
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
-    d = tmp_path_factory.mktemp("adapters") / "shout"
-    model.save_pretrained(d)
-    return d
+    return write_random_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapters") / "shout")
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from pydantic import BaseModel, Field
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from tests.tiny_llama import CHAT_TEMPLATE, write_byte_llama
 
-CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 WEATHER = {
     "type": "function",
     "function": {
@@ -57,15 +57,8 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def long_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama-2k")
-    config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    }  # fmt: skip
-    (d / "config.json").write_text(json.dumps(config))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return d
+    return write_byte_llama(tmp_path_factory.mktemp("tiny-llama-2k"), max_position_embeddings=2048,
+                            chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture
