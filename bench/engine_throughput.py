@@ -32,7 +32,9 @@ from bench.workload import BenchRequest, build_workload, load_encoder
 # tiergate-plain is tiergate with its projections on torch.mm (TIERGATE_PACKED_WEIGHTS=0) and its
 # decode attention over a gathered copy of the context (TIERGATE_PAGED_ATTENTION=off), as before
 # the packed weights and the paged kernel: the engine issue's "today's tiergate", in the same run.
-ENGINES = ("tiergate", "llama.cpp-F32", "llama.cpp-Q4_1", "hf-transformers", "tiergate-plain")
+# tiergate-onednn packs its projections for oneDNN instead of tiergate's panel kernel (the
+# fallback when the kernel cannot be built), to show what the kernel adds.
+ENGINES = ("tiergate", "llama.cpp-F32", "llama.cpp-Q4_1", "hf-transformers", "tiergate-plain", "tiergate-onednn")
 PEERS = ENGINES[1:]
 OUT_DIR = Path(__file__).parent / "out"
 STEP_COST_PATH = OUT_DIR / "step_cost.json"
@@ -44,12 +46,12 @@ def _context_per_sequence(requests: list[BenchRequest]) -> int:
 
 
 def _make_runner(engine: str, requests: list[BenchRequest], max_concurrency: int, threads: int):
-    if engine in ("tiergate", "tiergate-plain"):
+    if engine.startswith("tiergate"):
         from bench.peers.tiergate_runner import TiergateRunner
 
         # Each engine runs in its own worker process, so this setting stays with this one.
         plain = engine == "tiergate-plain"
-        os.environ["TIERGATE_PACKED_WEIGHTS"] = "0" if plain else "1"
+        os.environ["TIERGATE_PACKED_WEIGHTS"] = {"tiergate-plain": "0", "tiergate-onednn": "onednn"}.get(engine, "auto")
         os.environ["TIERGATE_PAGED_ATTENTION"] = "off" if plain else "auto"
 
         # As `tiergate serve` runs: its tuner picks 1..N threads for each step size by timing steps
@@ -252,7 +254,8 @@ def render_markdown(result: dict) -> str:
         "slots are at every level: `llama_decode` with one sequence and KV stream per slot, lowest free id first, "
         "tokens in ascending id order, continuous joining, and 1 or more threads per step size picked by timing "
         "its steps (bench/peers/llama_cpp_runner.py). tiergate-plain: tiergate with TIERGATE_PACKED_WEIGHTS=0 "
-        "and TIERGATE_PAGED_ATTENTION=off (projections on torch.mm, decode attention over a gathered copy).",
+        "and TIERGATE_PAGED_ATTENTION=off (projections on torch.mm, decode attention over a gathered copy); "
+        "tiergate-onednn: tiergate with its projections packed for oneDNN instead of its own panel kernel.",
         "",
         "| engine | concurrency | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | peak RSS (MB) | KV peak use | KV waste |",
         "|---|---:|---:|---:|---|---|---:|---:|---:|",

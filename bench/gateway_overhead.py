@@ -255,8 +255,10 @@ def main(argv: list[str] | None = None) -> dict:
         run_child(*args.child[:2], int(args.child[2]), args.child[3], args.log_level, args.child[4])
         return {}
 
+    from engine.cpu_build import cpu_kernels_loaded
     from engine.engine import Engine
 
+    cpu_kernels_loaded()  # a first run builds the CPU kernels here, not inside the server's readiness wait
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model_dir, url, bench_key, flood_key = set_up(tmp)

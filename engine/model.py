@@ -4,8 +4,8 @@ Rows are the step's tokens, flattened in plan order with no padding. q/k/v and
 gate/up are fused into one weight each at load time so each is one matmul;
 LoRA deltas are added to the fused outputs, one hook call per fused group, through
 the ``LoraBatchLike`` hook. The LM head runs only on the rows that sample.
-Projections and the head go through ``engine.packed_linear`` (oneDNN with packed
-weights on CPU, ``torch.mm`` elsewhere): ``prepare_weights`` puts them in that form.
+Projections and the head go through ``engine.packed_linear`` (packed weights and
+a CPU kernel on CPU, ``torch.mm`` elsewhere): ``prepare_weights`` puts them in that form.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_cache import KVCache
 from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
-from engine.packed_linear import PackedWeight, Weight, linear, packing_supported, release_freed_heap
+from engine.packed_linear import PackedWeight, Weight, linear, pack, release_freed_heap, weight_form
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -160,10 +160,15 @@ class LlamaModel(nn.Module):
     def is_packed(self) -> bool:
         return isinstance(self.head, PackedWeight)
 
+    @property
+    def weight_form(self) -> str:
+        """The form the projections are in now: ``panels``, ``onednn`` or ``plain`` (engine/packed_linear.py)."""
+        return self.head.form if isinstance(self.head, PackedWeight) else "plain"
+
     def prepare_weights(self) -> None:
         """Put projections and the head in the form the forward reads on this device and dtype.
 
-        Where ``packing_supported``, every projection and the head are packed and their
+        Where ``weight_form`` packs, every projection and the head are packed and their
         plain copies dropped (a tied head keeps the embedding, which the lookup needs).
         Otherwise the head on CPU gets a transposed copy, faster for decode-sized row
         counts, beside the plain one. ``ModelRunner`` calls it once the model is on its
@@ -172,15 +177,16 @@ class LlamaModel(nn.Module):
         """
         if self.is_packed:
             return
-        if not packing_supported(self.device, self.dtype):
+        form = weight_form(self.device, self.dtype)
+        if form == "plain":
             self.head = self.lm_head.detach().t().contiguous() if self.device.type == "cpu" else None
             return
         for layer in self.layers:
             for name in PROJECTIONS:
-                packed = PackedWeight(getattr(layer, name).detach())
+                packed = pack(getattr(layer, name).detach(), form)
                 delattr(layer, name)  # drops the Parameter, and with it the plain copy
                 setattr(layer, name, packed)
-        self.head = PackedWeight(self.lm_head.detach().t())
+        self.head = pack(self.lm_head.detach().t(), form)
         if not self.cfg.tie_word_embeddings:
             del self.lm_head
             self.lm_head = None

@@ -1,14 +1,22 @@
-"""The model's projections on CPU through oneDNN, with each weight packed once at load.
+"""The model's projections on CPU, each weight packed once at load into the form its matmul reads fastest.
 
-MKL's fp32 GEMM behind ``torch.mm`` re-packs its weight operand on every call
-and, on AMD CPUs, takes a slower code path; oneDNN's linear takes a weight
-reordered once into its blocked layout (``_reorder_linear_weight``) and only
-reads it per call. Both ops are private to torch, so they are used only on the
-torch releases they were checked against (``PACKED_OPS_TORCH``) and only where
-oneDNN is built in; anywhere else (CUDA, other dtypes, another torch, or
-``TIERGATE_PACKED_WEIGHTS=0``) a projection is a plain ``[in, out]`` weight
-multiplied with ``torch.mm``. Packing replaces the plain weight, so memory does
-not grow.
+Three forms of a projection weight, chosen once per model by ``weight_form``:
+
+- ``panels`` (the default on CPU): tiergate's own kernel (csrc/panel_linear.cpp,
+  built on first use by engine/cpu_build.py) over the weight stored in panels of
+  16 outputs. It streams the weight at memory speed for decode steps, where the
+  libraries below do not, and keeps pace with them on prefill chunks.
+- ``onednn``: oneDNN's linear over a weight reordered once into its blocked
+  layout (``_reorder_linear_weight``); the fallback when the kernel cannot be
+  built. Both ops are private to torch, so they are used only on the torch
+  releases they were checked against (``PACKED_OPS_TORCH``).
+- ``plain``: an ``[in, out]`` tensor multiplied with ``torch.mm``: CUDA, other
+  dtypes, and ``TIERGATE_PACKED_WEIGHTS=0``. MKL behind ``torch.mm`` re-packs its
+  weight operand on every call.
+
+``TIERGATE_PACKED_WEIGHTS`` picks a form (``panels``, ``onednn``, ``0`` for plain);
+unset or ``auto``, the fastest one available. Packing replaces the plain weight,
+so memory does not grow.
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ import ctypes
 import os
 
 import torch
+import torch.nn.functional as F
+
+from engine.cpu_build import cpu_kernels_loaded
 
 # The torch releases whose private mkldnn linear ops this module calls with these
 # signatures; tests/engine/test_packed_linear.py fails when the installed torch is not one.
@@ -24,28 +35,90 @@ PACKED_OPS_TORCH = ("2.13.",)
 # The batch-size hint oneDNN picks the packed layout for: one layout serves every row
 # count (decode rows to prefill chunks), and 32 kept small batches fast too.
 PACK_HINT_ROWS = 32
+# Outputs per panel of the panels form; csrc/panel_linear.cpp reads the same number.
+PANEL = 16
+FORMS = ("panels", "onednn", "plain")
 
 
-def _ops_present() -> bool:
+def _onednn_present() -> bool:
     ops = torch.ops.mkldnn
-    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-
-
-def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether projections on this device and dtype are packed (see the module docstring)."""
-    if os.environ.get("TIERGATE_PACKED_WEIGHTS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
     return (
-        torch.device(device).type == "cpu"
-        and dtype == torch.float32
-        and torch.__version__.startswith(PACKED_OPS_TORCH)
+        torch.__version__.startswith(PACKED_OPS_TORCH)
         and torch.backends.mkldnn.is_available()
-        and _ops_present()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
     )
 
 
+def panel_kernel_present() -> bool:
+    """Whether the panels kernel is built and loaded (built here on the first call)."""
+    return cpu_kernels_loaded()
+
+
+def weight_form(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The form projections take on this device and dtype (see the module docstring)."""
+    asked = os.environ.get("TIERGATE_PACKED_WEIGHTS", "auto").strip().lower()
+    if asked in ("0", "false", "no", "off", "plain") or torch.device(device).type != "cpu" or dtype != torch.float32:
+        return "plain"
+    if asked == "onednn":
+        return "onednn" if _onednn_present() else "plain"
+    if panel_kernel_present():
+        return "panels"
+    return "onednn" if _onednn_present() else "plain"
+
+
+def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether projections on this device and dtype are packed in one form or another."""
+    return weight_form(device, dtype) != "plain"
+
+
 class PackedWeight:
-    """A projection weight in oneDNN's blocked layout; ``x [rows, in] -> [rows, out]``."""
+    """A projection weight packed for a CPU kernel; ``x [rows, in] -> [rows, out]``."""
+
+    in_features: int
+    out_features: int
+    form: str  # its name in FORMS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense(self) -> torch.Tensor:
+        """The plain ``[in, out]`` weight back (a new tensor, exact)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class PanelWeight(PackedWeight):
+    """The weight as ``[panels, in, 16]``: panel p holds outputs 16p..16p+15 (zero-padded at the end)."""
+
+    form = "panels"
+
+    def __init__(self, weight_in_out: torch.Tensor) -> None:
+        self.in_features, self.out_features = weight_in_out.shape
+        padding = -self.out_features % PANEL
+        padded = F.pad(weight_in_out, (0, padding))
+        self.panels = padded.view(self.in_features, -1, PANEL).transpose(0, 1).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return torch.ops.tiergate.panel_linear(x, self.panels, self.out_features)
+
+    def dense(self) -> torch.Tensor:
+        return self.panels.transpose(0, 1).reshape(self.in_features, -1)[:, : self.out_features].contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes
+
+
+class OneDnnWeight(PackedWeight):
+    """The weight in oneDNN's blocked layout."""
+
+    form = "onednn"
 
     def __init__(self, weight_in_out: torch.Tensor) -> None:
         self.in_features, self.out_features = weight_in_out.shape
@@ -56,11 +129,23 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def dense(self) -> torch.Tensor:
-        """The plain ``[in, out]`` weight back (a new tensor, exact)."""
         return self.packed.to_dense().t().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
 
 
 Weight = torch.Tensor | PackedWeight
+
+
+def pack(weight_in_out: torch.Tensor, form: str) -> Weight:
+    """``weight_in_out`` in ``form`` (one of ``FORMS``)."""
+    if form == "panels":
+        return PanelWeight(weight_in_out)
+    if form == "onednn":
+        return OneDnnWeight(weight_in_out)
+    return weight_in_out
 
 
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
@@ -73,7 +158,7 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
 def release_freed_heap() -> None:
     """Hand the heap pages freed by packing back to the OS (glibc only; elsewhere a no-op).
 
-    Packing frees the plain weights and the transposed copies oneDNN reorders from, a few MB
+    Packing frees the plain weights and the transposed copies it packs from, a few MB
     each; glibc keeps such freed chunks inside the heap rather than returning them, and the
     process stayed about that much larger than the unpacked engine.
     """

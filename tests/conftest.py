@@ -27,9 +27,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = 1
 
 
-@pytest.fixture(params=["packed", "torch.mm"])
+@pytest.fixture(params=["panels", "onednn", "plain"])
 def linear_path(request, monkeypatch) -> str:
-    """Runs a test on both forms of the projections (engine/packed_linear.py): oneDNN with
-    packed weights, and the plain ``torch.mm`` fallback."""
-    monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "1" if request.param == "packed" else "0")
+    """Runs a test on every form of the projections (engine/packed_linear.py): tiergate's
+    panel kernel, oneDNN with packed weights, and the plain ``torch.mm`` fallback."""
+    monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", request.param)
     return request.param

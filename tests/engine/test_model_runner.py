@@ -35,7 +35,7 @@ def decode_kernel(request):
 def setup(request, tiny_model_dirs, decode_kernel, linear_path):
     path = tiny_model_dirs[request.param]
     runner = ModelRunner(load_model(str(path)), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, decode_kernel=decode_kernel)
-    assert runner.model.is_packed == (linear_path == "packed")
+    assert runner.model.weight_form == linear_path
     return runner, HFReference(path), BlockPool(NUM_BLOCKS)
 
 

@@ -1,5 +1,6 @@
-"""Projections through oneDNN with packed weights (engine/packed_linear.py): exact enough to keep HF
-parity on the bundled model, no more memory than the plain weights, and the torch.mm fallback on its own."""
+"""Projections on packed weights (engine/packed_linear.py), through tiergate's panel kernel and through
+oneDNN: exact enough to keep HF parity on the bundled model, no more memory than the plain weights, and the
+torch.mm fallback on its own."""
 
 from __future__ import annotations
 
@@ -8,7 +9,19 @@ import torch
 
 from engine.loader import load_model
 from engine.model import PROJECTIONS
-from engine.packed_linear import PACKED_OPS_TORCH, PackedWeight, dense, linear, packing_supported
+from engine.packed_linear import (
+    FORMS,
+    PACKED_OPS_TORCH,
+    OneDnnWeight,
+    PackedWeight,
+    PanelWeight,
+    dense,
+    linear,
+    pack,
+    packing_supported,
+    panel_kernel_present,
+    weight_form,
+)
 from engine.runner import ModelRunner
 from scheduler.plan import StepPlan
 from scheduler.sequence import Sequence
@@ -22,18 +35,34 @@ def test_the_installed_torch_is_a_release_the_private_packed_ops_were_checked_on
     assert packing_supported("cpu", torch.float32)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 33, 130])
-@pytest.mark.parametrize("shape", [(64, 96), (96, 64), (576, 1536)])
-def test_packed_and_plain_projections_match_a_float64_matmul(rows, shape):
+def test_the_panel_kernel_builds_here_and_is_the_default_form():
+    assert panel_kernel_present()
+    assert weight_form("cpu", torch.float32) == "panels"
+
+
+# Row counts across the kernel's tiles (1..12 rows a tile, then more tiles) and shapes whose
+# outputs are not a multiple of the 16-output panel, so the zero-padded last panel is read.
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 33, 130])
+@pytest.mark.parametrize("shape", [(64, 96), (96, 64), (100, 33), (576, 1536)])
+def test_every_form_of_a_projection_matches_a_float64_matmul(rows, shape):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(shape, generator=gen) * 0.1
     x = torch.randn(rows, shape[0], generator=gen)
     expected = x.double() @ weight.double()
-    packed = PackedWeight(weight)
-    for y in (linear(x, packed), linear(x, weight)):
+    for form in FORMS:
+        packed = pack(weight, form)
+        y = linear(x, packed)
         assert y.shape == (rows, shape[1]) and y.dtype == torch.float32
-        assert torch.allclose(y.double(), expected, atol=1e-4, rtol=1e-4)
-    assert torch.equal(packed.dense(), weight)
+        assert torch.allclose(y.double(), expected, atol=1e-4, rtol=1e-4), form
+        assert torch.equal(dense(packed), weight)
+
+
+def test_the_panel_kernel_reads_rows_with_a_stride_and_answers_an_empty_batch():
+    weight = torch.randn(64, 40)
+    wide = torch.randn(7, 128)
+    strided = wide[:, 32:96]  # rows 128 floats apart
+    assert torch.allclose(PanelWeight(weight)(strided), strided @ weight, atol=1e-5)
+    assert PanelWeight(weight)(torch.empty(0, 64)).shape == (0, 40)
 
 
 def test_packing_is_off_for_cuda_other_dtypes_and_when_the_setting_says_so(monkeypatch):
@@ -41,30 +70,34 @@ def test_packing_is_off_for_cuda_other_dtypes_and_when_the_setting_says_so(monke
     assert not packing_supported("cpu", torch.bfloat16)
     monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "0")
     assert not packing_supported("cpu", torch.float32)
+    monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "onednn")
+    assert weight_form("cpu", torch.float32) == "onednn"
 
 
 def _weight_bytes(model) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS] + [model.head]
-    total += sum(w.packed.nbytes for w in packed if isinstance(w, PackedWeight))
+    total += sum(w.nbytes for w in packed if isinstance(w, PackedWeight))
     if isinstance(model.head, torch.Tensor):  # the unpacked CPU head's transposed copy
         total += model.head.numel() * model.head.element_size()
     return total
 
 
+@pytest.mark.parametrize("form", ["panels", "onednn"])
 @pytest.mark.parametrize("kind", ["gqa_untied", "mha_tied"])
-def test_packing_replaces_the_plain_weights_and_unpacking_gives_them_back_exactly(tiny_model_dirs, monkeypatch, kind):
+def test_packing_replaces_the_plain_weights_and_unpacking_gives_them_back_exactly(tiny_model_dirs, monkeypatch, kind, form):
     monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "0")
     plain = load_model(str(tiny_model_dirs[kind])).model
     plain.prepare_weights()
-    monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "1")
+    monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", form)
     packed = load_model(str(tiny_model_dirs[kind])).model
     assert not packed.is_packed  # the runner packs, once loading is done
     packed.prepare_weights()
 
-    assert packed.is_packed and not plain.is_packed
+    assert packed.is_packed and not plain.is_packed and packed.weight_form == form
+    weight_class = PanelWeight if form == "panels" else OneDnnWeight
     for layer in packed.layers:
-        assert all(isinstance(getattr(layer, name), PackedWeight) for name in PROJECTIONS)
+        assert all(isinstance(getattr(layer, name), weight_class) for name in PROJECTIONS)
         assert not any(name in dict(layer.named_parameters()) for name in PROJECTIONS)
     # Today's CPU model keeps the head plus a transposed copy; packed keeps one packed head.
     assert _weight_bytes(packed) <= _weight_bytes(plain)
@@ -102,7 +135,7 @@ def test_bundled_model_tokens_and_logprobs_match_hf_over_prefill_chunks_decodes_
     loaded = load_model("bundled", cache_dir=engine_cache_dir)  # a fresh copy: this one is (un)packed per path
     block_size, num_blocks = 16, 24
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size)
-    assert runner.model.is_packed == (linear_path == "packed")
+    assert runner.model.weight_form == linear_path
     pool = BlockPool(num_blocks)
     encode = lambda text: loaded.tokenizer.encode(text).ids  # noqa: E731
     shared = encode("<|im_start|>system\nYou are a concise assistant who answers in one sentence.<|im_end|>\n")

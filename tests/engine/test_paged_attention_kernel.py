@@ -80,15 +80,18 @@ def test_decode_attention_through_the_step_matches_reference(case, with_kernel, 
     assert (out.double() - reference(data)).abs().max().item() < 1e-5
 
 
-def test_a_kernel_that_cannot_build_leaves_the_gathered_path_and_warns_once(tmp_path):
-    """No compiler: the engine logs one warning and decodes through the gathered path."""
+def test_kernels_that_cannot_build_leave_the_gathered_path_and_onednn_and_warn_once(tmp_path):
+    """No compiler: the engine logs one warning, decodes through the gathered path and packs its
+    projections for oneDNN instead of the panel kernel."""
     script = textwrap.dedent("""
         import logging
         import torch
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+        from engine.packed_linear import weight_form
         from engine.paged_attention import decode_kernel_for
         assert decode_kernel_for("cpu") is None
         assert decode_kernel_for("cpu") is None
+        assert weight_form("cpu", torch.float32) == "onednn"
         print("fallback ok")
     """)
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
@@ -96,7 +99,7 @@ def test_a_kernel_that_cannot_build_leaves_the_gathered_path_and_warns_once(tmp_
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "fallback ok" in run.stdout
-    warnings = [line for line in run.stderr.splitlines() if "paged attention kernel unavailable" in line]
+    warnings = [line for line in run.stderr.splitlines() if "CPU kernels unavailable" in line]
     assert len(warnings) == 1, run.stderr
 
 

@@ -81,7 +81,7 @@ def peft_last_logits(model, token_ids: list[int]) -> torch.Tensor:
 def test_runner_steps_mixing_adapters_and_base_rows_match_peft_logits(base_dir, adapter_dirs, peft_models, linear_path):
     loaded = load_model(str(base_dir))
     runner = ModelRunner(loaded, num_blocks=64, block_size=4)
-    assert runner.model.is_packed == (linear_path == "packed")
+    assert runner.model.weight_form == linear_path
     pool = LoraPool(BaseShapes.from_model_config(loaded.model_config), max_loras=4, max_cpu_loras=4,
                     max_lora_rank=16)
     for name, path in adapter_dirs.items():

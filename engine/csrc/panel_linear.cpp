@@ -1,0 +1,113 @@
+// Projections on the CPU: y = x @ W for float32 weights stored in panels of 16 outputs.
+//
+// Registered as torch.ops.tiergate.panel_linear. The weight [in, out] is stored as
+// [panels, in, 16]: panel p holds outputs 16p..16p+15, and for each input k their 16
+// weights sit side by side, so one vector load brings 16 outputs' weights for one k
+// and a panel is one contiguous stretch of memory read front to back. A tile of
+// TILE_PANELS panels by up to TILE_ROWS rows of x keeps its sums in registers over
+// the whole input: per k, TILE_PANELS weight loads and one broadcast of x per row.
+// Decode steps (a few rows) are bound by how fast the weights stream from memory,
+// and this layout streams them at the machine's bandwidth; the same tile serves
+// prefill chunks. Threads split the panels, each a contiguous share of the weight.
+// Written by hand because the libraries at hand either re-pack the weight per call
+// (MKL behind torch.mm) or read it slower than memory allows at decode sizes (oneDNN).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t PANEL = 16;
+typedef float panel_vec __attribute__((vector_size(PANEL * sizeof(float))));
+
+// The register budget sets the tile: 32 vector registers with AVX-512, 16 with AVX2
+// (where a 16-float vector takes two).
+#if defined(__AVX512F__)
+constexpr int TILE_PANELS = 2, TILE_ROWS = 12;
+#else
+constexpr int TILE_PANELS = 1, TILE_ROWS = 6;
+#endif
+
+inline panel_vec load(const float* p) {
+  panel_vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+struct Operands {
+  const float* panels;  // [num_panels, in, PANEL]
+  const float* x;       // [rows, in], row stride x_stride
+  float* out;           // [rows, out]
+  int64_t in, out_features, rows, x_stride;
+};
+
+// out[row0 + r][16 * (panel0 + p) + l] for r < ROWS, p < PANELS.
+template <int PANELS, int ROWS>
+void tile(const Operands& o, int64_t panel0, int64_t row0) {
+  panel_vec acc[ROWS][PANELS] = {};
+  const float* w = o.panels + panel0 * o.in * PANEL;
+  const float* x = o.x + row0 * o.x_stride;
+  for (int64_t k = 0; k < o.in; ++k) {
+    panel_vec wk[PANELS];
+    for (int p = 0; p < PANELS; ++p) wk[p] = load(w + (p * o.in + k) * PANEL);
+    for (int r = 0; r < ROWS; ++r) {
+      const float xk = x[r * o.x_stride + k];
+      for (int p = 0; p < PANELS; ++p) acc[r][p] += wk[p] * xk;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int p = 0; p < PANELS; ++p) {
+      const int64_t first = (panel0 + p) * PANEL;
+      const int64_t count = std::min(PANEL, o.out_features - first);
+      std::memcpy(o.out + (row0 + r) * o.out_features + first, &acc[r][p], count * sizeof(float));
+    }
+}
+
+// A tile of `rows` (1..ROWS) rows: the row count is a template argument so sums stay in registers.
+template <int PANELS, int ROWS>
+void tile_of(const Operands& o, int64_t panel0, int64_t row0, int64_t rows) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) return tile_of<PANELS, ROWS - 1>(o, panel0, row0, rows);
+  }
+  tile<PANELS, ROWS>(o, panel0, row0);
+}
+
+// Every row against PANELS panels: the panels stay in cache while the rows pass over them.
+template <int PANELS>
+void column(const Operands& o, int64_t panel0) {
+  for (int64_t row0 = 0; row0 < o.rows; row0 += TILE_ROWS)
+    tile_of<PANELS, TILE_ROWS>(o, panel0, row0, std::min<int64_t>(TILE_ROWS, o.rows - row0));
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "panel_linear: float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, in] with contiguous rows");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == PANEL && panels.is_contiguous(),
+              "panels must be a contiguous [panels, in, 16]");
+  TORCH_CHECK(panels.size(1) == x.size(1), "x and the weight disagree on the input size");
+  TORCH_CHECK(out_features > 0 && out_features <= panels.size(0) * PANEL && out_features > (panels.size(0) - 1) * PANEL,
+              "out_features does not fit the panels");
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;
+  const Operands o{panels.const_data_ptr<float>(), x.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
+                   x.size(1), out_features, x.size(0), x.stride(0)};
+  const int64_t num_panels = panels.size(0), tiles = num_panels / TILE_PANELS;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) column<TILE_PANELS>(o, t * TILE_PANELS);
+  });
+  for (int64_t p = tiles * TILE_PANELS; p < num_panels; ++p) column<1>(o, p);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tiergate, m) {
+  m.def("panel_linear(Tensor x, Tensor panels, int out_features) -> Tensor");
+  m.impl("panel_linear", c10::DispatchKey::CPU, TORCH_FN(panel_linear));
+}
