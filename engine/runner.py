@@ -42,6 +42,8 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache = KVCache.allocate(self.config, num_blocks, block_size, self.device, self.dtype)
         self.decode_kernel = decode_kernel_for(self.device) if decode_kernel == "auto" else decode_kernel
+        if self.config.attn_logit_softcap is not None:
+            self.decode_kernel = None  # the kernels do not soft-cap; the gathered path does
         self.thread_tuner = ThreadTuner.from_env() if self.device.type == "cpu" else None
 
     def execute(self, plan: StepPlan, lora: LoraBatchLike | None = None) -> torch.Tensor:
@@ -76,7 +78,7 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
         as_tensor = lambda data: torch.tensor(data, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttentionMetadata.build(specs, self.block_size, self.device, self.decode_kernel)
+        meta = AttentionMetadata.build(specs, self.block_size, self.device, self.decode_kernel, self.config.sliding_window)
         return self.model(
             as_tensor(token_ids), as_tensor(positions), meta, self.kv_cache, as_tensor(sample_rows), lora
         )

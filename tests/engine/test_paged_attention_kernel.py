@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, LayerAttention, paged_attention
 from engine.paged_attention import cpu_decode_kernel
 from tests.engine.paged_attention_reference import CASES, random_case, reference
 
@@ -76,7 +76,7 @@ def test_decode_attention_through_the_step_matches_reference(case, with_kernel, 
     last = [int(data.block_tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)]
     new_kv = data.kv_cache.reshape(-1, 2, kv_heads, head_dim)[last].clone()
     data.kv_cache.reshape(-1, 2, kv_heads, head_dim)[last] = 0.0
-    out = paged_attention(data.q, new_kv, data.kv_cache, meta)
+    out = paged_attention(data.q, new_kv, data.kv_cache, meta, LayerAttention(head_dim**-0.5))
     assert (out.double() - reference(data)).abs().max().item() < 1e-5
 
 
