@@ -14,9 +14,9 @@ causal mask (later chunks of a chunked prefill, prefix-cache hits, recompute).
 
 Layers with a sliding window read ``AttentionMetadata.windowed``, the same step's
 metadata with masks that also drop keys more than ``window - 1`` positions back
-(HF's ``kv_idx > q_idx - sliding_window``); their decodes take the gathered path,
-as do those of layers with attention logit soft-capping, which SDPA cannot do
-and which therefore run their attention eagerly (``_attend``).
+(HF's ``kv_idx > q_idx - sliding_window``); the decode kernels take the window
+and the soft-cap as arguments. Layers with attention logit soft-capping, which
+SDPA cannot do, run their prefills and gathered decodes eagerly (``_attend``).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class AttentionMetadata:
         ``sliding_window``, ``windowed`` holds the masks of the windowed layers."""
         meta = cls._build(chunks, block_size, device, decode_kernel, None)
         if sliding_window is not None:
-            meta.windowed = cls._build(chunks, block_size, device, None, sliding_window)
+            meta.windowed = cls._build(chunks, block_size, device, decode_kernel, sliding_window)
         return meta
 
     @classmethod
@@ -177,7 +177,7 @@ def paged_attention(
     if meta.decode is not None:
         d = meta.decode
         if d.kernel is not None:
-            o = d.kernel(q[d.rows], kv_cache, d.block_tables, d.context_lens, scale)
+            o = d.kernel(q[d.rows], kv_cache, d.block_tables, d.context_lens, scale, layer.window or 0, softcap or 0.0)
         else:
             o = _gathered_decode(q[d.rows], kv_cache, d, scale, softcap)
         if out is None:

@@ -42,8 +42,6 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache = KVCache.allocate(self.config, num_blocks, block_size, self.device, self.dtype)
         self.decode_kernel = decode_kernel_for(self.device) if decode_kernel == "auto" else decode_kernel
-        if self.config.attn_logit_softcap is not None:
-            self.decode_kernel = None  # the kernels do not soft-cap; the gathered path does
         self.thread_tuner = ThreadTuner.from_env() if self.device.type == "cpu" else None
 
     def execute(self, plan: StepPlan, lora: LoraBatchLike | None = None) -> torch.Tensor:
