@@ -84,13 +84,16 @@ def cuda_decode_kernel() -> DecodeKernel | None:
 
 def _build_name() -> str:
     """The build's name carries the CPU's model and flags: torch reuses a cached build by source
-    and flags only, and a -march=native build from another CPU sharing the cache could crash here."""
+    and flags only, and a -march=native build from another CPU sharing the cache could crash here.
+    It carries the source too, so checkouts of different sources sharing the cache (worktrees,
+    an upgrade beside a running server) each keep their build instead of rebuilding in turn."""
     try:
         with open("/proc/cpuinfo") as f:
             lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
     except OSError:
         lines = []
-    return "tiergate_paged_attention_" + hashlib.sha1("".join(lines).encode()).hexdigest()[:10]
+    digest = hashlib.sha1("".join(lines).encode() + SOURCE.read_bytes()).hexdigest()[:10]
+    return "tiergate_paged_attention_" + digest
 
 
 def _ensure_ninja_on_path() -> None:
