@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from engine.loader import load_model
@@ -18,10 +18,10 @@ from lora_pool import BaseShapes, LoraPool
 from scheduler.plan import StepPlan
 from scheduler.sequence import Sequence
 from tests.engine.conftest import TINY_VOCAB, BlockPool, build_tiny_model, chunk, finish_step
+from tests.lora_pool.conftest import ALL_TARGETS, save_random_lora
 
 BLOCK_SIZE = 4
 FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma2"]
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters target the fused modules.
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
@@ -33,14 +33,7 @@ def _targets(kind: str, attention_only: bool) -> list[str]:
 
 
 def _random_adapter(base_dir: Path, folder: Path, seed: int, **lora) -> Path:
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(init_lora_weights=False, **lora))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn_like(param) * 0.15)
-    model.save_pretrained(folder)
-    return folder
+    return save_random_lora(AutoModelForCausalLM.from_pretrained(base_dir), folder, seed, std=0.15, **lora)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
