@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from bench import machine
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, LayerAttention, paged_attention
 from engine.cpu_threads import ThreadTuner
 from engine.loader import load_model
 from engine.paged_attention import cpu_decode_kernel
@@ -90,7 +90,8 @@ def _attention_alone(runner: ModelRunner, plan: StepPlan, kernel, rounds: int) -
     layer = runner.kv_cache.layers[0]
     metas = {name: AttentionMetadata.build(specs, BLOCK_SIZE, "cpu", k) for name, k in (("kernel", kernel), ("gathered", None))}
     flush = torch.empty(64 * 2**20 // 4)  # larger than the L3 cache
-    calls = {name: (lambda m=meta: paged_attention(q, kv, layer, m)) for name, meta in metas.items()}
+    attention = LayerAttention(cfg.head_dim**-0.5)
+    calls = {name: (lambda m=meta: paged_attention(q, kv, layer, m, attention)) for name, meta in metas.items()}
     return _interleaved(calls, rounds, warmup=3, between=lambda: flush.add_(1.0))
 
 

@@ -11,6 +11,12 @@ into ``[B, max_ctx]`` with a length mask.
 Each longer chunk gets its own SDPA: causal over its own keys when it starts at
 position 0, otherwise over the cached context plus itself with an offset
 causal mask (later chunks of a chunked prefill, prefix-cache hits, recompute).
+
+Layers with a sliding window read ``AttentionMetadata.windowed``, the same step's
+metadata with masks that also drop keys more than ``window - 1`` positions back
+(HF's ``kv_idx > q_idx - sliding_window``); the decode kernels take the window
+and the soft-cap as arguments. Layers with attention logit soft-capping, which
+SDPA cannot do, run their prefills and gathered decodes eagerly (``_attend``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.paged_attention import DecodeKernel
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What a layer's attention needs beyond q, k and v: its model's family decides."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
 
 
 @dataclass
@@ -51,6 +66,8 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
     num_tokens: int
+    # The metadata of the layers with a sliding window, when the model has them.
+    windowed: AttentionMetadata | None = None
 
     @property
     def single_group(self) -> bool:
@@ -67,9 +84,25 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
         decode_kernel: DecodeKernel | None = None,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """``chunks`` is ``(start, num_tokens, block_table)`` per chunk in row order; decode
-        rows run on ``decode_kernel`` when given, else over gathered contexts."""
+        rows run on ``decode_kernel`` when given, else over gathered contexts. With
+        ``sliding_window``, ``windowed`` holds the masks of the windowed layers."""
+        meta = cls._build(chunks, block_size, device, decode_kernel, None)
+        if sliding_window is not None:
+            meta.windowed = cls._build(chunks, block_size, device, decode_kernel, sliding_window)
+        return meta
+
+    @classmethod
+    def _build(
+        cls,
+        chunks: list[tuple[int, int, list[int]]],
+        block_size: int,
+        device: torch.device | str,
+        decode_kernel: DecodeKernel | None,
+        window: int | None,
+    ) -> AttentionMetadata:
         slots: list[int] = []
         decode_rows: list[int] = []
         decode_lens: list[int] = []
@@ -94,8 +127,11 @@ class AttentionMetadata:
             max_blocks = max(len(t) for t in decode_tables)
             padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
             mask = None
-            if len(decode_rows) > 1 and decode_kernel is None:
-                mask = torch.arange(max_blocks * block_size, device=device)[None, :] < as_tensor(decode_lens)[:, None]
+            if (len(decode_rows) > 1 or window is not None) and decode_kernel is None:
+                key_pos, lens = torch.arange(max_blocks * block_size, device=device)[None, :], as_tensor(decode_lens)[:, None]
+                mask = key_pos < lens
+                if window is not None:
+                    mask &= key_pos >= lens - window
                 mask = mask[:, None, None, :]
             first = decode_rows[0]
             contiguous = decode_rows[-1] - first == len(decode_rows) - 1
@@ -106,23 +142,33 @@ class AttentionMetadata:
         prefills = []
         for row0, start, end, table in prefill_specs:
             rows = slice(row0, row0 + end - start)
-            if start == 0:
+            if start == 0 and (window is None or end <= window):
                 prefills.append(PrefillChunk(rows=rows, context_slots=None, mask=None))
                 continue
-            context = [table[p // block_size] * block_size + p % block_size for p in range(end)]
+            # A window lets the chunk skip the keys before its first query's window.
+            first = 0 if window is None else max(0, start - window + 1)
             q_pos = torch.arange(start, end, device=device)[:, None]
-            mask = torch.arange(end, device=device)[None, :] <= q_pos
+            key_pos = torch.arange(first, end, device=device)[None, :]
+            mask = key_pos <= q_pos
+            if window is not None:
+                mask &= key_pos > q_pos - window
+            context = [table[p // block_size] * block_size + p % block_size for p in range(first, end)]
             prefills.append(PrefillChunk(rows=rows, context_slots=as_tensor(context), mask=mask))
         return cls(slot_mapping=as_tensor(slots), decode=decode, prefills=prefills, num_tokens=row)
 
 
-def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, layer: LayerAttention
+) -> torch.Tensor:
     """Write this step's keys and values into the cache, then attend with ``q``.
 
     ``q`` is [T, heads, d], ``kv`` [T, 2, kv_heads, d] and ``kv_cache`` one
     layer of :class:`KVCache`. Returns ``[T, heads * d]``.
     """
+    if layer.window is not None:
+        meta = meta.windowed
     num_tokens, num_heads, head_dim = q.shape
+    scale, softcap = layer.scale, layer.softcap
     slots = kv_cache.view(-1, *kv_cache.shape[2:])
     slots.index_copy_(0, meta.slot_mapping, kv)
     # Common steps (all decodes, or one prefill) return their group's output as is.
@@ -131,9 +177,9 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
     if meta.decode is not None:
         d = meta.decode
         if d.kernel is not None:
-            o = d.kernel(q[d.rows], kv_cache, d.block_tables, d.context_lens, head_dim**-0.5)
+            o = d.kernel(q[d.rows], kv_cache, d.block_tables, d.context_lens, scale, layer.window or 0, softcap or 0.0)
         else:
-            o = _gathered_decode(q[d.rows], kv_cache, d)
+            o = _gathered_decode(q[d.rows], kv_cache, d, scale, softcap)
         if out is None:
             return o
         out[d.rows] = o
@@ -142,11 +188,11 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
         qp = q[p.rows].transpose(0, 1).unsqueeze(0)
         if p.context_slots is None:
             k, v = kv[p.rows, 0].transpose(0, 1), kv[p.rows, 1].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qp, k[None], v[None], is_causal=True, enable_gqa=True)
+            o = _attend(qp, k[None], v[None], None, scale, softcap, causal=True)
         else:
             context = slots.index_select(0, p.context_slots)
             k, v = context[:, 0].transpose(0, 1), context[:, 1].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qp, k[None], v[None], attn_mask=p.mask, enable_gqa=True)
+            o = _attend(qp, k[None], v[None], p.mask, scale, softcap)
         o = o[0].transpose(0, 1).reshape(-1, num_heads * head_dim)
         if out is None:
             return o
@@ -154,7 +200,9 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, m
     return out
 
 
-def _gathered_decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
+def _gathered_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch, scale: float, softcap: float | None
+) -> torch.Tensor:
     """The fallback: each context copied out of the pool into ``[B, max_ctx]``, then one SDPA."""
     batch, num_heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]
@@ -167,4 +215,31 @@ def _gathered_decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) ->
     # The query heads sharing a KV head go in as that head's queries: no K/V expansion for GQA.
     qd = q.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
     # reshape, not view: fused CUDA kernels may return a transposed layout.
-    return F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask).reshape(batch, num_heads * head_dim)
+    return _attend(qd, k, v, d.mask, scale, softcap).reshape(batch, num_heads * head_dim)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """SDPA over ``q`` [..., heads, n, d] and ``k``, ``v`` [..., kv_heads, m, d]; with ``softcap``,
+    the same eagerly with the scores passed through ``tanh(s / cap) * cap`` before the mask."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    *lead, heads, n, d = q.shape
+    kv_heads, m = k.shape[-3], k.shape[-2]
+    # Each KV head's query heads as one group dimension, so K and V are never repeated.
+    qg = q.reshape(*lead, kv_heads, heads // kv_heads, n, d)
+    scores = qg @ k.unsqueeze(-3).transpose(-1, -2) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+    if mask is not None:
+        scores = scores.masked_fill(~(mask.unsqueeze(-3) if mask.dim() == q.dim() else mask), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ v.unsqueeze(-3)).reshape(q.shape)

@@ -37,7 +37,7 @@ def cpu_kernels_loaded() -> bool:
 
         log.info("loading the CPU kernels (built once, then cached)")
         sources = sorted(str(path) for path in CSRC.glob("*.cpp"))
-        load(name=_build_name(), sources=sources, extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+        load(name=_build_name(sources), sources=sources, extra_cflags=CFLAGS, is_python_module=False, verbose=False)
         return True
     except Exception as error:  # any build failure leaves the callers' fallbacks, which are always correct
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -45,15 +45,20 @@ def cpu_kernels_loaded() -> bool:
         return False
 
 
-def _build_name() -> str:
+def _build_name(sources: list[str]) -> str:
     """The build's name carries the CPU's model and flags: torch reuses a cached build by source
-    and flags only, and a -march=native build from another CPU sharing the cache could crash here."""
+    and flags only, and a -march=native build from another CPU sharing the cache could crash here.
+    It carries the sources too, so checkouts of different sources sharing the cache (worktrees,
+    an upgrade beside a running server) each keep their build instead of rebuilding in turn."""
     try:
         with open("/proc/cpuinfo") as f:
             lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
     except OSError:
         lines = []
-    return "tiergate_cpu_kernels_" + hashlib.sha1("".join(lines).encode()).hexdigest()[:10]
+    digest = hashlib.sha1("".join(lines).encode())
+    for source in sources:
+        digest.update(Path(source).read_bytes())
+    return "tiergate_cpu_kernels_" + digest.hexdigest()[:10]
 
 
 def _ensure_ninja_on_path() -> None:

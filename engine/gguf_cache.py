@@ -63,7 +63,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         config = model.config.to_dict()
         config.pop("quantization_config", None)
-        ModelConfig.from_dict(config)  # a clear error for non-Llama architectures
+        ModelConfig.from_dict(config)  # a clear error for families we do not serve
         if not config.get("architectures"):
             config["architectures"] = [type(model).__name__]
         progress.update()

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine.config import default_cache_dir
 from engine.gguf_cache import materialize_gguf
-from engine.model import LlamaModel
+from engine.model import DecoderModel
 from engine.model_config import ModelConfig
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -30,7 +30,7 @@ DUMMY_PREFIX = "dummy:"
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     model_config: ModelConfig
     tokenizer: Tokenizer
     eos_token_ids: list[int]
@@ -87,7 +87,7 @@ def load_model(
     name = name or path.name
 
     config = _read_config(path / "config.json")
-    model = LlamaModel(config, device, dtype)
+    model = DecoderModel(config, device, dtype)
     model.load_weights(_safetensors_weights(path))
     return _with_tokenizer(model, config, path, name, require_tokenizer=True)
 
@@ -95,7 +95,7 @@ def load_model(
 def _load_dummy(path: Path, device: str | torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:
     config_path = path / "config.json" if path.is_dir() else path
     config = _read_config(config_path)
-    model = LlamaModel(config, device, dtype)
+    model = DecoderModel(config, device, dtype)
     model.init_random(seed)
     return _with_tokenizer(model, config, config_path.parent, f"dummy-{config_path.parent.name}", require_tokenizer=False)
 
@@ -117,7 +117,7 @@ def _safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _with_tokenizer(
-    model: LlamaModel, config: ModelConfig, folder: Path, name: str, require_tokenizer: bool
+    model: DecoderModel, config: ModelConfig, folder: Path, name: str, require_tokenizer: bool
 ) -> LoadedModel:
     tokenizer_file = folder / "tokenizer.json"
     if tokenizer_file.is_file():

@@ -1,4 +1,4 @@
-"""The native Llama-family forward (Llama 2/3, SmolLM2, Mistral) over a paged KV cache.
+"""The native decoder forward over a paged KV cache, one code path for every served family.
 
 Rows are the step's tokens, flattened in plan order with no padding. q/k/v and
 gate/up are fused into one weight each at load time so each is one matmul;
@@ -6,6 +6,8 @@ LoRA deltas are added to the fused outputs, one hook call per fused group, throu
 the ``LoraBatchLike`` hook. The LM head runs only on the rows that sample.
 Projections and the head go through ``engine.packed_linear`` (packed weights and
 a CPU kernel on CPU, ``torch.mm`` elsewhere): ``prepare_weights`` puts them in that form.
+What a family adds to Llama (biases, q/k norms, sandwich norms, soft-caps, sliding
+windows, weight names) comes from its ``engine.families.Family`` and ``ModelConfig``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, LayerAttention, paged_attention
+from engine.families import NORMS
 from engine.kv_cache import KVCache
 from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
@@ -51,9 +54,12 @@ LM_HEAD_TRANSPOSED_MAX_ROWS = 24
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
-class LlamaLayer(nn.Module):
-    """One decoder layer's weights; projections are stored ``[in, out]`` (see ``_LAYER_WEIGHTS``)
-    until ``LlamaModel.prepare_weights`` packs them, when they become ``PackedWeight``s."""
+# Projections are kept transposed, [in, out], because MKL's fp32 GEMM with a
+# pre-transposed weight measured 1.3-1.8x faster for 1-32 rows (decode) on the
+# 2-core CPU, and 5% slower only at 256 rows (prefill).
+class DecoderLayer(nn.Module):
+    """One decoder layer's weights: those its family's weight table names. Projections are
+    stored ``[in, out]`` until ``DecoderModel.prepare_weights`` packs them into ``PackedWeight``s."""
 
     qkv: Weight
     o: Weight
@@ -62,39 +68,27 @@ class LlamaLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
-        empty = lambda *shape: nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)  # noqa: E731
-        h = cfg.hidden_size
-        self.input_norm = empty(h)
-        self.qkv = empty(h, cfg.q_size + 2 * cfg.kv_size)
-        self.o = empty(cfg.q_size, h)
-        self.post_norm = empty(h)
-        self.gate_up = empty(h, 2 * cfg.intermediate_size)
-        self.down = empty(cfg.intermediate_size, h)
+        h, qkv, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
+        shapes = {
+            "input_norm": (h,), "qkv": (h, qkv), "qkv_bias": (qkv,), "q_norm": (cfg.head_dim,),
+            "k_norm": (cfg.head_dim,), "o": (cfg.q_size, h), "attn_out_norm": (h,), "post_norm": (h,),
+            "gate_up": (h, 2 * inter), "down": (inter, h), "mlp_out_norm": (h,),
+        }  # fmt: skip
+        for name in sorted({param for param, _ in cfg.family.weights.values()}):
+            param = nn.Parameter(torch.empty(shapes[name], device=device, dtype=dtype), requires_grad=False)
+            self.register_parameter(name, param)
 
 
-# HF parameter suffix -> (our parameter, which columns of the fused weight).
-# Projections are kept transposed, [in, out], because MKL's fp32 GEMM with a
-# pre-transposed weight measured 1.3-1.8x faster for 1-32 rows (decode) on the
-# 2-core CPU, and 5% slower only at 256 rows (prefill).
-_LAYER_WEIGHTS = {
-    "input_layernorm.weight": ("input_norm", None),
-    "self_attn.q_proj.weight": ("qkv", "q"),
-    "self_attn.k_proj.weight": ("qkv", "k"),
-    "self_attn.v_proj.weight": ("qkv", "v"),
-    "self_attn.o_proj.weight": ("o", None),
-    "post_attention_layernorm.weight": ("post_norm", None),
-    "mlp.gate_proj.weight": ("gate_up", "gate"),
-    "mlp.up_proj.weight": ("gate_up", "up"),
-    "mlp.down_proj.weight": ("down", None),
-}
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, device, dtype) for _ in range(cfg.num_layers))
+        self.family = cfg.family
+        self.layers = nn.ModuleList(DecoderLayer(cfg, device, dtype) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed
@@ -105,6 +99,13 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self._slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
+        scale = cfg.attn_scale or cfg.head_dim**-0.5
+        windowed = set(cfg.sliding_layers)
+        self.attention = [
+            LayerAttention(scale, cfg.sliding_window if i in windowed else None, cfg.attn_logit_softcap)
+            for i in range(cfg.num_layers)
+        ]
+        self.activation = _ACTIVATIONS[cfg.activation]
 
     @property
     def device(self) -> torch.device:
@@ -116,7 +117,7 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered."""
-        expected = {f"layers.{i}.{s}" for i in range(self.cfg.num_layers) for s in _LAYER_WEIGHTS}
+        expected = {f"layers.{i}.{s}" for i in range(self.cfg.num_layers) for s in self.family.weights}
         expected |= {"embed_tokens.weight", "norm.weight"} | ({"lm_head.weight"} if not self.cfg.tie_word_embeddings else set())
         seen: set[str] = set()
         for name, tensor in weights:
@@ -126,26 +127,29 @@ class LlamaModel(nn.Module):
             if name not in expected:
                 continue  # e.g. rotary inv_freq buffers some checkpoints carry
             seen.add(name)
-            target = self._param_slice(name)
+            target, is_norm = self._param_slice(name)
             target.copy_(tensor.T if target.dim() == 2 and name.startswith("layers.") else tensor)
+            if is_norm and self.family.norm_offset:
+                target.add_(self.family.norm_offset)
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}")
 
-    def _param_slice(self, name: str) -> torch.Tensor:
+    def _param_slice(self, name: str) -> tuple[torch.Tensor, bool]:
+        """Where the HF tensor ``name`` goes, and whether it is an RMSNorm weight."""
         if name == "embed_tokens.weight":
-            return self.embed.data
+            return self.embed.data, False
         if name == "norm.weight":
-            return self.norm.data
+            return self.norm.data, True
         if name == "lm_head.weight":
-            return self.lm_head.data
+            return self.lm_head.data, False
         _, index, suffix = name.split(".", 2)
-        attr, part = _LAYER_WEIGHTS[suffix]
+        attr, part = self.family.weights[suffix]
         param = getattr(self.layers[int(index)], attr).data
         if part is None:
-            return param
+            return param, attr in NORMS
         lo, hi = self._slices[part]
-        return param[:, lo:hi]
+        return param[..., lo:hi], False
 
     def init_random(self, seed: int) -> None:
         """Random weights in place (HF's init: normal(0, 0.02), norms at one) for dummy loading."""
@@ -153,6 +157,8 @@ class LlamaModel(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("norm"):
                 param.data.fill_(1.0)
+            elif name.endswith("bias"):
+                param.data.zero_()
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)
 
@@ -222,34 +228,52 @@ class LlamaModel(nn.Module):
         inter, hidden = cfg.intermediate_size, (cfg.hidden_size,)
         cos, sin = self._rope_tables(positions)
 
+        family, act_fn = self.family, self.activation
+
         h = F.embedding(input_ids, self.embed)
+        if family.embed_scale:
+            h = h * torch.tensor(cfg.hidden_size**0.5, dtype=h.dtype)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, hidden, layer.input_norm, eps)
             qkv = linear(x, layer.qkv)
+            if family.qkv_bias:
+                qkv.add_(layer.qkv_bias)
             if lora is not None:
                 lora.apply(i, "qkv", x, qkv)
-            _apply_rope_(qkv[:, :qk_size].view(tokens, heads + kv_heads, head_dim), cos, sin)
+            qk = qkv[:, :qk_size].view(tokens, heads + kv_heads, head_dim)
+            if family.qk_norm:
+                qk[:, :heads] = F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps)
+                qk[:, heads:] = F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)
+            _apply_rope_(qk, cos, sin)
             q = qkv[:, :q_size].view(tokens, heads, head_dim)
             kv = qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim)
-            attn = paged_attention(q, kv, kv_cache.layers[i], meta)
+            attn = paged_attention(q, kv, kv_cache.layers[i], meta, self.attention[i])
             o = linear(attn, layer.o)
             if lora is not None:
                 lora.apply(i, "o", attn, o)
+            if family.sandwich_norms:
+                o = F.rms_norm(o, hidden, layer.attn_out_norm, eps)
             h.add_(o)
             x = F.rms_norm(h, hidden, layer.post_norm, eps)
             gate_up = linear(x, layer.gate_up)
             if lora is not None:
                 lora.apply(i, "gate_up", x, gate_up)
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            act = act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
             down = linear(act, layer.down)
             if lora is not None:
                 lora.apply(i, "down", act, down)
+            if family.sandwich_norms:
+                down = F.rms_norm(down, hidden, layer.mlp_out_norm, eps)
             h.add_(down)
 
         h = F.rms_norm(h[sample_rows], hidden, self.norm, eps)
         if isinstance(self.head, PackedWeight) or (self.head is not None and h.shape[0] < LM_HEAD_TRANSPOSED_MAX_ROWS):
-            return linear(h, self.head).float()
-        return F.linear(h, self.lm_head).float()
+            logits = linear(h, self.head).float()
+        else:
+            logits = F.linear(h, self.lm_head).float()
+        if cfg.final_logit_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ``[T, 1, head_dim]`` for this step, computed once for all layers."""

@@ -1,8 +1,9 @@
-"""The shape of a Llama-family model, read from a Hugging Face ``config.json``.
+"""The shape of a served model, read from a Hugging Face ``config.json``.
 
 Only what the native forward needs; anything the forward cannot honour
-(another architecture, biases, an unknown RoPE scaling) is refused here with a
-clear error instead of producing wrong logits later.
+(a family engine/families.py does not describe, unexpected biases, an unknown
+RoPE scaling or activation) is refused here with a clear error instead of
+producing wrong logits later.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+from engine.families import ACTIVATIONS, Family, family_for
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -34,6 +36,19 @@ class ModelConfig:
     model_type: str = "llama"
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
+    activation: str = "silu"
+    # How many previous positions (itself included) a token of a windowed layer attends to,
+    # and which layers are windowed; no window when it covers max_position_embeddings.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # The attention's softmax scale; None means head_dim ** -0.5.
+    attn_scale: float | None = None
+
+    @property
+    def family(self) -> Family:
+        return family_for(self.model_type)
 
     @property
     def q_size(self) -> int:
@@ -46,21 +61,19 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            archs = cfg.get("architectures") or [model_type or "unknown"]
-            raise ValueError(
-                f"not a Llama-family model: model_type={model_type!r} ({', '.join(archs)}); "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        family = family_for(model_type, cfg.get("architectures"))
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError("Llama configs with attention_bias or mlp_bias are not supported")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: only silu")
+            raise ValueError(f"{family.name} configs with attention_bias or mlp_bias are not supported")
+        activation = cfg.get(family.activation_key) or "silu"
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported {family.activation_key} {activation!r}; supported: {', '.join(ACTIVATIONS)}")
         heads = cfg["num_attention_heads"]
         # transformers 5 keeps theta and scaling in ``rope_parameters``; older configs at top level.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         eos = cfg.get("eos_token_id")
@@ -81,6 +94,11 @@ class ModelConfig:
             model_type=model_type,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            activation=activation,
+            **_windows(cfg, family),
+            attn_logit_softcap=cfg.get("attn_logit_softcapping"),
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
+            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
         )
 
     @classmethod
@@ -89,3 +107,24 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"model config not found: {path}")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _windows(cfg: dict[str, Any], family: Family) -> dict[str, Any]:
+    """``sliding_window`` and ``sliding_layers`` as HF's model applies them."""
+    window = cfg.get("sliding_window")
+    if family.window_flag and not cfg.get("use_sliding_window"):
+        window = None
+    layers = cfg["num_hidden_layers"]
+    if not window or window >= int(cfg.get("max_position_embeddings", 2048)):
+        return {"sliding_window": None, "sliding_layers": ()}
+    types = cfg.get("layer_types")
+    if family.window_layers == "all":
+        sliding = range(layers)
+    elif types:
+        sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    elif family.window_layers == "alternate":
+        sliding = range(0, layers, 2)
+    else:
+        sliding = range(int(cfg.get("max_window_layers", layers)), layers)
+    sliding = tuple(sliding)
+    return {"sliding_window": int(window) if sliding else None, "sliding_layers": sliding}

@@ -1,10 +1,10 @@
 """Paged decode attention kernels: each decode row attends to its context read from the block pool in place.
 
-A kernel is called as ``kernel(q, kv_cache, block_tables, context_lens, scale)``
-with ``q`` ``[B, heads, head_dim]`` (rows may be strided), one layer of the
-cache ``[blocks, block_size, 2, kv_heads, head_dim]``, int64 block tables
-``[B, max_blocks]`` and int64 context lengths ``[B]``; it returns
-``[B, heads * head_dim]``. Without a kernel, attention.py gathers each context
+A kernel is called as ``kernel(q, kv_cache, block_tables, context_lens, scale,
+window, softcap)`` with ``q`` ``[B, heads, head_dim]`` (rows may be strided), one
+layer of the cache ``[blocks, block_size, 2, kv_heads, head_dim]``, int64 block
+tables ``[B, max_blocks]``, int64 context lengths ``[B]``, a sliding window
+(0: none) and a score soft-cap (0.0: none); it returns ``[B, heads * head_dim]``. Without a kernel, attention.py gathers each context
 into a padded copy and runs SDPA over it, which is the fallback.
 
 - CPU: a C++ operator (csrc/paged_attention.cpp) built on first use by
@@ -27,7 +27,7 @@ from engine.cpu_build import cpu_kernels_loaded
 
 log = logging.getLogger(__name__)
 
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, float], torch.Tensor]
 
 
 def decode_kernel_for(device: torch.device | str) -> DecodeKernel | None:

@@ -76,7 +76,7 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
         as_tensor = lambda data: torch.tensor(data, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttentionMetadata.build(specs, self.block_size, self.device, self.decode_kernel)
+        meta = AttentionMetadata.build(specs, self.block_size, self.device, self.decode_kernel, self.config.sliding_window)
         return self.model(
             as_tensor(token_ids), as_tensor(positions), meta, self.kv_cache, as_tensor(sample_rows), lora
         )

@@ -15,14 +15,20 @@ import triton
 import triton.language as tl
 
 
+# What the kernel reads as "no window": longer than any context.
+NO_WINDOW = 2**31 - 1
+
+
 @triton.jit
-def _paged_decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+def _paged_decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, scale, window, softcap,
                   GROUP, HEAD_DIM, BLOCK_SIZE,
                   stride_qb, stride_qh, stride_cb, stride_ct, stride_ckv, stride_ch, stride_tb, stride_ob,
-                  GROUP_P: tl.constexpr, DIM_P: tl.constexpr, BLOCK_P: tl.constexpr):
+                  GROUP_P: tl.constexpr, DIM_P: tl.constexpr, BLOCK_P: tl.constexpr, SOFTCAP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     ctx = tl.load(lens_ptr + seq)
+    # The window keeps positions [first, ctx): HF's kv_idx > q_idx - window with q_idx = ctx - 1.
+    first = tl.maximum(ctx - window, 0)
     offs_g = tl.arange(0, GROUP_P)
     offs_d = tl.arange(0, DIM_P)
     offs_t = tl.arange(0, BLOCK_P)
@@ -36,15 +42,18 @@ def _paged_decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     total = tl.zeros((GROUP_P,), dtype=tl.float32)
     acc = tl.zeros((GROUP_P, DIM_P), dtype=tl.float32)
     head_base = cache_ptr + kv_head * stride_ch
-    for start in range(0, ctx, BLOCK_SIZE):
+    for start in range(first - first % BLOCK_SIZE, ctx, BLOCK_SIZE):
         block = tl.load(tables_ptr + seq * stride_tb + start // BLOCK_SIZE)
-        t_mask = (offs_t < BLOCK_SIZE) & (start + offs_t < ctx)
+        t_mask = (offs_t < BLOCK_SIZE) & (start + offs_t < ctx) & (start + offs_t >= first)
         rows = head_base + block * stride_cb + offs_t[:, None] * stride_ct + offs_d[None, :]
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(rows, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(rows + stride_ckv, mask=kv_mask, other=0.0).to(tl.float32)
         # [GROUP_P, BLOCK_P] scores as a broadcast product: the group is too small for tl.dot.
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        if SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both tails, and tl has no tanh on every release.
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         scores = tl.where(t_mask[None, :], scores, float("-inf"))
         new_peak = tl.maximum(peak, tl.max(scores, axis=1))
         rescale = tl.exp(peak - new_peak)
@@ -59,7 +68,8 @@ def _paged_decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, scale,
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           context_lens: torch.Tensor, scale: float, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     """``q`` [B, heads, d] (rows may be strided) -> ``[B, heads * d]``; see engine/paged_attention.py."""
     batch, num_heads, head_dim = q.shape
     _, block_size, _, kv_heads, _ = kv_cache.shape
@@ -69,12 +79,13 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         raise ValueError("kv_cache must be contiguous")
     out = q.new_empty(batch, num_heads * head_dim)
     group = num_heads // kv_heads
+    window = window if window > 0 else NO_WINDOW
     _paged_decode[(batch, kv_heads)](
-        q, kv_cache, block_tables, context_lens, out, scale,
+        q, kv_cache, block_tables, context_lens, out, scale, window, softcap,
         group, head_dim, block_size,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0),
         GROUP_P=triton.next_power_of_2(group), DIM_P=triton.next_power_of_2(head_dim),
-        BLOCK_P=triton.next_power_of_2(block_size),
+        BLOCK_P=triton.next_power_of_2(block_size), SOFTCAP=softcap > 0,
     )
     return out

@@ -2,7 +2,9 @@
 
 `inspect_adapter` checks a peft directory (adapter_config.json + the safetensors
 header, no weight data) and returns an `AdapterSpec`, or raises `AdapterError`
-naming the problem. `load_adapter` then reads the weights into per-projection
+naming the problem. Modules are named as the base model's family names them: a
+module that is several of our projections fused (Phi-3's `qkv_proj`,
+`gate_up_proj`) is served as those projections sharing its A, each with its rows of B. `load_adapter` then reads the weights into per-projection
 stacks over all layers, ready to be copied into a device slot. Both build their
 result locally, so a refused adapter leaves nothing behind.
 """
@@ -24,7 +26,11 @@ PROJ_MODULES = {
     "o": ("o_proj", "self_attn"), "gate": ("gate_proj", "mlp"), "up": ("up_proj", "mlp"),
     "down": ("down_proj", "mlp"),
 }
-_MODULE_TO_PROJ = {module: proj for proj, (module, _) in PROJ_MODULES.items()}
+# peft module name -> (parent, our projections it covers, in the order of its output rows).
+_MODULES = {
+    **{module: (parent, (proj,)) for proj, (module, parent) in PROJ_MODULES.items()},
+    "qkv_proj": ("self_attn", ("q", "k", "v")), "gate_up_proj": ("mlp", ("gate", "up")),
+}
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$"
 )
@@ -78,6 +84,8 @@ class AdapterSpec:
     rank: int
     scale: float
     modules: dict[tuple[int, str], tuple[int, float]]
+    # (layer, proj) -> the peft module holding it and its rows of that module's B.
+    sources: dict[tuple[int, str], tuple[str, int, int]] = field(default_factory=dict)
 
     @property
     def targets(self) -> frozenset[str]:
@@ -134,10 +142,10 @@ def _check_config(config: dict, max_rank: int) -> None:
         raise AdapterError(f"rank {max(ranks)} exceeds max_lora_rank {max_rank}")
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        unserved = [t for t in targets if t.rsplit(".", 1)[-1] not in _MODULE_TO_PROJ]
+        unserved = [t for t in targets if t.rsplit(".", 1)[-1] not in _MODULES]
         if unserved:
             raise AdapterError(f"target modules {unserved} are not served "
-                               f"(only {', '.join(_MODULE_TO_PROJ)})")
+                               f"(only {', '.join(_MODULES)})")
     elif not isinstance(targets, str):  # a regex or "all-linear": the weight keys decide
         raise AdapterError(f"target_modules={targets!r} is neither a list nor a pattern")
 
@@ -168,8 +176,8 @@ def inspect_adapter(name: str, path: str | Path, shapes: BaseShapes, max_rank: i
     halves: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, (dtype, shape) in header.items():
         match = _KEY.match(key)
-        proj = _MODULE_TO_PROJ.get(match.group(3)) if match else None
-        if proj is None or match.group(2) != PROJ_MODULES[proj][1]:
+        module = _MODULES.get(match.group(3)) if match else None
+        if module is None or match.group(2) != module[0]:
             raise AdapterError(f"weight {key!r} is for a module that is not served")
         if dtype not in _FLOAT_DTYPES:
             raise AdapterError(f"weight {key!r} has dtype {dtype}; only float weights are served")
@@ -177,26 +185,34 @@ def inspect_adapter(name: str, path: str | Path, shapes: BaseShapes, max_rank: i
         if layer >= shapes.num_layers:
             raise AdapterError(f"weight {key!r} is for layer {layer} but the base model has "
                                f"{shapes.num_layers} layers")
-        halves.setdefault((layer, proj), {})[match.group(4)] = list(shape)
+        halves.setdefault((layer, match.group(3)), {})[match.group(4)] = list(shape)
     if not halves:
         raise AdapterError(f"{path / WEIGHTS_FILE} holds no LoRA weights")
-    modules = {}
-    for (layer, proj), pair in sorted(halves.items()):
-        module_name = f"model.layers.{layer}.{PROJ_MODULES[proj][1]}.{PROJ_MODULES[proj][0]}"
+    modules, sources = {}, {}
+    for (layer, module), pair in sorted(halves.items()):
+        parent, projs = _MODULES[module]
+        module_name = f"model.layers.{layer}.{parent}.{module}"
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{module_name} has lora_{'A' if 'A' in pair else 'B'} "
                                f"but no lora_{'B' if 'A' in pair else 'A'}")
-        in_features, out_features = shapes.projections[proj]
+        in_features = shapes.projections[projs[0]][0]
+        outs = [shapes.projections[p][1] for p in projs]
         rank = pair["A"][0]
-        if pair["A"] != [rank, in_features] or pair["B"] != [out_features, rank]:
+        if pair["A"] != [rank, in_features] or pair["B"] != [sum(outs), rank]:
             raise AdapterError(
                 f"{module_name}: lora_A {pair['A']} / lora_B {pair['B']} do not fit the base model's "
-                f"{proj} projection ({in_features} -> {out_features}); different base shape?")
+                f"{'/'.join(projs)} projection ({in_features} -> {sum(outs)}); different base shape?")
         if rank > max_rank:
             raise AdapterError(f"{module_name} has rank {rank}, above max_lora_rank {max_rank}")
-        modules[(layer, proj)] = (rank, _module_scale(config, module_name, rank))
+        row = 0
+        for proj, out in zip(projs, outs):
+            if (layer, proj) in modules:
+                raise AdapterError(f"{module_name} covers {proj}, which another module of layer {layer} covers too")
+            modules[(layer, proj)] = (rank, _module_scale(config, module_name, rank))
+            sources[(layer, proj)] = (module_name, row, row + out)
+            row += out
     rank = max(r for r, _ in modules.values())
-    return AdapterSpec(name, path, rank, _module_scale(config, "", config["r"]), modules)
+    return AdapterSpec(name, path, rank, _module_scale(config, "", config["r"]), modules, sources)
 
 
 def load_adapter(spec: AdapterSpec, shapes: BaseShapes, dtype: torch.dtype) -> AdapterWeights:
@@ -211,11 +227,10 @@ def load_adapter(spec: AdapterSpec, shapes: BaseShapes, dtype: torch.dtype) -> A
         with safe_open(spec.path / WEIGHTS_FILE, framework="pt") as f:
             keys = set(f.keys())
             for (layer, proj), (rank, scale) in spec.modules.items():
-                module, parent = PROJ_MODULES[proj]
-                stem = f"model.layers.{layer}.{parent}.{module}"
+                stem, lo, hi = spec.sources[(layer, proj)]
                 stem = prefix + stem if prefix + stem + ".lora_A.weight" in keys else stem
                 weights.a[proj][layer, :rank] = f.get_tensor(stem + ".lora_A.weight")
-                b = f.get_tensor(stem + ".lora_B.weight").to(torch.float64) * (scale / spec.scale)
+                b = f.get_tensor(stem + ".lora_B.weight")[lo:hi].to(torch.float64) * (scale / spec.scale)
                 weights.b[proj][layer, :, :rank] = b
     except (OSError, RuntimeError, SafetensorError) as exc:  # the file changed since it was inspected
         raise AdapterError(f"reading {spec.path / WEIGHTS_FILE} failed: {exc}") from exc

@@ -7,8 +7,11 @@
 // thread count. The query heads that share a KV head are handled together, so
 // each key and value row is read from memory once for all of them. One pass per
 // block with an online softmax; scores, softmax and the weighted sum of values
-// accumulate in float32. Written by hand because no library op reads a paged
-// pool in place on the CPU (torch's SDPA needs the context contiguous).
+// accumulate in float32. A sliding window (window > 0) starts the pass at the
+// first position the window keeps; soft-capping (softcap > 0) bends each score
+// through softcap * tanh(score / softcap) before the softmax. Written by hand
+// because no library op reads a paged pool in place on the CPU (torch's SDPA
+// needs the context contiguous).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -27,7 +30,7 @@ constexpr int64_t PREFETCH_ROWS = 8;
 
 template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-            const at::Tensor& context_lens, double scale, at::Tensor& out) {
+            const at::Tensor& context_lens, double scale, int64_t window, double softcap, at::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = kv_cache.size(1), kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / kv_heads;
@@ -41,6 +44,7 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
   const float softmax_scale = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap);
   const int64_t row_bytes = token_stride * int64_t(sizeof(scalar_t));
 
   // A work item is one sequence with all its KV heads, so each block is read front
@@ -56,6 +60,8 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / splits, first_kv_head = (item % splits) * heads_per_item;
       const int64_t ctx = lens[seq];
+      // The window keeps positions [first, ctx): HF's kv_idx > q_idx - window with q_idx = ctx - 1.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       const int64_t* table = tables + seq * table_row;
       const scalar_t* q_seq = q_data + seq * q_row + first_kv_head * group * q_head;
       for (int64_t r = 0; r < rows; ++r)
@@ -67,10 +73,14 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
 
       // One pass over the context, a block at a time (online softmax): the block's
       // keys and values are read once, while they are in cache.
-      for (int64_t start = 0; start < ctx; start += block_size) {
+      for (int64_t start = first - first % block_size; start < ctx; start += block_size) {
         const scalar_t* block = cache + table[start / block_size] * block_size * token_stride + first_kv_head * head_dim;
         const int64_t n = std::min(block_size, ctx - start);
-        for (int64_t t = 0; t < n; ++t) {
+        // Positions of the first block before the window score -inf: their weight is zero.
+        const int64_t skip = std::max<int64_t>(0, first - start);
+        for (int64_t t = 0; t < skip; ++t)
+          for (int64_t r = 0; r < rows; ++r) scores[r * block_size + t] = -std::numeric_limits<float>::infinity();
+        for (int64_t t = skip; t < n; ++t) {
           // The hardware prefetcher does not follow the block table, so ask for the token
           // row PREFETCH_ROWS positions ahead (keys and values of all heads) ourselves.
           const int64_t ahead = start + t + PREFETCH_ROWS;
@@ -86,7 +96,7 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * static_cast<float>(key[d]);
-            scores[r * block_size + t] = dot;
+            scores[r * block_size + t] = cap > 0.f ? cap * std::tanh(dot / cap) : dot;
           }
         }
         for (int64_t r = 0; r < rows; ++r) {
@@ -107,7 +117,7 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
             for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale[r];
           }
         }
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = skip; t < n; ++t) {
           const scalar_t* values = block + kv_stride + t * token_stride;
           for (int64_t r = 0; r < rows; ++r) {
             const scalar_t* value = values + (r / group) * head_dim;
@@ -128,7 +138,7 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [batch, heads, head_dim] with contiguous rows");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(2) == 2 && kv_cache.is_contiguous(),
@@ -143,7 +153,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
               "block_tables and context_lens need one row per query");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    attend<scalar_t>(q, kv_cache, block_tables, context_lens, scale, out);
+    attend<scalar_t>(q, kv_cache, block_tables, context_lens, scale, window, softcap, out);
   });
   return out;
 }
@@ -151,6 +161,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 }  // namespace
 
 TORCH_LIBRARY(tiergate, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale, "
+        "int window=0, float softcap=0.0) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
 }

@@ -15,7 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -46,7 +59,23 @@ TINY_CONFIGS = {
             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32),
         ),
     ),
-    "mistral": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    # Windows shorter than the tests' prompts, so that a window not applied shows.
+    "mistral": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=6)),
+    "qwen2": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        # Layers from max_window_layers on are windowed: one full layer, then windowed ones.
+        dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    ),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
+    "phi3": (Phi3Config, Phi3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=7, pad_token_id=0)),
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        # Caps low enough to bend the tiny model's scores and logits; a query scale unlike head_dim's.
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5, query_pre_attn_scalar=24,
+             attn_logit_softcapping=2.0, final_logit_softcapping=8.0),
+    ),
 }
 
 
@@ -137,7 +166,7 @@ class HFReference:
     def __init__(self, path: Path) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
     @torch.no_grad()
     def logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, LayerAttention, paged_attention
 from engine.paged_attention import cpu_decode_kernel
-from tests.engine.paged_attention_reference import CASES, random_case, reference
+from tests.engine.paged_attention_reference import CASES, VARIANTS, random_case, reference, variant_case
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -38,6 +38,38 @@ def test_cpu_kernel_matches_float64_reference(kernel, case, threads):
     finally:
         torch.set_num_threads(before)
     assert out.shape == (len(lens), heads * head_dim) and out.dtype == torch.float32
+    assert (out.double() - reference(data)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cpu_kernel_applies_sliding_windows_and_soft_caps_as_the_reference(kernel, variant, threads):
+    data = variant_case(variant)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(data.q, data.kv_cache, data.block_tables, data.context_lens, data.scale, data.window, data.softcap)
+    finally:
+        torch.set_num_threads(before)
+    assert (out.double() - reference(data)).abs().max().item() < 1e-5
+    # Without them the output differs, so the comparison above can fail.
+    plain = kernel(data.q, data.kv_cache, data.block_tables, data.context_lens, data.scale)
+    assert (plain.double() - reference(data)).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("with_kernel", [True, False], ids=["kernel", "gathered"])
+def test_windowed_soft_capped_decode_through_the_step_matches_reference(variant, with_kernel, kernel):
+    """The windowed metadata and the soft-capped eager path agree with the kernel and the reference."""
+    data = variant_case(variant)
+    lens = data.context_lens.tolist()
+    block_size, head_dim = data.kv_cache.shape[1], data.q.shape[-1]
+    chunks = [(n - 1, 1, data.block_tables[i].tolist()) for i, n in enumerate(lens)]
+    meta = AttentionMetadata.build(chunks, block_size, "cpu", kernel if with_kernel else None, data.window or None)
+    layer = LayerAttention(head_dim**-0.5, data.window or None, data.softcap or None)
+    last = [int(data.block_tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)]
+    new_kv = data.kv_cache.reshape(-1, 2, *data.kv_cache.shape[3:])[last].clone()
+    out = paged_attention(data.q, new_kv, data.kv_cache, meta, layer)
     assert (out.double() - reference(data)).abs().max().item() < 1e-5
 
 
@@ -76,7 +108,7 @@ def test_decode_attention_through_the_step_matches_reference(case, with_kernel, 
     last = [int(data.block_tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)]
     new_kv = data.kv_cache.reshape(-1, 2, kv_heads, head_dim)[last].clone()
     data.kv_cache.reshape(-1, 2, kv_heads, head_dim)[last] = 0.0
-    out = paged_attention(data.q, new_kv, data.kv_cache, meta)
+    out = paged_attention(data.q, new_kv, data.kv_cache, meta, LayerAttention(head_dim**-0.5))
     assert (out.double() - reference(data)).abs().max().item() < 1e-5
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.engine.paged_attention_reference import CASES
+from tests.engine.paged_attention_reference import CASES, VARIANTS
 
 HERE = Path(__file__).parent
 
@@ -19,4 +19,4 @@ def test_triton_paged_attention_matches_float64_reference_under_the_interpreter(
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "all cases match" in run.stdout
-    assert run.stdout.count(" ok") == len(CASES) + 1
+    assert run.stdout.count(" ok") == len(CASES) + len(VARIANTS) + 1

@@ -21,18 +21,22 @@ def tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).eval()
 
 
-def save_adapter(path: Path, seed: int = 1, model_overrides: dict | None = None, **lora) -> Path:
-    """Save a peft LoRA adapter with random A and B (peft would start B at zero)."""
-    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], **lora}
-    model = get_peft_model(tiny_model(**(model_overrides or {})),
-                           LoraConfig(init_lora_weights=False, **lora))
+def save_random_lora(base: torch.nn.Module, path: Path, seed: int, std: float = 0.2, **lora) -> Path:
+    """Save a peft LoRA of ``base`` with random A and B (peft would start B at zero)."""
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora))
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:
-                param.copy_(torch.randn_like(param) * 0.2)
+                param.copy_(torch.randn_like(param) * std)
     model.save_pretrained(path)
     return path
+
+
+def save_adapter(path: Path, seed: int = 1, model_overrides: dict | None = None, **lora) -> Path:
+    """A random adapter of the tiny Llama (rank 4 on q and v unless told)."""
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], **lora}
+    return save_random_lora(tiny_model(**(model_overrides or {})), path, seed, **lora)
 
 
 @pytest.fixture

@@ -1,0 +1,102 @@
+"""The served model families, each a small description of how it departs from Llama.
+
+The one forward in engine/model.py reads a :class:`Family` for the choices that
+are fixed by the architecture (biases, extra norms, activation, embedding scale,
+where the sliding windows fall, the checkpoint's weight names); the numbers a
+checkpoint chooses (window size, soft-caps, attention scale) are read into
+``ModelConfig``. Serving another family means adding an entry to ``FAMILIES``
+when the forward already has every piece it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# HF parameter suffix of a decoder layer -> (our parameter, which columns of the fused weight).
+# Projections are stored transposed, [in, out] (see engine/model.py); biases and norms are 1-D.
+LLAMA_WEIGHTS: dict[str, tuple[str, str | None]] = {
+    "input_layernorm.weight": ("input_norm", None),
+    "self_attn.q_proj.weight": ("qkv", "q"),
+    "self_attn.k_proj.weight": ("qkv", "k"),
+    "self_attn.v_proj.weight": ("qkv", "v"),
+    "self_attn.o_proj.weight": ("o", None),
+    "post_attention_layernorm.weight": ("post_norm", None),
+    "mlp.gate_proj.weight": ("gate_up", "gate"),
+    "mlp.up_proj.weight": ("gate_up", "up"),
+    "mlp.down_proj.weight": ("down", None),
+}
+
+# Our layer parameters that are RMSNorm weights (a family's norm offset applies to them).
+NORMS = frozenset({"input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm"})
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    weights: dict[str, tuple[str, str | None]] = field(default_factory=lambda: dict(LLAMA_WEIGHTS))
+    # q, k and v carry biases (added to the fused qkv output).
+    qkv_bias: bool = False
+    # Each head of q and k goes through its own RMSNorm before RoPE.
+    qk_norm: bool = False
+    # RMSNorm scales by (offset + w); folded into the weights at load, so the forward is unchanged.
+    norm_offset: float = 0.0
+    # Embeddings are multiplied by sqrt(hidden_size).
+    embed_scale: bool = False
+    # The attention and MLP outputs are normed before they join the residual stream.
+    sandwich_norms: bool = False
+    # The config key naming the MLP activation.
+    activation_key: str = "hidden_act"
+    # Which layers use ``sliding_window``: "all", "layer_types" (the config's list, or for older
+    # configs Qwen's rule: layers from ``max_window_layers`` on), "alternate" (even layers).
+    window_layers: str = "all"
+    # Whether ``use_sliding_window`` must be true for the window to apply (Qwen).
+    window_flag: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama 1-3.x"),
+    "mistral": Family("Mistral"),
+    "qwen2": Family(
+        "Qwen2 / Qwen2.5",
+        weights={**LLAMA_WEIGHTS, **{f"self_attn.{p}_proj.bias": ("qkv_bias", p) for p in "qkv"}},
+        qkv_bias=True, window_layers="layer_types", window_flag=True,
+    ),
+    "qwen3": Family(
+        "Qwen3",
+        weights={**LLAMA_WEIGHTS, "self_attn.q_norm.weight": ("q_norm", None), "self_attn.k_norm.weight": ("k_norm", None)},
+        qk_norm=True, window_layers="layer_types", window_flag=True,
+    ),
+    "phi3": Family(
+        "Phi-3",
+        weights={
+            "input_layernorm.weight": ("input_norm", None),
+            "self_attn.qkv_proj.weight": ("qkv", None),
+            "self_attn.o_proj.weight": ("o", None),
+            "post_attention_layernorm.weight": ("post_norm", None),
+            "mlp.gate_up_proj.weight": ("gate_up", None),
+            "mlp.down_proj.weight": ("down", None),
+        },
+    ),
+    "gemma2": Family(
+        "Gemma 2",
+        weights={
+            **LLAMA_WEIGHTS,
+            "post_attention_layernorm.weight": ("attn_out_norm", None),
+            "pre_feedforward_layernorm.weight": ("post_norm", None),
+            "post_feedforward_layernorm.weight": ("mlp_out_norm", None),
+        },
+        norm_offset=1.0, embed_scale=True, sandwich_norms=True, activation_key="hidden_activation",
+        window_layers="alternate",
+    ),
+}
+
+
+def family_for(model_type: str, architectures: list[str] | None = None) -> Family:
+    """The family serving ``model_type``; anything else is refused naming it and what is served."""
+    family = FAMILIES.get(model_type)
+    if family is None:
+        archs = ", ".join(architectures or [model_type or "unknown"])
+        served = ", ".join(f"{k} ({f.name})" for k, f in FAMILIES.items())
+        raise ValueError(f"model family {model_type!r} ({archs}) is not served; served model_types: {served}")
+    return family
