@@ -17,7 +17,7 @@ from typing import Any
 
 from billing.errors import UnknownRequest
 from billing.models import LEDGER_STATUSES
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 
 
 @dataclass
@@ -157,7 +157,7 @@ class UsageMeter:
 
     def pop_unclaimed(self) -> list[UsageRecord]:
         """Finished records nobody will claim: requests never begun (driven on the engine directly) or
-        forgotten (their caller gave up waiting); gateway.usage writes them periodically.
+        forgotten (their caller gave up waiting); gateway.usage_recorder writes them periodically.
 
         Records of begun requests stay for their wait_record() or take_record() caller.
         """

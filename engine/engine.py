@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from tokenizers import Tokenizer
 
-from engine.admission import validate_request
+from engine.validation import validate_request
 from engine.choices import ChoiceGroup
 from engine.config import EngineConfig
 from engine.cpu_threads import run_torch_serially_here

@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from engine.request import Delta, EngineRequest, SamplingParams
 from gateway.errors import APIError, model_not_found, service_unavailable
-from gateway.generation import Admitted, Job, JobStream
+from gateway.generation import AdmittedRequest, Generation, GenerationStream
 from gateway.http_protocol import ON_DISCONNECT
 from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
@@ -105,7 +105,7 @@ async def _generate(request: Request, kind: str) -> Response:
     except APIError:
         await _count_refusal(gw, tenant, request_id, adapter, queued_at)
         raise
-    admitted = Admitted(
+    admitted = AdmittedRequest(
         request_id=request_id, kind=kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier, adapter=adapter,
         queued_at=queued_at, arrived=arrived, prompt_tokens=len(prompt),
         reserved_tokens=len(prompt) + req.n * max_tokens,
@@ -130,11 +130,11 @@ async def _generate(request: Request, kind: str) -> Response:
         engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
                                        tenant_weight=tenant.weight)
         stream = await _submit(gw, admitted, engine_request, trace)
-        job = Job(admitted, stream, gw, trace)
-        job.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at, len(prompt),
-                                       lambda: job.completion_tokens, now=req.stream)
+        generation = Generation(admitted, stream, gw, trace)
+        generation.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at, len(prompt),
+                                       lambda: generation.completion_tokens, now=req.stream)
         if req.stream:
-            return JobStream(job, headers)
+            return GenerationStream(generation, headers)
         # Starlette notices a client that leaves only on streams; the server's disconnect hook
         # (gateway/http_protocol.py) tells us here, and the abort ends the collection as a
         # cancelled request: blocks freed within a step, billed with the tokens made.
@@ -142,29 +142,29 @@ async def _generate(request: Request, kind: str) -> Response:
         on_disconnect = request.scope.get("extensions", {}).get(ON_DISCONNECT)
         if on_disconnect is not None:
             on_disconnect.append(functools.partial(gw.engine.abort, request_id))
-        return await job.collect(headers)
+        return await generation.collect(headers)
 
 
-async def _admit(gw: Gateway, a: Admitted, tenant) -> Decision:
+async def _admit(gw: Gateway, admitted: AdmittedRequest, tenant) -> Decision:
     """Admission control, then the tenant's rate limits; a refusal is counted, billed as rejected, and raised."""
-    refusal = gw.admission.check(a.tier, gw.engine.load(), a.tenant)
+    refusal = gw.shedder.check(admitted.tier, gw.engine.load(), admitted.tenant)
     if refusal is not None:
-        gw.metrics.count_rejection(a.tier, refusal.reason)
-        gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
+        gw.metrics.count_rejection(admitted.tier, refusal.reason)
+        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise APIError(429, refusal.message, type="overloaded", code="overloaded",
                        headers=retry_headers(refusal.retry_after_s))
     limits = Limits(tenant.rpm, tenant.tpm, tenant.max_concurrent)
     try:
-        decision = await gw.limiter.acquire(a.tenant, limits, a.request_id, a.reserved_tokens)
+        decision = await gw.limiter.acquire(admitted.tenant, limits, admitted.request_id, admitted.reserved_tokens)
     except LimiterUnavailable:
-        log.warning("rate limiter unavailable; refusing %s", a.request_id, exc_info=True)
-        gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
+        log.warning("rate limiter unavailable; refusing %s", admitted.request_id, exc_info=True)
+        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise service_unavailable("The rate limiter is unavailable; retry shortly.",
                                   headers=retry_headers(LIMITER_RETRY_S)) from None
     if not decision.allowed:
-        gw.metrics.count_rejection(a.tier, REJECTION_REASON[decision.reason])
-        gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
-        raise APIError(429, _limit_message(decision, a.reserved_tokens), type=decision.reason,
+        gw.metrics.count_rejection(admitted.tier, REJECTION_REASON[decision.reason])
+        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
+        raise APIError(429, _limit_message(decision, admitted.reserved_tokens), type=decision.reason,
                        code="rate_limit_exceeded", headers=decision.headers())
     return decision
 
@@ -189,21 +189,21 @@ async def _count_refusal(gw: Gateway, tenant, request_id: str, adapter: str | No
                    headers=decision.headers())
 
 
-async def _submit(gw: Gateway, a: Admitted, request: EngineRequest, trace) -> AsyncIterator[Delta]:
-    gw.usage.meter.begin(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
-    gw.metrics.track(a.request_id, a.tier)
+async def _submit(gw: Gateway, admitted: AdmittedRequest, request: EngineRequest, trace) -> AsyncIterator[Delta]:
+    gw.usage.meter.begin(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
+    gw.metrics.track(admitted.request_id, admitted.tier)
     trace.mark_submitted()
     try:
         return gw.engine.submit(request)
     except Exception as e:
         # Validation above mirrors the engine's; reaching here is a race (an adapter unloaded
         # this instant) or a bug. Give everything back and bill nothing.
-        gw.usage.meter.forget(a.request_id)
-        gw.metrics.untrack(a.request_id)
+        gw.usage.meter.forget(admitted.request_id)
+        gw.metrics.untrack(admitted.request_id)
         trace.finish(error=str(e))
-        await gw.limiter.release(a.tenant, a.request_id, a.reserved_tokens, 0)
-        if a.adapter is not None and a.adapter not in gw.engine.list_adapters():
-            raise model_not_found(a.model) from None
+        await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
+        if admitted.adapter is not None and admitted.adapter not in gw.engine.list_adapters():
+            raise model_not_found(admitted.model) from None
         if isinstance(e, ValueError):  # the engine's own validation, worded for a client
             raise APIError(400, str(e), code="invalid_value") from None
         raise

@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy import Engine as Database
 
-from gateway.admission import AdmissionController
+from gateway.load_shedding import LoadShedder
 from gateway.auth import Authenticator
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
@@ -16,7 +16,7 @@ from gateway.prompts import PromptEncoder
 from gateway.ratelimit import RateLimiter
 from gateway.settings import Settings
 from gateway.tracing import Tracing
-from gateway.usage import UsageRecorder
+from gateway.usage_recorder import UsageRecorder
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Gateway:
     usage: UsageRecorder
     auth: Authenticator
     limiter: RateLimiter
-    admission: AdmissionController
+    shedder: LoadShedder
     metrics: GatewayMetrics
     lifecycle: Lifecycle
     tracing: Tracing

@@ -246,7 +246,7 @@ def apply_group(x: torch.Tensor, y: torch.Tensor, stacks: LayerStacks, plan: Cpu
         y.index_add_(0, p.rows, out if p.valid is None else out.index_select(0, p.valid))
 
 
-def apply_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: CpuPlan,
+def apply_projection(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: CpuPlan,
                slots: list[int]) -> None:
     """One projection: y[rows] += (x[rows] @ a[slot, :r].T) @ b[slot, :, :r].T * scale, for `slots`.
 

@@ -153,7 +153,7 @@ class KernelPlan:
                    max(seg_len, default=0), ints(gather_rows), ints(gather_slots))
 
 
-def apply_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: KernelPlan) -> None:
+def run_kernels(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: KernelPlan) -> None:
     """In place: y[row] += (x[row] @ a[slot].T) @ b[slot].T * scale[slot] for the plan's rows.
 
     `a` is one layer's [slots, max_rank, in] stack, `b` [slots, out, max_rank].

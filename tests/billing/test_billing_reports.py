@@ -15,7 +15,7 @@ from billing.ledger import Ledger
 from billing.meter import UsageMeter
 from billing.report_formats import render
 from billing.reports import parse_prices, usage_report
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 from engine.events import FinishEvent, StepEvent, StepItem
 
 DAY = datetime(2026, 3, 1, tzinfo=UTC)

@@ -38,7 +38,7 @@ from billing.db import UNAVAILABLE
 from billing.ledger import Ledger
 from billing.meter import UsageMeter
 from billing.open_rows import PROCESS_OWNER, Progress, close_orphans
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 
 log = logging.getLogger(__name__)
 
