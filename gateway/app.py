@@ -155,8 +155,7 @@ def create_app(
         tracing=tracing or Tracing(),
         prompts=PromptEncoder(engine, settings.tokenizer_threads),
     )
-    engine.add_listener(meter)
-    engine.add_listener(gw.usage.on_engine_event)  # after the meter: it takes the meter's records
+    engine.add_listener(gw.usage.on_engine_event)  # the meter's, through the recorder that takes its records
     engine.add_listener(metrics.on_engine_event)
     engine.add_listener(gw.tracing.on_engine_event)
     metrics.attach_engine(engine)

@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from engine.request import Delta, EngineRequest, SamplingParams
+from engine.validation import InvalidRequest
 from gateway.errors import APIError, model_not_found, service_unavailable
 from gateway.generation import AdmittedRequest, Generation, GenerationStream
 from gateway.http_protocol import ON_DISCONNECT
@@ -27,7 +28,7 @@ from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
 from gateway.response_format import compile_grammar
 from gateway.schemas import parse_chat, parse_completion, parse_json_body
-from gateway.services import Gateway
+from gateway.services import EngineFront, Gateway
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +64,19 @@ def resolve_adapter(model: str, tenant, engine) -> str | None:
     raise model_not_found(model)
 
 
-def completion_budget(prompt_len: int, max_tokens: int | None, max_model_len: int, default: int) -> int:
-    """max_tokens to run with; 400 context_length_exceeded when prompt and completion cannot fit."""
-    param = "messages" if max_tokens is None else "max_tokens"
-    if prompt_len >= max_model_len or (max_tokens is not None and prompt_len + max_tokens > max_model_len):
-        asked = prompt_len + (max_tokens or 1)
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                       f"requested {asked} tokens ({prompt_len} in the prompt, {max_tokens or 1} for the "
-                       "completion). Please reduce the length of the prompt or completion.",
-                       param=param, code="context_length_exceeded")
-    if max_tokens is None:
-        return min(default, max_model_len - prompt_len)
-    return max_tokens
+def default_max_tokens(prompt_len: int, max_model_len: int, default: int) -> int:
+    """max_tokens for a request that names none: the default, or what room the context leaves."""
+    return max(1, min(default, max_model_len - prompt_len))
+
+
+def check(engine: EngineFront, request: EngineRequest, max_tokens_given: bool) -> None:
+    """The engine's own checks (engine/validation.py), as a 400; run before any limit is reserved."""
+    try:
+        engine.check(request)
+    except InvalidRequest as e:
+        # Without a max_tokens of the client's, a context too short is the prompt's fault.
+        param = "messages" if e.code == "context_length_exceeded" and not max_tokens_given else e.param
+        raise APIError(400, str(e), param=param, code=e.code) from None
 
 
 async def chat_completions(request: Request) -> Response:
@@ -100,8 +102,14 @@ async def _generate(request: Request, kind: str) -> Response:
         if req.grammar is not None:  # compiling costs CPU like tokenizing: a refusal counts the same
             await compile_grammar(gw.engine, req.grammar, "tools" if req.tools is not None else "response_format")
         prompt = await gw.prompts.token_ids(req)
-        max_tokens = completion_budget(len(prompt), req.max_tokens, gw.engine.max_model_len,
-                                       gw.settings.default_max_tokens)
+        max_tokens = req.max_tokens or default_max_tokens(len(prompt), gw.engine.max_model_len,
+                                                          gw.settings.default_max_tokens)
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                seed=req.seed, stop=req.stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
+                                grammar=req.grammar, n=req.n)
+        engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
+                                       tenant_weight=tenant.weight)
+        check(gw.engine, engine_request, req.max_tokens is not None)
     except APIError:
         await _count_refusal(gw, tenant, request_id, adapter, queued_at)
         raise
@@ -121,14 +129,9 @@ async def _generate(request: Request, kind: str) -> Response:
         temperature=req.temperature, top_p=req.top_p, stream=req.stream, headers=request.headers,
     )
     with request_context(request_id, tenant=tenant.tenant, tier=tenant.tier, trace_id=trace.trace_id):
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                seed=req.seed, stop=req.stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
-                                grammar=req.grammar, n=req.n)
         # Built before the engine has the request: from then on this thread holds the GIL the
         # engine thread needs for its step, until it awaits the first delta.
         headers = {"x-request-id": request_id, **decision.headers()}
-        engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
-                                       tenant_weight=tenant.weight)
         stream = await _submit(gw, admitted, engine_request, trace)
         generation = Generation(admitted, stream, gw, trace)
         generation.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at, len(prompt),
@@ -191,21 +194,19 @@ async def _count_refusal(gw: Gateway, tenant, request_id: str, adapter: str | No
 
 async def _submit(gw: Gateway, admitted: AdmittedRequest, request: EngineRequest, trace) -> AsyncIterator[Delta]:
     gw.usage.meter.begin(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
-    gw.metrics.track(admitted.request_id, admitted.tier)
     trace.mark_submitted()
     try:
         return gw.engine.submit(request)
     except Exception as e:
-        # Validation above mirrors the engine's; reaching here is a race (an adapter unloaded
-        # this instant) or a bug. Give everything back and bill nothing.
+        # The engine's checks passed above; reaching here is a race (an adapter unloaded this
+        # instant) or a bug. Give everything back and bill nothing.
         gw.usage.meter.forget(admitted.request_id)
-        gw.metrics.untrack(admitted.request_id)
         trace.finish(error=str(e))
         await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
         if admitted.adapter is not None and admitted.adapter not in gw.engine.list_adapters():
             raise model_not_found(admitted.model) from None
-        if isinstance(e, ValueError):  # the engine's own validation, worded for a client
-            raise APIError(400, str(e), code="invalid_value") from None
+        if isinstance(e, InvalidRequest):
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
         raise
 
 

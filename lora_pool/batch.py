@@ -29,7 +29,6 @@ class LoraBatch:
         self._cpu_views = pool.cpu_views
         row_slots = [slot for slot, rows in chunk_slots for _ in range(rows)]
         self.num_rows = len(row_slots)
-        self.row_slots = row_slots
         self.specs = specs
         # Per projection or fused group, the slots of this step whose adapter touches it
         # (others are skipped), and the width of the output it writes.
