@@ -29,7 +29,7 @@ from engine.step_timer import StepTimer
 from engine.stream import BlockingCollector, RequestStream
 from engine.tokenizer import TextTokenizer
 from engine.validation import RequestLimits
-from scheduler import Scheduler, SchedulerConfig, TierLoad
+from scheduler import Scheduler, TierLoad
 
 
 class EngineError(RuntimeError):
@@ -58,22 +58,7 @@ class Engine:
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype)
         self.num_kv_blocks = num_blocks
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model_config.vocab_size, tuple(loaded.eos_token_ids))
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=self.num_kv_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                max_loras=config.max_loras,
-                enable_prefix_caching=config.enable_prefix_caching,
-                prefix_cache_scope=config.prefix_cache_scope,
-                policy=config.policy,
-                fair_share=config.fair_share,
-                tiers=config.tiers,
-                standard_min_share=config.standard_min_share,
-            )
-        )
+        self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.max_model_len))
         # Static per tier, computed once so checking a request need not touch the scheduler's state.
         self.limits = RequestLimits(self.max_model_len,
                                     {t.name: self.scheduler.max_sequence_tokens(t.name) for t in config.tiers},
