@@ -69,7 +69,7 @@ def default_max_tokens(prompt_len: int, max_model_len: int, default: int) -> int
     return max(1, min(default, max_model_len - prompt_len))
 
 
-def check(engine: EngineFront, request: EngineRequest, max_tokens_given: bool) -> None:
+def check_request(engine: EngineFront, request: EngineRequest, max_tokens_given: bool) -> None:
     """The engine's own checks (engine/validation.py), as a 400; run before any limit is reserved."""
     try:
         engine.check(request)
@@ -109,7 +109,7 @@ async def _generate(request: Request, kind: str) -> Response:
                                 grammar=req.grammar, n=req.n)
         engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
                                        tenant_weight=tenant.weight)
-        check(gw.engine, engine_request, req.max_tokens is not None)
+        check_request(gw.engine, engine_request, req.max_tokens is not None)
     except APIError:
         await _count_refusal(gw, tenant, request_id, adapter, queued_at)
         raise
@@ -134,8 +134,8 @@ async def _generate(request: Request, kind: str) -> Response:
         headers = {"x-request-id": request_id, **decision.headers()}
         stream = await _submit(gw, admitted, engine_request, trace)
         generation = Generation(admitted, stream, gw, trace)
-        generation.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at, len(prompt),
-                                       lambda: generation.completion_tokens, now=req.stream)
+        generation.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at,
+                                              len(prompt), lambda: generation.completion_tokens, now=req.stream)
         if req.stream:
             return GenerationStream(generation, headers)
         # Starlette notices a client that leaves only on streams; the server's disconnect hook

@@ -105,7 +105,10 @@ class Tracing:
 
     def on_engine_event(self, event: EngineEvent) -> None:
         """Engine listener (engine thread): the first step computing a request's tokens starts its prefill."""
-        if not isinstance(event, StepEvent) or not self.exporting:
+        if not self.exporting:
+            return
+        if not isinstance(event, StepEvent):  # the request ended without a step (refused by the engine)
+            self._forget(event.request_id)
             return
         started_ns = int(event.started_at * 1e9) if event.started_at else time.time_ns()
         with self._lock:
