@@ -194,7 +194,7 @@ def measure_ledger_commit(database_url: str, spool: str, n: int) -> list[float]:
     """Seconds per durable ledger write on the same database, the way the server makes one per request."""
     from billing.db import create_engine_for
     from billing.ledger import Ledger
-    from billing.usage import UsageRecord
+    from billing.usage_record import UsageRecord
 
     seconds = []
     with Ledger(create_engine_for(database_url), spool) as ledger:

@@ -33,6 +33,7 @@ import random
 import sys
 from dataclasses import asdict, dataclass, replace
 
+from bench.stats import percentile
 from scheduler import SchedulerConfig, Sequence, StepPlan, TierConfig, make_scheduler
 
 LOADS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
@@ -182,11 +183,6 @@ def simulate(s: SimSettings, policy: str, requests: list[Request], cost: CostMod
         for r in requests
     ]
     return outcomes, now
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else float("nan")
 
 
 def summarize(s: SimSettings, outcomes: list[Outcome]) -> dict[str, dict]:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-import engine.engine as engine_module
+import engine.step_loop as engine_module
 from bench import machine
 from engine.config import EngineConfig
 from engine.engine import Engine

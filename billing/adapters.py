@@ -9,7 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from billing.errors import DuplicateAdapter, InvalidAdapter, UnknownAdapter, UnknownGrant
-from billing.models import Adapter, AdapterGrant
+from billing.models import Adapter, AdapterGrant, find_named
 from billing.tenants import find_tenant, touch
 
 
@@ -65,10 +65,7 @@ def revoke_grant(engine: Engine, adapter: str, tenant: str) -> None:
 
 
 def _find_adapter(session: Session, name: str) -> Adapter:
-    adapter = session.scalar(select(Adapter).where(Adapter.name == name))
-    if adapter is None:
-        raise UnknownAdapter(f"unknown adapter {name!r}")
-    return adapter
+    return find_named(session, Adapter, name, UnknownAdapter)
 
 
 def _info(a: Adapter) -> AdapterInfo:

@@ -37,7 +37,7 @@ from billing.ledger_inline import InlineSqlite
 from billing.ledger_rows import INSERTS, insert_records, statements
 from billing.open_rows import Progress, save_progress
 from billing.spool import Spool
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from sqlalchemy import Engine
 
 from billing.models import UsageEntry
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 
 
 class InlineSqlite:

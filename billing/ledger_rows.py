@@ -15,7 +15,7 @@ from sqlalchemy import Connection, or_
 from sqlalchemy.dialects import postgresql, sqlite
 
 from billing.models import RecomputeCharge, UsageEntry
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 
 # Rows a final record may still close.
 REOPENABLE = ("open", "interrupted")

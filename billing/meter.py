@@ -1,10 +1,9 @@
 """UsageMeter: turns the engine's step and finish events into one UsageRecord per request.
 
-A step's duration is split across its requests by their share of the step's tokens; recompute
+A step's duration is split across its requests by the event's own rule (token share); recompute
 after a preemption is kept apart and charged to the tier that preempted. The engine calls the
-meter on its own thread, so handlers only do arithmetic under a lock: no I/O. Events are read
-duck-typed (StepEvent: duration_s, items[request_id, tokens, is_recompute,
-recompute_charged_tier]; FinishEvent: request_id, prompt/cached/completion tokens, status, ...).
+meter on its own thread, so handlers only do arithmetic under a lock: no I/O. Billing imports
+nothing of the engine: the events are read through the protocols below.
 """
 
 from __future__ import annotations
@@ -13,11 +12,42 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-from billing.errors import UnknownRequest
 from billing.models import LEDGER_STATUSES
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
+
+
+class StepShare(Protocol):
+    """One request's part of a step (engine.events.StepItem)."""
+
+    request_id: str
+    is_recompute: bool
+    charged_tier: str
+
+
+class Step(Protocol):
+    """A step the engine ran (engine.events.StepEvent)."""
+
+    duration_s: float
+
+    def seconds_by_item(self) -> list[tuple[StepShare, float]]: ...
+
+
+class Finish(Protocol):
+    """A request's end (engine.events.FinishEvent)."""
+
+    request_id: str
+    status: str
+    tier: str
+    adapter: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queued_at: float
+    first_token_at: float | None
+    finished_at: float
+    queue_s: float
 
 
 @dataclass
@@ -29,8 +59,7 @@ class _Open:
     adapter: str | None = None
     queued_at: float | None = None
     gpu_seconds: float = 0.0
-    # None: the engine named no payer; the request's own tier pays.
-    recompute: dict[str | None, float] = field(default_factory=lambda: defaultdict(float))
+    recompute: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # by paying tier
 
 
 class UsageMeter:
@@ -40,50 +69,31 @@ class UsageMeter:
         self._finished: dict[str, UsageRecord] = {}
         self.busy_seconds = 0.0  # total duration of the steps seen: what conservation checks against
 
-    def __call__(self, event: Any) -> None:
-        """Engine listener: dispatches a StepEvent or a FinishEvent; ignores any other event."""
-        if hasattr(event, "items"):
-            self.on_step(event)
-        elif hasattr(event, "completion_tokens"):
-            self.on_finish(event)
-
-    def begin(
-        self,
-        request_id: str,
-        tenant: str,
-        tier: str,
-        adapter: str | None = None,
-        queued_at: float | None = None,
-    ) -> None:
+    def begin(self, request_id: str, tenant: str, tier: str, adapter: str | None = None,
+              queued_at: float | None = None) -> None:
         """Register an admitted request's tenant context before it reaches the engine."""
         with self._cond:
             entry = self._open.setdefault(request_id, _Open())
             entry.tenant, entry.tier, entry.adapter = tenant, tier, adapter
             entry.queued_at = time.time() if queued_at is None else queued_at
 
-    def on_step(self, event: Any) -> None:
-        items = event.items
-        if not items:
+    def on_step(self, event: Step) -> None:
+        shares = event.seconds_by_item()
+        if not shares:
             return
-        total_tokens = sum(item.tokens for item in items)
         with self._cond:
             self.busy_seconds += event.duration_s
-            for item in items:
-                share = item.tokens / total_tokens if total_tokens else 1 / len(items)
-                seconds = event.duration_s * share
+            for item, seconds in shares:
                 entry = self._open.setdefault(item.request_id, _Open())
                 if item.is_recompute:
-                    entry.recompute[getattr(item, "recompute_charged_tier", None)] += seconds
+                    entry.recompute[item.charged_tier] += seconds
                 else:
                     entry.gpu_seconds += seconds
 
-    def on_finish(self, event: Any) -> None:
+    def on_finish(self, event: Finish) -> None:
         with self._cond:
             entry = self._open.pop(event.request_id, None) or _Open()
             tier = entry.tier or event.tier
-            recompute: dict[str, float] = defaultdict(float)
-            for payer, seconds in entry.recompute.items():
-                recompute[payer or tier] += seconds
             status = event.status if event.status in LEDGER_STATUSES else "error"
             self._finished[event.request_id] = UsageRecord(
                 request_id=event.request_id,
@@ -98,17 +108,10 @@ class UsageMeter:
                 cached_tokens=event.cached_tokens,
                 completion_tokens=event.completion_tokens,
                 gpu_seconds=entry.gpu_seconds,
-                recompute_by_tier=dict(recompute),
-                queue_seconds=getattr(event, "queue_s", 0.0),
+                recompute_by_tier=dict(entry.recompute),
+                queue_seconds=event.queue_s,
             )
             self._cond.notify_all()
-
-    def wait_record(self, request_id: str, timeout_s: float = 10.0) -> UsageRecord:
-        """Block until the request's finish event has arrived; returns (and forgets) its record."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: request_id in self._finished, timeout_s):
-                raise UnknownRequest(f"no finish event for request {request_id!r} within {timeout_s}s")
-            return self._finished.pop(request_id)
 
     def take_record(self, request_id: str) -> UsageRecord | None:
         """A begun request's record if its finish event has arrived (and forgets it), else None; never blocks.
@@ -122,14 +125,8 @@ class UsageMeter:
                 return None
             return self._finished.pop(request_id)
 
-    def record_rejected(
-        self,
-        request_id: str,
-        tenant: str,
-        tier: str,
-        adapter: str | None = None,
-        queued_at: float | None = None,
-    ) -> UsageRecord:
+    def record_rejected(self, request_id: str, tenant: str, tier: str, adapter: str | None = None,
+                        queued_at: float | None = None) -> UsageRecord:
         """A rejected request: counted in the ledger, costs nothing."""
         now = time.time()
         with self._cond:
@@ -157,9 +154,9 @@ class UsageMeter:
 
     def pop_unclaimed(self) -> list[UsageRecord]:
         """Finished records nobody will claim: requests never begun (driven on the engine directly) or
-        forgotten (their caller gave up waiting); gateway.usage writes them periodically.
+        forgotten (their caller gave up waiting); gateway.usage_recorder writes them periodically.
 
-        Records of begun requests stay for their wait_record() or take_record() caller.
+        Records of begun requests stay for their take_record() caller.
         """
         with self._cond:
             records = [r for r in self._finished.values() if r.tenant is None]

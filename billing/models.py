@@ -17,9 +17,10 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    select,
     text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
 # Named constraints keep Alembic's autogenerate and batch (SQLite) migrations deterministic.
 NAMING_CONVENTION = {
@@ -161,3 +162,11 @@ class RecomputeCharge(Base):
     charged_tier: Mapped[str] = mapped_column(String(32), primary_key=True)
     gpu_seconds: Mapped[float] = mapped_column(Float)
     finished_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+def find_named(session: Session, model: type[Tenant] | type[Adapter], name: str, unknown: type[Exception]):
+    """The tenant or adapter called ``name``; ``unknown`` ("unknown tenant 'x'") if there is none."""
+    row = session.scalar(select(model).where(model.name == name))
+    if row is None:
+        raise unknown(f"unknown {model.__name__.lower()} {name!r}")
+    return row

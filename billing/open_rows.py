@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, bindparam, select, update
 
 from billing.models import UsageEntry
-from billing.usage import utc_datetime
+from billing.usage_record import utc_datetime
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import threading
 import weakref
 from pathlib import Path
 
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from billing.errors import DuplicateTenant, InvalidLimit, InvalidTier, UnknownTenant
-from billing.models import Tenant, utcnow
+from billing.models import Tenant, find_named, utcnow
 
 TIERS = ("premium", "standard")
 DEFAULT_RPM = 60
@@ -93,10 +93,7 @@ def set_tenant(engine: Engine, name: str, **changes: str | int) -> TenantSetting
 
 
 def find_tenant(session: Session, name: str) -> Tenant:
-    tenant = session.scalar(select(Tenant).where(Tenant.name == name))
-    if tenant is None:
-        raise UnknownTenant(f"unknown tenant {name!r}")
-    return tenant
+    return find_named(session, Tenant, name, UnknownTenant)
 
 
 def touch(tenant: Tenant) -> None:

@@ -66,6 +66,5 @@ class ChoiceGroup:
             self.states[0].finish_event(status, self.reasons.get(0, "abort")),
             completion_tokens=usage.completion_tokens,
             first_token_at=min(starts, default=None),
-            num_preemptions=sum(s.seq.num_preemptions for s in self.states),
             queue_s=max(s.seq.queue_time_s for s in self.states),
         )

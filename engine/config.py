@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from scheduler.config import TierConfig, default_tiers
+from scheduler.config import SchedulerConfig, TierConfig, default_tiers
 
 
 def default_cache_dir() -> str:
@@ -35,6 +35,15 @@ class EngineConfig:
     max_lora_rank: int = 16
     cache_dir: str = field(default_factory=default_cache_dir)
     seed: int = 0  # for dummy weights
+
+    def scheduler_config(self, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's part of this config, for a pool of ``num_blocks`` and the model's context."""
+        return SchedulerConfig(
+            num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
+            max_loras=self.max_loras, enable_prefix_caching=self.enable_prefix_caching,
+            prefix_cache_scope=self.prefix_cache_scope, policy=self.policy, fair_share=self.fair_share,
+            tiers=self.tiers, standard_min_share=self.standard_min_share)
 
     def torch_dtype(self):
         import torch

@@ -1,26 +1,18 @@
 """Chooses the CPU intra-op thread count by timing real steps, and re-checks now and then.
 
-The best count depends on whether the cores are shared, which no setting can
-know ahead, and on the step's size. Measured on the 2-core box with other
-processes running: 2 OpenMP threads made a decode step of the bundled model
-6-15x slower than 1 thread (a spinning worker waits on a descheduled peer every
-op), while a dedicated box favours one thread per core. So each step size
-(its token count rounded up to a power of two) keeps its own choice: its steps
-alternate between the candidates for a few steps, the fastest per token wins,
-and the trial is repeated every ``period`` steps of that size. One choice for
-all sizes compared a 4-token prefill on one count with decodes on the other,
-and kept 1 thread for single-stream decoding that ran 1.7x faster on 2.
-``TIERGATE_CPU_THREADS`` pins a count instead.
+The best count depends on whether the cores are shared, which no setting can know
+ahead, and on the step's size (docs/performance.md has the measurements). So each step
+size (its token count rounded up to a power of two) keeps its own choice: its steps
+alternate between the candidates for a few steps, the fastest per token wins, and the
+trial is repeated every ``period`` steps of that size. ``TIERGATE_CPU_THREADS`` pins a
+count instead.
 
 Only the engine thread runs torch on more than one thread; every other thread
 that touches torch (the one that loads the model, the adapter loader) calls
 ``run_torch_serially_here`` first. The reason is libgomp: each thread that
 starts a parallel region keeps its own team of OpenMP workers for good, and once
 the workers of all teams outnumber the cores, libgomp stops spinning between
-regions and puts workers to sleep instead. Measured on the 2-core box: a
-single-stream decode step of the bundled model on 2 threads took 28 ms on the
-engine thread alone and 54 ms once the model had been loaded by another thread
-with 2 (slower than 1 thread's 47 ms).
+regions and puts workers to sleep instead, which slows every step of the engine thread.
 """
 
 from __future__ import annotations

@@ -1,49 +1,35 @@
-"""The engine front and its step loop.
+"""The engine's front: built from an EngineConfig, used from any thread.
 
-Callers submit requests from any thread; the loop runs on its own thread:
-drain new requests and aborts -> scheduler plan -> adapters for the batch ->
-one forward pass over mixed prefill chunks and decodes -> sampling -> deltas
-out and events to listeners. An exception inside a step's forward pass fails
-that step's requests and the loop keeps serving; a failure confined to one
-request's sampling or detokenizing ends that request alone.
+Callers submit requests and aborts, register adapters and read the engine's load; all of it
+reaches the engine thread (engine/step_loop.py) through its inbox (engine/inbox.py), and what
+they read back is the snapshot that thread last published.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import queue
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
 from tokenizers import Tokenizer
 
-from engine.admission import validate_request
 from engine.choices import ChoiceGroup
 from engine.config import EngineConfig
 from engine.cpu_threads import run_torch_serially_here
-from engine.events import FinishEvent, StepEvent, step_event
-from engine.grammar import GrammarCompiler, mask_logits
+from engine.events import Listener
+from engine.grammar import GrammarCompiler
+from engine.inbox import AbortRequest, AddRequest, Inbox, UnregisterAdapter
 from engine.kv_cache import num_blocks_for_budget
 from engine.loader import load_model
 from engine.request import Delta, EngineRequest
 from engine.request_state import RequestState
 from engine.runner import ModelRunner
-from engine.sampler import sample
+from engine.step_loop import StepLoop
 from engine.step_timer import StepTimer
 from engine.stream import BlockingCollector, RequestStream
 from engine.tokenizer import TextTokenizer
-
-from scheduler import make_scheduler
-from scheduler.config import SchedulerConfig, TierLoad
-from scheduler.plan import StepPlan
-
-log = logging.getLogger(__name__)
-
-Listener = Callable[[StepEvent | FinishEvent], None]
+from engine.validation import RequestLimits
+from scheduler import Scheduler, TierLoad
 
 
 class EngineError(RuntimeError):
@@ -72,51 +58,31 @@ class Engine:
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype)
         self.num_kv_blocks = num_blocks
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model_config.vocab_size, tuple(loaded.eos_token_ids))
-        self.scheduler = make_scheduler(
-            SchedulerConfig(
-                num_blocks=self.num_kv_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                max_loras=config.max_loras,
-                enable_prefix_caching=config.enable_prefix_caching,
-                prefix_cache_scope=config.prefix_cache_scope,
-                policy=config.policy,
-                fair_share=config.fair_share,
-                tiers=config.tiers,
-                standard_min_share=config.standard_min_share,
-            )
-        )
-        # Static per tier, computed once so admission need not touch the scheduler's state.
-        self._tier_capacity = {t.name: self.scheduler.max_sequence_tokens(t.name) for t in config.tiers}
+        self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.max_model_len))
+        # Static per tier, computed once so checking a request need not touch the scheduler's state.
+        self.limits = RequestLimits(self.max_model_len,
+                                    {t.name: self.scheduler.max_sequence_tokens(t.name) for t in config.tiers},
+                                    loaded.model_config.vocab_size)
         self.lora_pool = self._make_lora_pool(config)
-        self._timer = StepTimer(config.device)
-        self._listeners: list[Listener] = []
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._states: dict[str, RequestState] = {}  # by sequence id; engine thread only
-        self._groups: dict[str, ChoiceGroup] = {}  # n > 1 requests by request id; engine thread only
+        self._inbox = Inbox()
+        self._loop = StepLoop(self.scheduler, self.runner, self.lora_pool, self.tokenizer, self.max_model_len,
+                              StepTimer(config.device), self._inbox)
         self._adapter_loader = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="adapter-load", initializer=run_torch_serially_here)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self._load_snapshot: dict[str, TierLoad] = self.scheduler.load()
-        self._kv_snapshot: dict[str, int] = {}
-        self._spread_snapshot: dict[str, float] = {}
-        self._adapter_snapshot: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
-        self.busy_seconds = 0.0  # sum of step durations, for metering checks
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> Engine:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread = threading.Thread(target=self._loop.run, args=(self._stopping,), name="engine-loop",
+                                            daemon=True)
             self._thread.start()
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping.set()
-        self._wakeup.set()
+        self._inbox.wake()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -130,7 +96,8 @@ class Engine:
 
     # ---- front -----------------------------------------------------------
     def add_listener(self, listener: Listener) -> None:
-        self._listeners.append(listener)
+        """``listener`` gets every StepEvent and FinishEvent, on the engine thread; it must not block."""
+        self._loop.listeners.append(listener)
 
     def submit(self, request: EngineRequest) -> RequestStream:
         """Validate and queue a request; iterate the stream for its deltas (needs a running event loop)."""
@@ -138,7 +105,7 @@ class Engine:
         self._admit(request, stream.push)
         return stream
 
-    async def generate(self, request: EngineRequest):
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         stream = self.submit(request)
         try:
             async for delta in stream:
@@ -164,23 +131,31 @@ class Engine:
             results.append((text, ids))
         return results
 
+    def check(self, request: EngineRequest) -> None:
+        """InvalidRequest (engine/validation.py) if the engine would refuse ``request``; submit() checks too."""
+        self.limits.check(request, self.list_adapters())
+
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-        self._wakeup.set()
+        self._inbox.put(AbortRequest(request_id))
 
     def load(self) -> dict[str, TierLoad]:
-        return self._load_snapshot
+        return self._loop.snapshot.load
 
     def kv_usage(self) -> tuple[dict[str, int], int]:
-        return dict(self._kv_snapshot), self.num_kv_blocks
+        return dict(self._loop.snapshot.kv_used), self.num_kv_blocks
 
     def fair_share_spread(self) -> dict[str, float]:
         """Per tier: max minus min virtual token counter over tenants with requests waiting."""
-        return self._spread_snapshot
+        return self._loop.snapshot.spread
 
     def adapter_usage(self) -> tuple[frozenset[str], frozenset[str]]:
         """LoRA adapters of running requests and of waiting ones, as of the last step."""
-        return self._adapter_snapshot
+        return self._loop.snapshot.adapters
+
+    @property
+    def busy_seconds(self) -> float:
+        """The sum of step durations so far: what metering must account for, to the last second."""
+        return self._loop.busy_seconds
 
     @property
     def is_running(self) -> bool:
@@ -197,8 +172,7 @@ class Engine:
             pool.unregister(name)
             return
         done: Future[None] = Future()
-        self._inbox.put(("unregister", (name, done)))
-        self._wakeup.set()
+        self._inbox.put(UnregisterAdapter(name, done))
         done.result(timeout)
 
     def list_adapters(self) -> list[str]:
@@ -223,11 +197,9 @@ class Engine:
             dtype=self.dtype,
         )
 
-    # ---- admission -------------------------------------------------------
+    # ---- taking a request ------------------------------------------------
     def _admit(self, request: EngineRequest, sink: Callable[[Delta], None]) -> None:
-        validate_request(
-            request, self.max_model_len, self._tier_capacity, self.model_config.vocab_size, self.list_adapters()
-        )
+        self.check(request)
         # A grammar is compiled on the caller's thread unless cached (the gateway compiles it off its loop first).
         states = [RequestState.create(request, sink, i, self.tokenizer, self.grammars) for i in range(request.params.n)]
         state = states[0]
@@ -242,222 +214,7 @@ class Engine:
             future.add_done_callback(lambda f: self._enqueue(state, f.exception()))
 
     def _enqueue(self, state: RequestState, error: BaseException | None = None) -> None:
-        self._inbox.put(("add", (state, error)))
-        self._wakeup.set()
-
-    # ---- the loop --------------------------------------------------------
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while not self._stopping.is_set():
-            try:
-                changed = self._drain_inbox()
-                plan = self.scheduler.schedule()
-                if plan.is_empty:
-                    if changed:  # else the last step or finish already published this state
-                        self._publish_snapshots()
-                    self._wakeup.wait(timeout=0.5)
-                    self._wakeup.clear()
-                    continue
-                self._run_step(plan)
-            except Exception:  # a bug outside the forward pass: fail what is in flight, keep serving
-                log.exception("engine loop iteration failed")
-                for request_id in list(self._states):
-                    self._end_request(request_id, status="error", finish_reason="error", error="internal engine error")
-        self._drain_inbox()
-        for request_id in list(self._states):
-            self._end_request(request_id, status="cancelled", finish_reason="abort")
-
-    def _drain_inbox(self) -> bool:
-        """Take in what callers sent; whether there was anything."""
-        changed = False
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return changed
-            changed = True
-            if kind == "add":
-                state, error = payload
-                if error is not None:
-                    self._refuse(state, str(error))
-                    continue
-                adapter = state.request.adapter
-                if adapter is not None and adapter not in self.lora_pool.list():
-                    self._refuse(state, f"adapter {adapter!r} was unloaded")
-                    continue
-                if state.request_id in self._states or state.request_id in self._groups:
-                    self._refuse(state, f"request id {state.request_id!r} is already in flight")
-                    continue
-                try:
-                    self.scheduler.add(state.seq)
-                except ValueError as exc:  # checked at admission too; never let it take the loop down
-                    self._refuse(state, str(exc))
-                    continue
-                self._states[state.seq.seq_id] = state
-                if state.group is not None:
-                    self._groups[state.request_id] = state.group
-            elif kind == "abort" and payload in self._groups:
-                for sibling in self._groups[payload].states:  # the first to end ends the group
-                    self._end_request(sibling.seq.seq_id, status="cancelled", finish_reason="abort")
-            elif kind == "abort" and payload in self._states:
-                self._end_request(payload, status="cancelled", finish_reason="abort")
-            elif kind == "unregister":
-                self._unregister_on_loop(*payload)
-
-    def _refuse(self, state: RequestState, error: str) -> None:
-        """End a request that never reached the scheduler."""
-        self._emit(state.group.finish_event("error") if state.group else state.finish_event("error", "error"))
-        usage = state.group.usage() if state.group else state.usage()
-        state.sink(Delta(text="", finish_reason="error", usage=usage, error=error))
-
-    def _unregister_on_loop(self, name: str, done: Future) -> None:
-        users = [rid for rid, state in self._states.items() if state.request.adapter == name]
-        for request_id in users:
-            error = f"adapter {name!r} was unloaded"
-            self._end_request(request_id, status="error", finish_reason="error", error=error)
-        try:
-            self.lora_pool.unregister(name)
-        except Exception as exc:
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
-
-    def _run_step(self, plan: StepPlan) -> None:
-        sampling = [c for c in plan.chunks if c.samples]
-        started_at = time.time()
-        self._timer.start()
-        try:
-            lora_batch = None
-            if self.lora_pool is not None:
-                lora_batch = self.lora_pool.batch_for([(c.seq.adapter, c.num_tokens) for c in plan.chunks])
-            logits = self.runner.execute(plan, lora_batch)
-            states = [self._states[c.seq.seq_id] for c in sampling]
-            mask_logits(logits, [s.grammar for s in states])
-            sampled = sample(logits, [s.request.params for s in states], [s.generator for s in states])
-        except Exception as exc:  # a bad step must not take the loop down
-            log.exception("engine step failed")
-            self._account_step(plan, started_at, self._timer.stop())
-            for chunk in plan.chunks:
-                self._end_request(chunk.seq.seq_id, status="error", finish_reason="error", error=str(exc))
-            return
-        duration = self._timer.stop()
-        # The step is accounted before any request of it ends, so billing sees its share of the
-        # step before its finish event.
-        self._account_step(plan, started_at, duration)
-
-        # Deltas go out after all of the step's bookkeeping: a caller woken by one needs the GIL,
-        # which this thread would otherwise hold through that bookkeeping.
-        outgoing: list[tuple[Callable[[Delta], None], Delta]] = []
-        produced = []
-        for chunk, token in zip(sampling, sampled):
-            if token.error is None:
-                produced.append((chunk, token))
-            else:  # ended before the update, which then skips the sequence it no longer knows
-                log.error("request %s: %s", chunk.seq.seq_id, token.error)
-                self._end_request(chunk.seq.seq_id, "error", "error", error=token.error, outgoing=outgoing)
-        self.scheduler.update(plan, {c.seq.seq_id: s.token_id for c, s in produced})
-
-        for chunk, token in produced:
-            state = self._states.get(chunk.seq.seq_id)
-            if state is None:  # a sibling choice failed earlier in this step and took it along
-                continue
-            if state.group is not None and state.group.waiting:
-                self._release_siblings(state.group)
-            if state.grammar is not None and not state.grammar.accept(token.token_id):
-                error = "the sampled token is outside the request's grammar"
-                self._end_request(chunk.seq.seq_id, "error", "error", error=error, outgoing=outgoing)
-                continue
-            try:
-                delta = state.on_token(token, self.tokenizer, self.max_model_len)
-            except Exception as exc:  # e.g. the detokenizer: this request's failure, not its batch's
-                log.exception("request %s: building its output failed", state.request_id)
-                self._end_request(chunk.seq.seq_id, "error", "error", error=f"detokenizing failed: {exc}",
-                                  outgoing=outgoing)
-                continue
-            if delta.finish_reason is None:
-                outgoing.append((state.sink, delta))
-            else:
-                self._end_request(chunk.seq.seq_id, "ok", delta.finish_reason, last_delta=delta, outgoing=outgoing)
-        self._publish_snapshots()
-        for sink, delta in outgoing:
-            sink(delta)
-
-    def _account_step(self, plan: StepPlan, started_at: float, duration: float) -> None:
-        self.busy_seconds += duration
-        prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
-        self.scheduler.observe_step(duration, plan.num_tokens, prefill_tokens)
-        self._emit(step_event(plan, started_at, duration, self._request_id_of))
-
-    def _request_id_of(self, seq_id: str) -> str:
-        state = self._states.get(seq_id)
-        return state.request_id if state is not None else seq_id
-
-    def _release_siblings(self, group: ChoiceGroup) -> None:
-        """The first choice's prompt is computed and cached: its siblings can share it now."""
-        for sibling in group.waiting:
-            self.scheduler.add(sibling.seq)
-            self._states[sibling.seq.seq_id] = sibling
-        group.waiting.clear()
-
-    def _end_request(
-        self,
-        seq_id: str,
-        status: str,
-        finish_reason: str,
-        last_delta: Delta | None = None,
-        error: str | None = None,
-        outgoing: list[tuple[Callable[[Delta], None], Delta]] | None = None,
-    ) -> None:
-        """Finish a request: free its blocks, emit its finish event, then its last delta.
-
-        With `outgoing` (a step's), the delta is appended there and the caller publishes and
-        sends; otherwise both happen here.
-        """
-        state = self._states.pop(seq_id, None)
-        if state is None:
-            return
-        if status == "ok":
-            self.scheduler.finish(seq_id)
-        else:
-            self.scheduler.abort(seq_id)
-        last = last_delta or Delta(text="", finish_reason=finish_reason, usage=state.usage(), error=error,
-                                   index=state.index)
-        # The finish event goes out before the last delta, so the ledger row
-        # can be complete by the time the caller sees the end of its stream.
-        if state.group is None:
-            self._emit(state.finish_event(status, finish_reason))
-        else:
-            last = self._end_choice(state, status, last)
-        if outgoing is not None:
-            outgoing.append((state.sink, last))
-            return
-        self._publish_snapshots()
-        state.sink(last)
-
-    def _end_choice(self, state: RequestState, status: str, last: Delta) -> Delta:
-        """One choice of an n > 1 request ended; the request's usage and finish event come with its last."""
-        group = state.group
-        for seq_id in group.end_choice(state.index, status, last.finish_reason):
-            if self._states.pop(seq_id, None) is not None:
-                self.scheduler.abort(seq_id)
-        if group.unfinished:
-            return dataclasses.replace(last, usage=None)
-        self._groups.pop(group.request_id, None)
-        self._emit(group.finish_event(status))
-        return dataclasses.replace(last, usage=group.usage())
-
-    def _publish_snapshots(self) -> None:
-        self._load_snapshot = self.scheduler.load()
-        self._kv_snapshot, _ = self.scheduler.kv_usage()
-        self._spread_snapshot = self.scheduler.counter_spread()
-        self._adapter_snapshot = self.scheduler.adapter_usage()
-
-    def _emit(self, event: StepEvent | FinishEvent) -> None:
-        for listener in self._listeners:
-            try:
-                listener(event)
-            except Exception:
-                log.exception("engine event listener failed")
+        self._inbox.put(AddRequest(state, error))
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str | None:

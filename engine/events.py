@@ -1,9 +1,11 @@
-"""Plain events the step loop emits: what billing and metrics consume."""
+"""Plain events the step loop emits to its listeners (billing's meter, metrics, tracing)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from scheduler.plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -13,6 +15,12 @@ class StepItem:
     is_recompute: bool  # recomputation after a preemption
     # The tier whose request caused the preemption: it pays for recompute.
     recompute_charged_tier: str | None = None
+    tier: str = "standard"  # the request's own tier
+
+    @property
+    def charged_tier(self) -> str:
+        """The tier that pays for these tokens: the preempting tier's for recompute, else the request's."""
+        return (self.recompute_charged_tier or self.tier) if self.is_recompute else self.tier
 
 
 @dataclass(frozen=True)
@@ -22,6 +30,13 @@ class StepEvent:
     started_at: float = 0.0  # time.time() at the step's start
     # (request_id, tier) of the sequences this step's plan preempted.
     preempted: tuple[tuple[str, str], ...] = ()
+
+    def seconds_by_item(self) -> list[tuple[StepItem, float]]:
+        """The step's duration split across its items by their share of its tokens (evenly if none has any)."""
+        total = sum(item.tokens for item in self.items)
+        if total == 0:
+            return [(item, self.duration_s / len(self.items)) for item in self.items]
+        return [(item, self.duration_s * item.tokens / total) for item in self.items]
 
 
 @dataclass(frozen=True)
@@ -37,23 +52,41 @@ class FinishEvent:
     queued_at: float = 0.0  # time.time()
     first_token_at: float | None = None
     finished_at: float = 0.0
-    num_preemptions: int = 0
     queue_s: float = 0.0  # time spent waiting in the scheduler's queue (after preemptions too)
 
 
-def step_event(plan, started_at: float, duration_s: float,
+EngineEvent = StepEvent | FinishEvent
+Listener = Callable[[EngineEvent], None]
+
+
+def listener(on_step: Callable[[StepEvent], None] | None = None,
+             on_finish: Callable[[FinishEvent], None] | None = None) -> Listener:
+    """A listener that hands step events to ``on_step`` and finish events to ``on_finish``."""
+
+    def dispatch(event: EngineEvent) -> None:
+        if isinstance(event, StepEvent):
+            if on_step is not None:
+                on_step(event)
+        elif on_finish is not None:
+            on_finish(event)
+
+    return dispatch
+
+
+def step_event(plan: StepPlan, started_at: float, duration_s: float,
                request_id_of: Callable[[str], str] = lambda seq_id: seq_id) -> StepEvent:
-    """The event of a step that ran `plan` (a scheduler StepPlan): each chunk's tokens, recompute apart.
+    """The event of a step that ran `plan`: each chunk's tokens, recompute apart.
 
     ``request_id_of`` maps a sequence to its request (the choices of an n > 1 request share one).
     """
     items: list[StepItem] = []
     for chunk in plan.chunks:
-        request_id = request_id_of(chunk.seq.seq_id)
+        seq = chunk.seq
+        request_id = request_id_of(seq.seq_id)
         recompute = chunk.num_recompute_tokens
         if recompute:
-            items.append(StepItem(request_id, recompute, True, chunk.seq.recompute_charged_tier))
+            items.append(StepItem(request_id, recompute, True, seq.recompute_charged_tier, tier=seq.tier))
         if chunk.num_tokens > recompute:
-            items.append(StepItem(request_id, chunk.num_tokens - recompute, False))
+            items.append(StepItem(request_id, chunk.num_tokens - recompute, False, tier=seq.tier))
     preempted = tuple((request_id_of(seq.seq_id), seq.tier) for seq in plan.preempted)
     return StepEvent(duration_s=duration_s, items=tuple(items), started_at=started_at, preempted=preempted)

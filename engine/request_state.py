@@ -116,6 +116,5 @@ class RequestState:
             queued_at=self.queued_at,
             first_token_at=self.first_token_at,
             finished_at=time.time(),
-            num_preemptions=self.seq.num_preemptions,
             queue_s=self.seq.queue_time_s,
         )

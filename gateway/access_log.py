@@ -2,8 +2,7 @@
 
 uvicorn's own access log is written when the response *starts*, between its head
 and its body, so every request (and every stream's first token) waited for its
-log line: about 0.1 ms a request on this project's 2-vCPU box (bench.gateway_overhead
-with and without it). This ASGI middleware writes the same line once the app has
+log line (docs/performance.md). This ASGI middleware writes the same line once the app has
 returned, when its response is already with the transport, and adds what
 uvicorn's lacks: the request id, the duration, and the caller's tenant and tier
 once the key is resolved (``note_caller``, from ``Authenticator.authenticate``). ``tiergate serve`` runs

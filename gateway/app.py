@@ -31,7 +31,7 @@ from billing.meter import UsageMeter
 from billing.open_rows import close_orphans
 from gateway import admin
 from gateway.access_log import AccessLogMiddleware
-from gateway.admission import AdmissionController, AdmissionPolicy
+from gateway.load_shedding import LoadShedder, SheddingPolicy
 from gateway.auth import DATABASE_RETRY_S, Authenticator, database_unavailable
 from gateway.completions import chat_completions, completions
 from gateway.errors import APIError
@@ -42,7 +42,7 @@ from gateway.ratelimit import RateLimiter, make_limiter
 from gateway.services import Gateway
 from gateway.settings import Settings
 from gateway.tracing import Tracing
-from gateway.usage import UsageRecorder
+from gateway.usage_recorder import UsageRecorder
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +149,13 @@ def create_app(
                            stale_if_error_s=settings.auth_stale_if_error_s),
         limiter=limiter or make_limiter(settings.redis_url, window_s=settings.rate_window_s,
                                        key_prefix=settings.redis_key_prefix, lease_s=settings.concurrency_lease_s),
-        admission=AdmissionController(tiers, AdmissionPolicy(max_queued=settings.max_queued)),
+        shedder=LoadShedder(tiers, SheddingPolicy(max_queued=settings.max_queued)),
         metrics=metrics,
         lifecycle=Lifecycle(on_drain=lambda: setattr(metrics, "draining", True)),
         tracing=tracing or Tracing(),
         prompts=PromptEncoder(engine, settings.tokenizer_threads),
     )
-    engine.add_listener(meter)
-    engine.add_listener(gw.usage.on_engine_event)  # after the meter: it takes the meter's records
+    engine.add_listener(gw.usage.on_engine_event)  # the meter's, through the recorder that takes its records
     engine.add_listener(metrics.on_engine_event)
     engine.add_listener(gw.tracing.on_engine_event)
     metrics.attach_engine(engine)

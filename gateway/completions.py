@@ -18,8 +18,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from engine.request import Delta, EngineRequest, SamplingParams
+from engine.validation import InvalidRequest
 from gateway.errors import APIError, model_not_found, service_unavailable
-from gateway.generation import Admitted, Job, JobStream
+from gateway.generation import AdmittedRequest, Generation, GenerationStream
 from gateway.http_protocol import ON_DISCONNECT
 from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
@@ -27,7 +28,7 @@ from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
 from gateway.response_format import compile_grammar
 from gateway.schemas import parse_chat, parse_completion, parse_json_body
-from gateway.services import Gateway
+from gateway.services import EngineFront, Gateway
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +64,19 @@ def resolve_adapter(model: str, tenant, engine) -> str | None:
     raise model_not_found(model)
 
 
-def completion_budget(prompt_len: int, max_tokens: int | None, max_model_len: int, default: int) -> int:
-    """max_tokens to run with; 400 context_length_exceeded when prompt and completion cannot fit."""
-    param = "messages" if max_tokens is None else "max_tokens"
-    if prompt_len >= max_model_len or (max_tokens is not None and prompt_len + max_tokens > max_model_len):
-        asked = prompt_len + (max_tokens or 1)
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                       f"requested {asked} tokens ({prompt_len} in the prompt, {max_tokens or 1} for the "
-                       "completion). Please reduce the length of the prompt or completion.",
-                       param=param, code="context_length_exceeded")
-    if max_tokens is None:
-        return min(default, max_model_len - prompt_len)
-    return max_tokens
+def default_max_tokens(prompt_len: int, max_model_len: int, default: int) -> int:
+    """max_tokens for a request that names none: the default, or what room the context leaves."""
+    return max(1, min(default, max_model_len - prompt_len))
+
+
+def check_request(engine: EngineFront, request: EngineRequest, max_tokens_given: bool) -> None:
+    """The engine's own checks (engine/validation.py), as a 400; run before any limit is reserved."""
+    try:
+        engine.check(request)
+    except InvalidRequest as e:
+        # Without a max_tokens of the client's, a context too short is the prompt's fault.
+        param = "messages" if e.code == "context_length_exceeded" and not max_tokens_given else e.param
+        raise APIError(400, str(e), param=param, code=e.code) from None
 
 
 async def chat_completions(request: Request) -> Response:
@@ -100,12 +102,18 @@ async def _generate(request: Request, kind: str) -> Response:
         if req.grammar is not None:  # compiling costs CPU like tokenizing: a refusal counts the same
             await compile_grammar(gw.engine, req.grammar, "tools" if req.tools is not None else "response_format")
         prompt = await gw.prompts.token_ids(req)
-        max_tokens = completion_budget(len(prompt), req.max_tokens, gw.engine.max_model_len,
-                                       gw.settings.default_max_tokens)
+        max_tokens = req.max_tokens or default_max_tokens(len(prompt), gw.engine.max_model_len,
+                                                          gw.settings.default_max_tokens)
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                seed=req.seed, stop=req.stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
+                                grammar=req.grammar, n=req.n)
+        engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
+                                       tenant_weight=tenant.weight)
+        check_request(gw.engine, engine_request, req.max_tokens is not None)
     except APIError:
         await _count_refusal(gw, tenant, request_id, adapter, queued_at)
         raise
-    admitted = Admitted(
+    admitted = AdmittedRequest(
         request_id=request_id, kind=kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier, adapter=adapter,
         queued_at=queued_at, arrived=arrived, prompt_tokens=len(prompt),
         reserved_tokens=len(prompt) + req.n * max_tokens,
@@ -121,20 +129,15 @@ async def _generate(request: Request, kind: str) -> Response:
         temperature=req.temperature, top_p=req.top_p, stream=req.stream, headers=request.headers,
     )
     with request_context(request_id, tenant=tenant.tenant, tier=tenant.tier, trace_id=trace.trace_id):
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                seed=req.seed, stop=req.stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
-                                grammar=req.grammar, n=req.n)
         # Built before the engine has the request: from then on this thread holds the GIL the
         # engine thread needs for its step, until it awaits the first delta.
         headers = {"x-request-id": request_id, **decision.headers()}
-        engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
-                                       tenant_weight=tenant.weight)
         stream = await _submit(gw, admitted, engine_request, trace)
-        job = Job(admitted, stream, gw, trace)
-        job.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at, len(prompt),
-                                       lambda: job.completion_tokens, now=req.stream)
+        generation = Generation(admitted, stream, gw, trace)
+        generation.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at,
+                                              len(prompt), lambda: generation.completion_tokens, now=req.stream)
         if req.stream:
-            return JobStream(job, headers)
+            return GenerationStream(generation, headers)
         # Starlette notices a client that leaves only on streams; the server's disconnect hook
         # (gateway/http_protocol.py) tells us here, and the abort ends the collection as a
         # cancelled request: blocks freed within a step, billed with the tokens made.
@@ -142,29 +145,29 @@ async def _generate(request: Request, kind: str) -> Response:
         on_disconnect = request.scope.get("extensions", {}).get(ON_DISCONNECT)
         if on_disconnect is not None:
             on_disconnect.append(functools.partial(gw.engine.abort, request_id))
-        return await job.collect(headers)
+        return await generation.collect(headers)
 
 
-async def _admit(gw: Gateway, a: Admitted, tenant) -> Decision:
+async def _admit(gw: Gateway, admitted: AdmittedRequest, tenant) -> Decision:
     """Admission control, then the tenant's rate limits; a refusal is counted, billed as rejected, and raised."""
-    refusal = gw.admission.check(a.tier, gw.engine.load(), a.tenant)
+    refusal = gw.shedder.check(admitted.tier, gw.engine.load(), admitted.tenant)
     if refusal is not None:
-        gw.metrics.count_rejection(a.tier, refusal.reason)
-        gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
+        gw.metrics.count_rejection(admitted.tier, refusal.reason)
+        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise APIError(429, refusal.message, type="overloaded", code="overloaded",
                        headers=retry_headers(refusal.retry_after_s))
     limits = Limits(tenant.rpm, tenant.tpm, tenant.max_concurrent)
     try:
-        decision = await gw.limiter.acquire(a.tenant, limits, a.request_id, a.reserved_tokens)
+        decision = await gw.limiter.acquire(admitted.tenant, limits, admitted.request_id, admitted.reserved_tokens)
     except LimiterUnavailable:
-        log.warning("rate limiter unavailable; refusing %s", a.request_id, exc_info=True)
-        gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
+        log.warning("rate limiter unavailable; refusing %s", admitted.request_id, exc_info=True)
+        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise service_unavailable("The rate limiter is unavailable; retry shortly.",
                                   headers=retry_headers(LIMITER_RETRY_S)) from None
     if not decision.allowed:
-        gw.metrics.count_rejection(a.tier, REJECTION_REASON[decision.reason])
-        gw.usage.reject(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
-        raise APIError(429, _limit_message(decision, a.reserved_tokens), type=decision.reason,
+        gw.metrics.count_rejection(admitted.tier, REJECTION_REASON[decision.reason])
+        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
+        raise APIError(429, _limit_message(decision, admitted.reserved_tokens), type=decision.reason,
                        code="rate_limit_exceeded", headers=decision.headers())
     return decision
 
@@ -189,23 +192,21 @@ async def _count_refusal(gw: Gateway, tenant, request_id: str, adapter: str | No
                    headers=decision.headers())
 
 
-async def _submit(gw: Gateway, a: Admitted, request: EngineRequest, trace) -> AsyncIterator[Delta]:
-    gw.usage.meter.begin(a.request_id, a.tenant, a.tier, a.adapter, a.queued_at)
-    gw.metrics.track(a.request_id, a.tier)
+async def _submit(gw: Gateway, admitted: AdmittedRequest, request: EngineRequest, trace) -> AsyncIterator[Delta]:
+    gw.usage.meter.begin(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
     trace.mark_submitted()
     try:
         return gw.engine.submit(request)
     except Exception as e:
-        # Validation above mirrors the engine's; reaching here is a race (an adapter unloaded
-        # this instant) or a bug. Give everything back and bill nothing.
-        gw.usage.meter.forget(a.request_id)
-        gw.metrics.untrack(a.request_id)
+        # The engine's checks passed above; reaching here is a race (an adapter unloaded this
+        # instant) or a bug. Give everything back and bill nothing.
+        gw.usage.meter.forget(admitted.request_id)
         trace.finish(error=str(e))
-        await gw.limiter.release(a.tenant, a.request_id, a.reserved_tokens, 0)
-        if a.adapter is not None and a.adapter not in gw.engine.list_adapters():
-            raise model_not_found(a.model) from None
-        if isinstance(e, ValueError):  # the engine's own validation, worded for a client
-            raise APIError(400, str(e), code="invalid_value") from None
+        await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
+        if admitted.adapter is not None and admitted.adapter not in gw.engine.list_adapters():
+            raise model_not_found(admitted.model) from None
+        if isinstance(e, InvalidRequest):
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
         raise
 
 

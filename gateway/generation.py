@@ -27,13 +27,13 @@ from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
 from gateway.ratelimit.base import retry_headers
 from gateway.tools import ToolCallParser, split_tool_calls
-from gateway.usage import gateway_record
+from gateway.usage_recorder import gateway_record
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Admitted:
+class AdmittedRequest:
     """What the admission path knows of a request it let through."""
 
     request_id: str
@@ -52,9 +52,11 @@ class Admitted:
     n: int = 1  # choices
 
 
-class Job:
-    def __init__(self, admitted: Admitted, stream: AsyncIterator[Delta], gateway, trace) -> None:
-        self.a = admitted
+class Generation:
+    """The engine stream of one admitted request, answered as SSE (`sse`) or one JSON body (`collect`)."""
+
+    def __init__(self, admitted: AdmittedRequest, stream: AsyncIterator[Delta], gateway, trace) -> None:
+        self.request = admitted
         self.stream = stream
         self.gw = gateway
         self.trace = trace  # gateway.tracing.RequestTrace
@@ -71,7 +73,7 @@ class Job:
     def interrupt(self) -> None:
         """The server is stopping: end the request now; its response says so and its row is ``interrupted``."""
         self.interrupted = True
-        self.gw.engine.abort(self.a.request_id)
+        self.gw.engine.abort(self.request.request_id)
 
     # -- consuming deltas -------------------------------------------------
 
@@ -79,7 +81,7 @@ class Job:
         if delta.token_ids and self._first_token_mono is None:
             self._first_token_mono = time.monotonic()
             self.first_token_at = time.time()
-            self.gw.metrics.observe_ttft(self.a.tier, self._first_token_mono - self.a.arrived)
+            self.gw.metrics.observe_ttft(self.request.tier, self._first_token_mono - self.request.arrived)
             self.trace.mark_first_token()
         self.completion_tokens += len(delta.token_ids)
 
@@ -88,11 +90,11 @@ class Job:
 
     async def _record(self, status: str, last: Delta | None = None) -> str:
         """Write the ledger row (before the response's last byte) and account the finish; returns the status."""
-        fallback = gateway_record(self.a.request_id, self.a.tenant, self.a.tier, self.a.adapter, status,
-                                  self.a.queued_at, self.a.prompt_tokens, self.completion_tokens, self.first_token_at)
+        fallback = gateway_record(self.request.request_id, self.request.tenant, self.request.tier, self.request.adapter, status,
+                                  self.request.queued_at, self.request.prompt_tokens, self.completion_tokens, self.first_token_at)
         # The engine saw an abort; the row says why: the server stopped, not the client.
         override = "interrupted" if status == "interrupted" else None
-        record = await self.gw.usage.finish(self.a.request_id, fallback, status=override)
+        record = await self.gw.usage.finish(self.request.request_id, fallback, status=override)
         self.recorded = True
         # The engine's count includes tokens made after a client left, which it never saw: they are
         # billed, and they count against the tenant's TPM when the reservation is settled.
@@ -100,25 +102,25 @@ class Job:
         usage = Usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens)
         self.trace.finish(usage=usage, finish_reason=last.finish_reason if last else "abort",
                           error=last.error if last else None)
-        self.gw.metrics.count_request(self.a.tier, record.status)
+        self.gw.metrics.count_request(self.request.tier, record.status)
         if self._first_token_mono is not None and self.completion_tokens > 1:
             tpot = (time.monotonic() - self._first_token_mono) / (self.completion_tokens - 1)
-            self.gw.metrics.observe_tpot(self.a.tier, tpot)
+            self.gw.metrics.observe_tpot(self.request.tier, tpot)
         return record.status
 
     async def sse(self) -> AsyncIterator[bytes]:
-        a = self.a
-        writer = fmt.ChunkWriter(a.kind, a.request_id, self.created, a.model, a.include_usage)
+        request = self.request
+        writer = fmt.ChunkWriter(request.kind, request.request_id, self.created, request.model, request.include_usage)
         parsers: dict[int, ToolCallParser] = {}
         if self.row_opened is not None:
             # Once a client has seen a request's id, a crash must leave a row for it: the open row is
             # durable (committed or spooled) before the first chunk.
             await asyncio.wrap_future(self.row_opened)
-        yield b"".join(writer.first(index) for index in range(a.n))
+        yield b"".join(writer.first(index) for index in range(request.n))
         async for delta in self.stream:
             self._on_delta(delta)
             text, reason, index = delta.text, delta.finish_reason, delta.index
-            if a.parse_tool_calls:
+            if request.parse_tool_calls:
                 parser = parsers.setdefault(index, ToolCallParser())
                 done = len(parser.calls)
                 text, calls = parser.feed(text)
@@ -128,7 +130,7 @@ class Job:
                 if calls:
                     yield writer.tool_calls(calls, done, index)
             if not delta.is_last:
-                chunk = writer.delta(text, delta.logprobs, a.want_logprobs, reason, index)
+                chunk = writer.delta(text, delta.logprobs, request.want_logprobs, reason, index)
                 if chunk:
                     yield chunk
                 continue
@@ -142,13 +144,13 @@ class Job:
                 yield fmt.sse({"error": {"message": "The engine failed while generating; the request was "
                                          "stopped.", "type": "server_error", "param": None, "code": "engine_error"}})
             else:
-                yield writer.delta(text, delta.logprobs, a.want_logprobs, reason, index)
+                yield writer.delta(text, delta.logprobs, request.want_logprobs, reason, index)
                 yield writer.usage(delta.usage or self._usage())
             yield fmt.DONE
             return
 
     async def collect(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        a = self.a
+        request = self.request
         texts: dict[int, list[str]] = defaultdict(list)  # by choice index
         logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
         reasons: dict[int, str] = {}
@@ -174,27 +176,27 @@ class Job:
                                            "type": "server_error", "param": None, "code": "engine_error"}},
                                 status_code=500)
         choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i])
-                   for i in range(a.n)]
+                   for i in range(request.n)]
         usage = delta.usage or self._usage()
-        if a.kind == "chat":
-            body = fmt.chat_response(a.request_id, self.created, a.model, choices, usage)
+        if request.kind == "chat":
+            body = fmt.chat_response(request.request_id, self.created, request.model, choices, usage)
         else:
-            body = fmt.completion_response(a.request_id, self.created, a.model, choices, usage)
+            body = fmt.completion_response(request.request_id, self.created, request.model, choices, usage)
         return JSONResponse(body, headers=headers)
 
     def _choice(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob]) -> dict:
-        if self.a.kind != "chat":
-            lp = fmt.completion_logprobs(logprobs, 0) if self.a.want_logprobs else None
+        if self.request.kind != "chat":
+            lp = fmt.completion_logprobs(logprobs, 0) if self.request.want_logprobs else None
             return fmt.completion_choice(index, text, reason, lp)
-        lp = fmt.chat_logprobs(logprobs) if self.a.want_logprobs else None
+        lp = fmt.chat_logprobs(logprobs) if self.request.want_logprobs else None
         content, calls = text, None
-        if self.a.parse_tool_calls:
+        if self.request.parse_tool_calls:
             content, calls = split_tool_calls(text)
             reason = "tool_calls" if reason == "stop" and calls else reason
         return fmt.chat_choice(index, content, reason, lp, calls)
 
     def _usage(self) -> Usage:
-        return Usage(prompt_tokens=self.a.prompt_tokens, completion_tokens=self.completion_tokens)
+        return Usage(prompt_tokens=self.request.prompt_tokens, completion_tokens=self.completion_tokens)
 
     # -- the end, however it comes -----------------------------------------
 
@@ -218,18 +220,18 @@ class Job:
                 self.gw.lifecycle.exit(self)
 
     async def _finish_cancelled(self) -> None:
-        with request_context(self.a.request_id, tenant=self.a.tenant, tier=self.a.tier, trace_id=self.trace.trace_id):
+        with request_context(self.request.request_id, tenant=self.request.tenant, tier=self.request.tier, trace_id=self.trace.trace_id):
             try:
                 await self._record("cancelled")
             finally:
                 await self._release()
 
     async def _release(self) -> None:
-        used = self.a.prompt_tokens + self.completion_tokens
+        used = self.request.prompt_tokens + self.completion_tokens
         try:
-            await self.gw.limiter.release(self.a.tenant, self.a.request_id, self.a.reserved_tokens, used)
+            await self.gw.limiter.release(self.request.tenant, self.request.request_id, self.request.reserved_tokens, used)
         except Exception:  # a limiter outage must not fail a finished response; the lease expires by itself
-            log.exception("rate limiter release failed for %s", self.a.request_id)
+            log.exception("rate limiter release failed for %s", self.request.request_id)
 
 
 def shutdown_error(tokens_sent: int) -> APIError:
@@ -238,16 +240,16 @@ def shutdown_error(tokens_sent: int) -> APIError:
                     headers=retry_headers(DRAIN_RETRY_S))
 
 
-class JobStream(StreamingResponse):
-    """An SSE response whose job is closed however the response ends, even if it never started."""
+class GenerationStream(StreamingResponse):
+    """An SSE response whose generation is closed however the response ends, even if it never started."""
 
-    def __init__(self, job: Job, headers: dict[str, str]) -> None:
-        super().__init__(job.sse(), media_type="text/event-stream",
+    def __init__(self, generation: Generation, headers: dict[str, str]) -> None:
+        super().__init__(generation.sse(), media_type="text/event-stream",
                          headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
-        self.job = job
+        self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.job.close()
+            await self.generation.close()

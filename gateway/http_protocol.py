@@ -8,12 +8,9 @@ Content-Length response: Starlette sends it right after the head). Streams
 (chunked, SSE) and HEAD answers are written as uvicorn writes them, so a
 stream's headers still leave before its first token.
 
-On this project's 2-vCPU box: 0.04 ms off a 1-token completion's round trip
-(interleaved A/B against uvicorn's own protocol, 1000 requests each).
-
 The hook: ASGI tells an app of a client that left only through ``receive()``,
-which a handler must keep a task waiting on; that task (and its cancellation)
-cost 0.2 ms a request here. Instead each request's scope carries a list,
+which a handler must keep a task waiting on, at a cost on every request (docs/performance.md).
+Instead each request's scope carries a list,
 ``scope["extensions"][ON_DISCONNECT]``, whose callables the protocol calls when
 the connection is lost before the response is complete.
 

@@ -2,10 +2,9 @@
 
 Who feeds what:
 - the gateway's request path: ``observe_ttft``, ``observe_tpot``, ``count_request``,
-  ``count_rejection``, and ``track(request_id, tier)`` before submitting a request
-  to the engine (``untrack`` only if it is never submitted);
+  ``count_rejection``;
 - the engine thread, through ``engine.add_listener(metrics.on_engine_event)``:
-  step time, GPU-seconds and tokens per tier, preemptions;
+  step time, GPU-seconds and tokens per tier (the tiers the step's items carry), preemptions;
 - scrape time, once ``attach_engine(engine)`` was called: queue depth, KV blocks
   used per tier, the pool size and each tier's reserve, adapter loads and hits,
   and the endpoint picker's single series (gateway/epp_metrics.py), whose
@@ -18,7 +17,6 @@ against a closed set for the same reason.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -26,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Count
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.events import EngineEvent, FinishEvent, StepEvent
 from gateway.epp_metrics import EndpointPickerCollector
 from scheduler.config import TierConfig, TierLoad, default_tiers
 
@@ -110,9 +109,6 @@ class GatewayMetrics:
         self.ttft_slo = Gauge("tiergate_ttft_slo_seconds", "The tier's time-to-first-token SLO.", ["tier"], registry=r)
         self._engine_collector: _EngineStateCollector | None = None
         self._epp_collector: EndpointPickerCollector | None = None
-        self._request_tiers: dict[str, str] = {}
-        self._finished: set[str] = set()
-        self._lock = threading.Lock()  # the request map is written by both the event loop and the engine thread
         self._children: dict[tuple, Any] = {}  # (metric id, label values) -> series; keys are closed sets
         self._create_series()
 
@@ -163,63 +159,34 @@ class GatewayMetrics:
             raise ValueError(f"token count must be non-negative, got {n}")
         self.tokens.labels(self._tier(tier), _member(kind, TOKEN_KINDS, "kind")).inc(n)
 
-    def track(self, request_id: str, tier: str) -> None:
-        """Remember a request's tier so that step time can be split by tier; call before submitting it."""
-        tier = self._tier(tier)
-        with self._lock:
-            self._request_tiers[request_id] = tier
-
-    def untrack(self, request_id: str) -> None:
-        """Forget a request that was tracked but never reached the engine (finished ones are forgotten itself)."""
-        with self._lock:
-            self._request_tiers.pop(request_id, None)
-            self._finished.discard(request_id)
-
     # -- the engine thread -------------------------------------------------
 
-    def on_engine_event(self, event: Any) -> None:
-        """Engine listener: takes a StepEvent or FinishEvent (engine/events.py), duck-typed."""
-        if hasattr(event, "items"):
+    def on_engine_event(self, event: EngineEvent) -> None:
+        """Engine listener (engine thread)."""
+        if isinstance(event, StepEvent):
             self._on_step(event)
         else:
             self._on_finish(event)
 
-    def _on_step(self, event: Any) -> None:
+    def _on_step(self, event: StepEvent) -> None:
         self.step_seconds.observe(event.duration_s)
-        for _, tier in getattr(event, "preempted", ()):
+        for _, tier in event.preempted:
             if tier in self.tier_names:
                 self.preemptions.labels(tier).inc()
-        total_tokens = sum(item.tokens for item in event.items)
-        with self._lock:
-            owners = [self._request_tiers.get(item.request_id) for item in event.items]
-            # A request's last step may be reported after its FinishEvent, so
-            # finished requests are dropped one step later, never earlier.
-            for request_id in self._finished:
-                self._request_tiers.pop(request_id, None)
-            self._finished.clear()
-        for item, owner in zip(event.items, owners, strict=True):
-            tier = item.recompute_charged_tier if item.is_recompute and item.recompute_charged_tier else owner
-            if tier is None or tier not in self.tier_names:
-                continue  # not submitted through this gateway (a bench or test driving the engine directly)
-            if total_tokens:
-                self.gpu_seconds.labels(tier).inc(event.duration_s * item.tokens / total_tokens)
+        for item, seconds in event.seconds_by_item():
+            tier = item.charged_tier
+            if tier not in self.tier_names:
+                continue
+            self.gpu_seconds.labels(tier).inc(seconds)
             if item.is_recompute:
                 self.tokens.labels(tier, "recompute").inc(item.tokens)
 
-    def _on_finish(self, event: Any) -> None:
-        with self._lock:
-            if event.request_id in self._request_tiers:
-                self._finished.add(event.request_id)
+    def _on_finish(self, event: FinishEvent) -> None:
         if event.tier not in self.tier_names:
             return
         self.count_tokens(event.tier, "prompt", event.prompt_tokens)
         self.count_tokens(event.tier, "completion", event.completion_tokens)
         self.count_tokens(event.tier, "cached", event.cached_tokens)
-
-    def tracked_requests(self) -> int:
-        """How many requests the tier map holds (a leak check for tests)."""
-        with self._lock:
-            return len(self._request_tiers)
 
     # -- scrape time -------------------------------------------------------
 

@@ -61,17 +61,9 @@ def build(settings: Settings, migrate: bool = True,
     from engine.engine import Engine  # torch is imported only by commands that serve
 
     db = create_engine_for(settings.database_url)
-    engine = Engine(
-        EngineConfig(
-            model=settings.model,
-            device=settings.device,
-            policy=settings.scheduler_policy,
-            prefix_cache_scope=settings.prefix_cache_scope,
-            max_model_len=settings.max_model_len,
-            max_loras=settings.max_loras,
-            tiers=tiers(settings),
-        )
-    )
+    engine = Engine(EngineConfig(model=settings.model, device=settings.device, policy=settings.scheduler_policy,
+                                 prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
+                                 max_loras=settings.max_loras, tiers=tiers(settings)))
     ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))
     if settings.spool_path is None:
         adopt_orphans(ledger.spool)  # before start(): the ledger replays them with its own

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import random
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from sqlalchemy import Engine as Database
 
-from gateway.admission import AdmissionController
+from engine.events import Listener
+from engine.request import Delta, EngineRequest
+from scheduler import TierLoad
+
+from gateway.load_shedding import LoadShedder
 from gateway.auth import Authenticator
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
@@ -16,18 +21,49 @@ from gateway.prompts import PromptEncoder
 from gateway.ratelimit import RateLimiter
 from gateway.settings import Settings
 from gateway.tracing import Tracing
-from gateway.usage import UsageRecorder
+from gateway.usage_recorder import UsageRecorder
+
+if TYPE_CHECKING:  # torch comes with these; a gateway module is imported by commands that never serve
+    from engine.config import EngineConfig
+    from engine.grammar import GrammarCompiler
+    from engine.tokenizer import TextTokenizer
+
+
+class EngineFront(Protocol):
+    """What the gateway needs of the engine: engine.engine.Engine, or a stand-in (tests, benches)."""
+
+    model_name: str
+    max_model_len: int
+    config: EngineConfig  # its tiers
+    tokenizer: TextTokenizer
+    grammars: GrammarCompiler
+
+    @property
+    def is_running(self) -> bool: ...
+    def start(self) -> object: ...
+    def shutdown(self, timeout: float = ...) -> None: ...
+    def add_listener(self, listener: Listener) -> None: ...
+    def check(self, request: EngineRequest) -> None: ...
+    def submit(self, request: EngineRequest) -> AsyncIterator[Delta]: ...
+    def abort(self, request_id: str) -> None: ...
+    def load(self) -> dict[str, TierLoad]: ...
+    def kv_usage(self) -> tuple[dict[str, int], int]: ...
+    def fair_share_spread(self) -> dict[str, float]: ...
+    def adapter_usage(self) -> tuple[frozenset[str], frozenset[str]]: ...
+    def list_adapters(self) -> list[str]: ...
+    def register_adapter(self, name: str, path: str) -> None: ...
+    def unregister_adapter(self, name: str, timeout: float = ...) -> None: ...
 
 
 @dataclass
 class Gateway:
     settings: Settings
-    engine: Any  # engine.engine.Engine, or anything with its front (tests, benches)
+    engine: EngineFront
     db: Database
     usage: UsageRecorder
     auth: Authenticator
     limiter: RateLimiter
-    admission: AdmissionController
+    shedder: LoadShedder
     metrics: GatewayMetrics
     lifecycle: Lifecycle
     tracing: Tracing

@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from engine.events import EngineEvent, StepEvent
 from engine.request import Usage
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -102,14 +103,16 @@ class Tracing:
         span = self.tracer.start_span(f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attributes)
         return RequestTrace(self, request_id, model, span, span.get_span_context().trace_id)
 
-    def on_engine_event(self, event: Any) -> None:
+    def on_engine_event(self, event: EngineEvent) -> None:
         """Engine listener (engine thread): the first step computing a request's tokens starts its prefill."""
-        items = getattr(event, "items", None)
-        if items is None or not self.exporting:
+        if not self.exporting:
+            return
+        if not isinstance(event, StepEvent):  # the request ended without a step (refused by the engine)
+            self._forget(event.request_id)
             return
         started_ns = int(event.started_at * 1e9) if event.started_at else time.time_ns()
         with self._lock:
-            for item in items:
+            for item in event.items:
                 waiting = self._waiting.pop(item.request_id, None)
                 if waiting is not None:
                     waiting.scheduled_ns = started_ns

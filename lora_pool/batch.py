@@ -29,7 +29,6 @@ class LoraBatch:
         self._cpu_views = pool.cpu_views
         row_slots = [slot for slot, rows in chunk_slots for _ in range(rows)]
         self.num_rows = len(row_slots)
-        self.row_slots = row_slots
         self.specs = specs
         # Per projection or fused group, the slots of this step whose adapter touches it
         # (others are skipped), and the width of the output it writes.
@@ -60,13 +59,13 @@ class LoraBatch:
             raise ValueError(f"LoRA {proj!r} writes {self._width[proj]} columns but y has {y.shape[1]}")
         projs = ops.projections_of(proj)
         if self._kernel_plan is not None:
-            from lora_pool.triton_ops import apply_lora
+            from lora_pool.triton_ops import run_kernels
 
             col = 0
             for p in projs:
                 width = self._b[p].shape[2]
                 if self.slots_by_name[p]:
-                    apply_lora(x, y[:, col: col + width], self._a[p][layer], self._b[p][layer], self._kernel_plan)
+                    run_kernels(x, y[:, col: col + width], self._a[p][layer], self._b[p][layer], self._kernel_plan)
                 col += width
             return
         ops.apply_group(x, y, self._cpu_views[proj][layer], self._cpu_plan, slots)

@@ -23,7 +23,6 @@ class HostCache:
         self._loading: dict[str, Future] = {}
         self._lock = threading.Lock()
         self.loads = 0  # adapters read from disk
-        self.hits = 0  # lookups served from memory
 
     def __contains__(self, name: str) -> bool:
         with self._lock:
@@ -38,7 +37,6 @@ class HostCache:
         with self._lock:
             if name in self._entries:
                 self._entries.move_to_end(name)
-                self.hits += 1
                 return self._entries[name]
             future = self._loading.get(name)
             owner = future is None
@@ -65,7 +63,3 @@ class HostCache:
     def discard(self, name: str) -> None:
         with self._lock:
             self._entries.pop(name, None)
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return list(self._entries)

@@ -9,37 +9,8 @@ Layout (`cpu_stacks`): the engine fuses q/k/v and gate/up into one matmul each, 
 LoRA A stacks are fused the same way, along the rank: one [slots, in, 3 * rank] stack per
 layer for qkv, so the three projections share one gather of x, one shrink bmm and one
 index_add_ into the fused output. Stacks are stored transposed ([in, rank] and [rank, out]
-per slot): MKL's bmm reads B far faster that way (576->1536, 16 slots x 2 rows, 30 layers
-cycled, shrink + expand 182 us per layer against 279 us through a transposed view).
-
-Measured on the shared 2-core box (load 1-2; compare within a line only), one thread:
-- decode step of the bundled model, 32 rows, ~40 tokens of context, adapters of ranks 8
-  and 16 alternating on all seven projections, max_lora_rank 16 (median-ish of 12):
-    adapters                        1     4     16
-    before (a call per projection)  0.94  0.85  0.75  x base-only step time
-    fused groups (this)             0.94  0.86  0.79
-  At 16 adapters the LoRA part is ~46 ms of a ~220 ms step, ~32 ms of it the bmms
-  reading 312 MB of stacks (16 slots x 30 layers, rank padding included) at the ~10 GB/s
-  one core reads here (a plain sum() over 300 MB: 11 GB/s): bytes, not op count, bound it.
-- bench/lora_cpu_ops.py, microseconds for 576->1536 (rank 16, float32, best of 20),
-  per projection before the fused groups:
-    case                                   base  segments grouped gather_bmm  this
-    decode 32 rows / 16 adapters            654     1165     708       1718    296
-    decode 32 rows / 4 adapters interleaved 741     1103     190       1617    169
-    prefill 4x64 rows / 4 adapters         4177      464     447      11894  ~450 (= grouped)
-    2x64 prefill + 32 decode / 8 adapters  2452     1259     594       7128    551
-  Per-run segments pay per run, per-adapter matmuls pay per adapter (~30 us of op overhead
-  each), and gathering each row's A/B copies rows x rank x features of weights.
-- index_add_ into a column slice of a fused output: 63 us for 32x1536, against 8 us into
-  a contiguous tensor; hence one index_add_ into the whole fused output per group.
-- bfloat16 stacks (this CPU has avx512_bf16 and amx_bf16) were not faster for these
-  shapes, so the stacks stay in the model's dtype: per layer, 16 slots x 2 rows, us
-  float32 / bfloat16 bmm: 576->576 49 / 116, 576->1536 182 / 201, 1536->576 199 / 186,
-  576->3072 330 / 277; converting bfloat16 stacks to float32 before a float32 bmm cost
-  more than it saved (shrink 576x48: 129 -> 188 us); and in the decode step above, 16
-  adapters gave 0.77 (float32), 0.75 (bfloat16 stored, float32 bmm), 0.73 (bfloat16 bmm).
-  (2-D bfloat16 mm, by contrast, runs ~3x float32 here: 32x576x3072 in 578 against
-  1770 us; it is the batched small matrices that gain nothing.)
+per slot), which MKL's bmm reads faster. The measurements behind these choices are in
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -246,7 +217,7 @@ def apply_group(x: torch.Tensor, y: torch.Tensor, stacks: LayerStacks, plan: Cpu
         y.index_add_(0, p.rows, out if p.valid is None else out.index_select(0, p.valid))
 
 
-def apply_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: CpuPlan,
+def apply_projection(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: CpuPlan,
                slots: list[int]) -> None:
     """One projection: y[rows] += (x[rows] @ a[slot, :r].T) @ b[slot, :, :r].T * scale, for `slots`.
 

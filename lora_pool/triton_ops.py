@@ -23,6 +23,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, seg, first, seg_len, BLOCK_M: tl.constexpr):
+    """The rows (and their mask) of this program's BLOCK_M-row part of segment ``seg``, and its slot."""
+    offs_m = first + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = tl.load(rows_ptr + tl.load(seg_start_ptr + seg) + offs_m, mask=m_mask, other=0)
+    return rows, m_mask, tl.load(seg_slot_ptr + seg)
+
+
+@triton.jit
 def _segmented_shrink(x_ptr, a_ptr, t_ptr, rows_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
                       K, R, stride_xm, stride_as, stride_ar, stride_tm,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -30,10 +39,7 @@ def _segmented_shrink(x_ptr, a_ptr, t_ptr, rows_ptr, seg_start_ptr, seg_len_ptr,
     first = tl.program_id(1) * BLOCK_M
     seg_len = tl.load(seg_len_ptr + seg)
     if first < seg_len:
-        offs_m = first + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < seg_len
-        rows = tl.load(rows_ptr + tl.load(seg_start_ptr + seg) + offs_m, mask=m_mask, other=0)
-        slot = tl.load(seg_slot_ptr + seg)
+        rows, m_mask, slot = _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, seg, first, seg_len, BLOCK_M)
         offs_r = tl.arange(0, BLOCK_R)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -56,10 +62,7 @@ def _segmented_expand(t_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, seg_start_ptr, s
     first = tl.program_id(1) * BLOCK_M
     seg_len = tl.load(seg_len_ptr + seg)
     if first < seg_len:
-        offs_m = first + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < seg_len
-        rows = tl.load(rows_ptr + tl.load(seg_start_ptr + seg) + offs_m, mask=m_mask, other=0)
-        slot = tl.load(seg_slot_ptr + seg)
+        rows, m_mask, slot = _segment_rows(rows_ptr, seg_start_ptr, seg_slot_ptr, seg, first, seg_len, BLOCK_M)
         offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
         n_mask = offs_n < N
@@ -153,7 +156,7 @@ class KernelPlan:
                    max(seg_len, default=0), ints(gather_rows), ints(gather_slots))
 
 
-def apply_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: KernelPlan) -> None:
+def run_kernels(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: KernelPlan) -> None:
     """In place: y[row] += (x[row] @ a[slot].T) @ b[slot].T * scale[slot] for the plan's rows.
 
     `a` is one layer's [slots, max_rank, in] stack, `b` [slots, out, max_rank].

@@ -7,7 +7,7 @@ from sqlalchemy import text
 
 from billing.db import create_engine_for, upgrade
 from billing.ledger import Ledger
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 
 pytestmark = pytest.mark.postgres
 

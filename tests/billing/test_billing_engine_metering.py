@@ -19,7 +19,7 @@ from billing.meter import UsageMeter
 from billing.reports import usage_report
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.events import StepEvent
+from engine.events import StepEvent, listener
 from engine.request import EngineRequest, SamplingParams
 
 
@@ -68,7 +68,7 @@ def test_engine_run_bills_busy_time_and_charges_recompute_to_its_payer(tiny_engi
         tiers[request.request_id] = request.tier
         meter.begin(request.request_id, f"tenant-{request.tier}", request.tier)
     busy_before = tiny_engine.busy_seconds
-    tiny_engine.add_listener(meter)
+    tiny_engine.add_listener(listener(meter.on_step, meter.on_finish))
     tiny_engine.add_listener(watch_recompute)
     # Standard requests fill the pool first; premium ones arriving later preempt them.
     runner = threading.Thread(target=tiny_engine.generate_batch_sync, args=(standard,))
@@ -79,7 +79,7 @@ def test_engine_run_bills_busy_time_and_charges_recompute_to_its_payer(tiny_engi
 
     ledger = Ledger(engine, tmp_path / "spool.jsonl")
     for request in standard + premium:
-        ledger.write(meter.wait_record(request.request_id))
+        ledger.write(meter.take_record(request.request_id))
     now = datetime.now(UTC)
     rows = usage_report(engine, now - timedelta(hours=1), now + timedelta(hours=1), "tier", "day")
     billed = sum(r.gpu_seconds + r.recompute_gpu_seconds for r in rows)

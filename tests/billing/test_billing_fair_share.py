@@ -43,9 +43,9 @@ def test_queue_time_goes_from_the_engine_event_to_the_report_by_tenant(engine, t
     meter, ledger = UsageMeter(), Ledger(engine, tmp_path / "spool.jsonl")
     for request_id, tenant, waited in [("a1", "light", 0.25), ("h1", "flood", 3.0), ("h2", "flood", 4.5)]:
         meter.begin(request_id, tenant, "standard", queued_at=NOON - 10)
-        meter(FinishEvent(request_id, prompt_tokens=4, completion_tokens=2, status="ok", tier="standard",
+        meter.on_finish(FinishEvent(request_id, prompt_tokens=4, completion_tokens=2, status="ok", tier="standard",
                           queued_at=NOON - 10, first_token_at=NOON - 5, finished_at=NOON, queue_s=waited))
-        ledger.write(meter.wait_record(request_id))
+        ledger.write(meter.take_record(request_id))
     rows = usage_report(engine, date(2026, 3, 1), date(2026, 3, 2), "tenant", "day", {"standard": 1.0})
     assert {r.group: r.queue_seconds for r in rows} == {"flood": 7.5, "light": 0.25}
     by_tier = usage_report(engine, date(2026, 3, 1), date(2026, 3, 2), "tier", "day", {"standard": 1.0})

@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from billing.db import create_engine_for
 from billing.ledger import Ledger
 from billing.models import RecomputeCharge, UsageEntry
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,7 +98,7 @@ WRITER = textwrap.dedent(
     import sys
     from billing.db import create_engine_for
     from billing.ledger import Ledger
-    from billing.usage import UsageRecord
+    from billing.usage_record import UsageRecord
 
     url, spool = sys.argv[1], sys.argv[2]
     ledger = Ledger(create_engine_for(url, connect_timeout_s=0.2), spool)
@@ -117,7 +117,7 @@ SUBMITTER = textwrap.dedent(
     import sys
     from billing.db import create_engine_for
     from billing.ledger import Ledger
-    from billing.usage import UsageRecord
+    from billing.usage_record import UsageRecord
 
     url, spool = sys.argv[1], sys.argv[2]
     ledger = Ledger(create_engine_for(url, connect_timeout_s=0.2), spool, retry_interval_s=0.2)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 
-from billing.errors import UnknownRequest
 from billing.meter import UsageMeter
 from engine.events import FinishEvent, StepEvent, StepItem
 
@@ -21,10 +19,10 @@ def test_step_time_is_split_by_token_share():
     meter = UsageMeter()
     meter.begin("a", "acme", "premium", "sql", queued_at=990.0)
     meter.begin("b", "beta", "standard")
-    meter(StepEvent(0.4, (StepItem("a", 3, False), StepItem("b", 1, False))))
-    meter(_finish("a", cached_tokens=4, first_token_at=995.0))
-    meter(_finish("b"))
-    a, b = meter.wait_record("a"), meter.wait_record("b")
+    meter.on_step(StepEvent(0.4, (StepItem("a", 3, False), StepItem("b", 1, False))))
+    meter.on_finish(_finish("a", cached_tokens=4, first_token_at=995.0))
+    meter.on_finish(_finish("b"))
+    a, b = meter.take_record("a"), meter.take_record("b")
     assert a.gpu_seconds == pytest.approx(0.3) and b.gpu_seconds == pytest.approx(0.1)
     assert (a.tenant, a.tier, a.adapter, a.queued_at, a.first_token_at) == ("acme", "premium", "sql", 990.0, 995.0)
     assert (a.prompt_tokens, a.cached_tokens, a.completion_tokens, a.status) == (10, 4, 5, "ok")
@@ -33,16 +31,16 @@ def test_step_time_is_split_by_token_share():
 def test_recompute_is_charged_to_the_preempting_tier():
     meter = UsageMeter()
     meter.begin("victim", "beta", "standard")
-    meter(StepEvent(1.0, (StepItem("victim", 8, True, "premium"), StepItem("victim2", 8, True, None))))
+    meter.on_step(StepEvent(1.0, (StepItem("victim", 8, True, "premium"), StepItem("victim2", 8, True, None))))
     meter.begin("victim2", "beta", "standard")
-    meter(StepEvent(0.5, (StepItem("victim", 4, False),)))
-    meter(_finish("victim"))
-    meter(_finish("victim2"))
-    victim = meter.wait_record("victim")
+    meter.on_step(StepEvent(0.5, (StepItem("victim", 4, False),)))
+    meter.on_finish(_finish("victim"))
+    meter.on_finish(_finish("victim2"))
+    victim = meter.take_record("victim")
     assert victim.gpu_seconds == pytest.approx(0.5)
     assert victim.recompute_by_tier == pytest.approx({"premium": 0.5})
     # With no payer named, the request's own tier pays.
-    assert meter.wait_record("victim2").recompute_by_tier == pytest.approx({"standard": 0.5})
+    assert meter.take_record("victim2").recompute_by_tier == pytest.approx({"standard": 0.5})
 
 
 def test_mixed_run_conserves_busy_time():
@@ -59,30 +57,21 @@ def test_mixed_run_conserves_busy_time():
             StepItem(rid, rng.randint(0, 64), rng.random() < 0.2, rng.choice(["premium", "standard", None]))
             for rid in batch
         )
-        meter(StepEvent(rng.uniform(0.001, 0.05), items))
+        meter.on_step(StepEvent(rng.uniform(0.001, 0.05), items))
         for rid in batch:
             if rng.random() < 0.3:
                 live.discard(rid)
-                meter(_finish(rid, status=rng.choice(["ok", "cancelled", "error"])))
-                records.append(meter.wait_record(rid))
+                meter.on_finish(_finish(rid, status=rng.choice(["ok", "cancelled", "error"])))
+                records.append(meter.take_record(rid))
     billed = sum(r.gpu_seconds + r.recompute_gpu_seconds for r in records)
     assert billed == pytest.approx(meter.busy_seconds, rel=1e-9)
-
-
-def test_wait_record_blocks_until_the_finish_event_arrives():
-    meter = UsageMeter()
-    meter.begin("a", "acme", "standard")
-    threading.Timer(0.05, meter, args=(_finish("a"),)).start()
-    assert meter.wait_record("a", timeout_s=5).request_id == "a"
-    with pytest.raises(UnknownRequest, match="a"):
-        meter.wait_record("a", timeout_s=0.01)
 
 
 def test_unknown_engine_status_is_recorded_as_error():
     meter = UsageMeter()
     meter.begin("a", "acme", "standard")
-    meter(_finish("a", status="exploded"))
-    assert meter.wait_record("a").status == "error"
+    meter.on_finish(_finish("a", status="exploded"))
+    assert meter.take_record("a").status == "error"
 
 
 def test_rejected_request_costs_nothing_but_is_recorded():
@@ -95,10 +84,10 @@ def test_rejected_request_costs_nothing_but_is_recorded():
 def test_requests_never_begun_are_recorded_for_the_periodic_flush():
     meter = UsageMeter()
     meter.begin("mine", "acme", "standard")
-    meter(StepEvent(0.2, (StepItem("warmup", 4, False), StepItem("mine", 4, False))))
-    meter(_finish("warmup", tier="premium", adapter="sql", queued_at=999.0))
-    meter(_finish("mine"))
+    meter.on_step(StepEvent(0.2, (StepItem("warmup", 4, False), StepItem("mine", 4, False))))
+    meter.on_finish(_finish("warmup", tier="premium", adapter="sql", queued_at=999.0))
+    meter.on_finish(_finish("mine"))
     [orphan] = meter.pop_unclaimed()
     assert (orphan.request_id, orphan.tenant, orphan.tier, orphan.adapter) == ("warmup", None, "premium", "sql")
     assert orphan.gpu_seconds == pytest.approx(0.1)
-    assert meter.wait_record("mine").tenant == "acme"
+    assert meter.take_record("mine").tenant == "acme"

@@ -15,7 +15,7 @@ from billing.db import alembic_config, create_engine_for, upgrade
 from billing.ledger import Ledger
 from billing.models import RecomputeCharge, UsageEntry
 from billing.open_rows import PROCESS_OWNER, Progress, close_orphans, save_progress
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 
 NOW = time.time()
 

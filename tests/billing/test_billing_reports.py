@@ -15,7 +15,7 @@ from billing.ledger import Ledger
 from billing.meter import UsageMeter
 from billing.report_formats import render
 from billing.reports import parse_prices, usage_report
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 from engine.events import FinishEvent, StepEvent, StepItem
 
 DAY = datetime(2026, 3, 1, tzinfo=UTC)
@@ -127,15 +127,15 @@ def test_ledger_gpu_seconds_add_up_to_engine_busy_time(engine, ledger):
         meter.begin(rid, "acme" if tier == "premium" else "beta", tier, queued_at=_at(1))
     while live:
         batch = rng.sample(sorted(live), min(len(live), 4))
-        meter(StepEvent(rng.uniform(0.01, 0.1), tuple(
+        meter.on_step(StepEvent(rng.uniform(0.01, 0.1), tuple(
             StepItem(rid, rng.randint(1, 32), live[rid] == "standard" and rng.random() < 0.3, "premium")
             for rid in batch
         )))
         for rid in batch:
             if rng.random() < 0.25:
                 del live[rid]
-                meter(FinishEvent(rid, 10, 5, "ok", finished_at=_at(2)))
-                ledger.write(meter.wait_record(rid))
+                meter.on_finish(FinishEvent(rid, 10, 5, "ok", finished_at=_at(2)))
+                ledger.write(meter.take_record(rid))
     rows = usage_report(engine, DAY, DAY + timedelta(days=1), "tier", "day", PRICES)
     billed = sum(r.gpu_seconds + r.recompute_gpu_seconds for r in rows)
     assert billed == pytest.approx(meter.busy_seconds, rel=0.01)

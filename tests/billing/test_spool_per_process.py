@@ -7,7 +7,7 @@ import os
 import time
 
 from billing.spool import Spool, adopt_orphans, process_spool_path
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
 
 
 def record(request_id: str) -> UsageRecord:

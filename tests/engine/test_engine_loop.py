@@ -115,8 +115,7 @@ def test_preempted_requests_resume_with_identical_output(make_engine, hf_greedy)
     outputs = engine.generate_batch_sync(requests)
     for prompt, (_, ids) in zip(prompts, outputs):
         assert ids == hf_greedy(prompt, 16)
-    finishes = [e for e in events if isinstance(e, FinishEvent)]
-    assert sum(f.num_preemptions for f in finishes) > 0
+    assert any(e.preempted for e in events if isinstance(e, StepEvent))
     assert any(it.is_recompute for e in events if isinstance(e, StepEvent) for it in e.items)
     _wait_idle(engine)
 

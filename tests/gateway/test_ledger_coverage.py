@@ -49,7 +49,7 @@ def test_a_request_driven_on_the_engine_directly_gets_its_ledger_row(serve):
 
 
 def test_a_finish_that_comes_after_its_request_gave_up_waiting_leaves_one_row(serve, monkeypatch):
-    from gateway import usage
+    from gateway import usage_recorder as usage
 
     monkeypatch.setattr(usage, "FINISH_WAIT_S", 0.0)
     live = serve(ledger_checkpoint_s=0.1)
@@ -82,7 +82,7 @@ def test_a_non_streamed_request_gets_its_open_row_at_the_first_progress_save(ser
 
 
 def test_a_non_streamed_request_that_ends_before_a_save_writes_only_its_final_row(serve, monkeypatch):
-    from gateway import usage
+    from gateway import usage_recorder as usage
 
     monkeypatch.setattr(usage, "FINISH_WAIT_S", 0.0)
     live = serve(ledger_checkpoint_s=600, ledger_orphan_after_s=1800)

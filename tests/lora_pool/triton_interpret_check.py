@@ -14,7 +14,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 from lora_reference import CASES, random_case, reference  # noqa: E402
 
-from lora_pool.triton_ops import KernelPlan, apply_lora  # noqa: E402
+from lora_pool.triton_ops import KernelPlan, run_kernels  # noqa: E402
 
 RANKS = [3, 16, 5]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2}
@@ -31,7 +31,7 @@ def check(case: str, dtype: torch.dtype, fused: bool) -> None:
         wide[:, 50:130] = y
         out = wide[:, 50:130]
     plan = KernelPlan.build(chunks, scales, max_rank=16, device=torch.device("cpu"))
-    apply_lora(x, out, a, b, plan)
+    run_kernels(x, out, a, b, plan)
     error = ((out.double() - expected).abs() / (expected.abs() + 1)).max().item()
     ok = error < TOLERANCE[dtype]
     if fused:

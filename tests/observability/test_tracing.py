@@ -192,3 +192,12 @@ def test_nothing_is_exported_without_an_endpoint(monkeypatch):
     assert tracing.exporting is False
     assert exported == []
     assert len(trace.trace_id) == 32 and trace.trace_id != "0" * 32  # ids still reach the logs
+
+
+def test_a_request_the_engine_ends_before_any_step_is_forgotten_at_its_finish_event(tracing, exporter):
+    trace = start(tracing)
+    trace.mark_submitted()
+    tracing.on_engine_event(FinishEvent("chatcmpl-1", 4, 0, "error"))  # refused by the engine
+    tracing.on_engine_event(StepEvent(0.01, (StepItem("chatcmpl-1", 4, False),), started_at=time.time()))
+    trace.finish(error="refused")
+    assert set(spans_by_name(exporter)) == {"chat smollm2", "queue"}  # the later step is not its prefill

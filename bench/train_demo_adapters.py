@@ -1,6 +1,6 @@
-"""Trains the demo adapters (`french`, `uppercase`) on the bundled SmolLM2-135M-Instruct.
+"""Trains the demo adapters of lora_pool/demo_adapters/ (`french`, `uppercase`) on the bundled SmolLM2-135M-Instruct.
 
-    .venv/bin/python -m lora_pool.demo_adapters.train [french] [uppercase] [--steps N] [--threads N]
+    .venv/bin/python -m bench.train_demo_adapters [french] [uppercase] [--steps N] [--threads N]
 
 Runs on a CPU in a few minutes per adapter. The data comes from templates
 in lora_pool/demo_adapters/data.py. Weights are saved in float16 so that each
@@ -13,16 +13,14 @@ import argparse
 import importlib.util
 import random
 import time
-from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.loader import BUNDLED_FILE as GGUF_NAME
+from lora_pool.demo_adapters import DEMO_ADAPTERS_DIR as OUT_DIR
 from lora_pool.demo_adapters.data import french_pairs, uppercase_pairs
-
-OUT_DIR = Path(__file__).resolve().parent
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Small enough to commit, large enough to change the answers visibly. Only the upper
 # layers are adapted: the backward pass then stops half-way, which halves training time.

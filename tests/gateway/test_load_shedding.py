@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.admission import AdmissionController, AdmissionPolicy
+from gateway.load_shedding import LoadShedder, SheddingPolicy
 from scheduler.config import TierLoad, default_tiers
 
 
@@ -13,8 +13,8 @@ def load(premium_ttft=0.0, standard_ttft=0.0, premium_queue=0, standard_queue=0)
     }
 
 
-def controller(**policy) -> AdmissionController:
-    return AdmissionController(default_tiers(), AdmissionPolicy(**policy))
+def controller(**policy) -> LoadShedder:
+    return LoadShedder(default_tiers(), SheddingPolicy(**policy))
 
 
 def test_idle_engine_admits_everyone():

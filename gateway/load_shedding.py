@@ -26,7 +26,7 @@ from scheduler.config import TierConfig, TierLoad
 
 
 @dataclass(frozen=True)
-class AdmissionPolicy:
+class SheddingPolicy:
     max_queued: int = 256  # per tier with the best priority; worse tiers get standard_queue_fraction of it
     standard_queue_fraction: float = 0.5
     standard_shed_fraction: float = 0.8
@@ -40,8 +40,8 @@ class Refusal:
     retry_after_s: float
 
 
-class AdmissionController:
-    def __init__(self, tiers: tuple[TierConfig, ...], policy: AdmissionPolicy = AdmissionPolicy()) -> None:
+class LoadShedder:
+    def __init__(self, tiers: tuple[TierConfig, ...], policy: SheddingPolicy = SheddingPolicy()) -> None:
         self.tiers = {t.name: t for t in tiers}
         self.policy = policy
         self.best = min(tiers, key=lambda t: t.priority)

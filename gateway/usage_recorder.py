@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -38,7 +37,8 @@ from billing.db import UNAVAILABLE
 from billing.ledger import Ledger
 from billing.meter import UsageMeter
 from billing.open_rows import PROCESS_OWNER, Progress, close_orphans
-from billing.usage import UsageRecord
+from billing.usage_record import UsageRecord
+from engine.events import EngineEvent, StepEvent
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +118,16 @@ class UsageRecorder:
 
     # -- admitted requests ------------------------------------------------
 
-    def on_engine_event(self, event: Any) -> None:
-        """Engine listener, placed after the meter: parks a finished request's record for finish().
+    def on_engine_event(self, event: EngineEvent) -> None:
+        """Engine listener: meters the event, and parks a finished request's record for finish().
 
         The engine emits a request's finish event just before its last delta, so finish() almost
         always finds the record here without waiting on a thread for the meter.
         """
-        if not hasattr(event, "completion_tokens"):
-            return  # a step event
+        if isinstance(event, StepEvent):
+            self.meter.on_step(event)
+            return
+        self.meter.on_finish(event)
         with self._cond:
             record = self.meter.take_record(event.request_id)
             if record is not None:  # else not one of the gateway's requests, or one finish() gave up on

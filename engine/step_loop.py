@@ -1,0 +1,190 @@
+"""The engine thread: take in what callers sent, ask the scheduler for a plan, run it, hand out tokens.
+
+An exception inside a step's forward pass fails that step's requests and the loop keeps
+serving; a failure confined to one request's sampling or detokenizing ends that request
+alone. What callers on other threads read of the engine's state (load, KV usage, ...) is
+a snapshot this thread publishes after each change.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from engine.events import EngineEvent, Listener, step_event
+from engine.grammar import mask_logits
+from engine.in_flight import InFlight, Outgoing
+from engine.inbox import AbortRequest, AddRequest, Inbox, UnregisterAdapter
+from engine.runner import ModelRunner
+from engine.sampler import sample
+from engine.step_timer import StepTimer
+from engine.tokenizer import TextTokenizer
+from scheduler import Scheduler, StepPlan, TierLoad
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # an idle loop still looks at its stop flag this often
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The scheduler's state as of the last change, for callers on other threads."""
+
+    load: dict[str, TierLoad]
+    kv_used: dict[str, int]  # KV blocks by tier
+    spread: dict[str, float]  # fair share counter spread by tier
+    adapters: tuple[frozenset[str], frozenset[str]]  # LoRA adapters of running and of waiting requests
+
+
+class StepLoop:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, lora_pool, tokenizer: TextTokenizer,
+                 max_model_len: int, timer: StepTimer, inbox: Inbox) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.lora_pool = lora_pool
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._timer = timer
+        self._inbox = inbox
+        self.listeners: list[Listener] = []
+        self.requests = InFlight(scheduler, self.emit, self.publish)
+        self.snapshot = Snapshot(scheduler.load(), {}, {}, (frozenset(), frozenset()))
+        self.busy_seconds = 0.0  # sum of step durations, for metering checks
+
+    def run(self, stopping: threading.Event) -> None:
+        torch.set_grad_enabled(False)
+        while not stopping.is_set():
+            try:
+                changed = self._take_inbox()
+                plan = self.scheduler.schedule()
+                if plan.is_empty:
+                    if changed:  # else the last step or finish already published this state
+                        self.publish()
+                    self._inbox.wait(IDLE_WAIT_S)
+                    continue
+                self._run_step(plan)
+            except Exception:  # a bug outside the forward pass: fail what is in flight, keep serving
+                log.exception("engine loop iteration failed")
+                self.requests.end_all("error", "error", error="internal engine error")
+        self._take_inbox()
+        self.requests.end_all("cancelled", "abort")
+
+    def _take_inbox(self) -> bool:
+        """Take in what callers sent; whether there was anything."""
+        messages = self._inbox.take_all()
+        for message in messages:
+            if isinstance(message, AddRequest):
+                self._add(message)
+            elif isinstance(message, AbortRequest):
+                self.requests.abort(message.request_id)
+            else:
+                self._unregister(message)
+        return bool(messages)
+
+    def _add(self, message: AddRequest) -> None:
+        state = message.state
+        adapter = state.request.adapter
+        if message.error is not None:
+            self.requests.refuse(state, str(message.error))
+        elif adapter is not None and adapter not in self.lora_pool.list():
+            self.requests.refuse(state, f"adapter {adapter!r} was unloaded")
+        elif state.request_id in self.requests:
+            self.requests.refuse(state, f"request id {state.request_id!r} is already in flight")
+        else:
+            try:
+                self.requests.add(state)
+            except ValueError as exc:  # checked at admission too; never let it take the loop down
+                self.requests.refuse(state, str(exc))
+
+    def _unregister(self, message: UnregisterAdapter) -> None:
+        done: Future[None] = message.done
+        for seq_id in self.requests.seq_ids(adapter=message.name):
+            self.requests.end(seq_id, "error", "error", error=f"adapter {message.name!r} was unloaded")
+        try:
+            self.lora_pool.unregister(message.name)
+        except Exception as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    def _run_step(self, plan: StepPlan) -> None:
+        sampling = [c for c in plan.chunks if c.samples]
+        started_at = time.time()
+        self._timer.start()
+        try:
+            lora_batch = None
+            if self.lora_pool is not None:
+                lora_batch = self.lora_pool.batch_for([(c.seq.adapter, c.num_tokens) for c in plan.chunks])
+            logits = self.runner.execute(plan, lora_batch)
+            states = [self.requests.get(c.seq.seq_id) for c in sampling]
+            mask_logits(logits, [s.grammar for s in states])
+            sampled = sample(logits, [s.request.params for s in states], [s.generator for s in states])
+        except Exception as exc:  # a bad step must not take the loop down
+            log.exception("engine step failed")
+            self._account_step(plan, started_at, self._timer.stop())
+            for chunk in plan.chunks:
+                self.requests.end(chunk.seq.seq_id, "error", "error", error=str(exc))
+            return
+        # The step is accounted before any request of it ends, so billing sees its share of the
+        # step before its finish event.
+        self._account_step(plan, started_at, self._timer.stop())
+
+        # Deltas go out after all of the step's bookkeeping: a caller woken by one needs the GIL,
+        # which this thread would otherwise hold through that bookkeeping.
+        outgoing: Outgoing = []
+        produced = []
+        for chunk, token in zip(sampling, sampled):
+            if token.error is None:
+                produced.append((chunk, token))
+            else:  # ended before the update, which then skips the sequence it no longer knows
+                log.error("request %s: %s", chunk.seq.seq_id, token.error)
+                self.requests.end(chunk.seq.seq_id, "error", "error", error=token.error, outgoing=outgoing)
+        self.scheduler.update(plan, {c.seq.seq_id: s.token_id for c, s in produced})
+
+        for chunk, token in produced:
+            seq_id = chunk.seq.seq_id
+            state = self.requests.get(seq_id)
+            if state is None:  # a sibling choice failed earlier in this step and took it along
+                continue
+            if state.group is not None and state.group.waiting:
+                self.requests.release_siblings(state.group)
+            if state.grammar is not None and not state.grammar.accept(token.token_id):
+                error = "the sampled token is outside the request's grammar"
+                self.requests.end(seq_id, "error", "error", error=error, outgoing=outgoing)
+                continue
+            try:
+                delta = state.on_token(token, self.tokenizer, self.max_model_len)
+            except Exception as exc:  # e.g. the detokenizer: this request's failure, not its batch's
+                log.exception("request %s: building its output failed", state.request_id)
+                self.requests.end(seq_id, "error", "error", error=f"detokenizing failed: {exc}", outgoing=outgoing)
+                continue
+            if delta.finish_reason is None:
+                outgoing.append((state.sink, delta))
+            else:
+                self.requests.end(seq_id, "ok", delta.finish_reason, last_delta=delta, outgoing=outgoing)
+        self.publish()
+        for sink, delta in outgoing:
+            sink(delta)
+
+    def _account_step(self, plan: StepPlan, started_at: float, duration: float) -> None:
+        self.busy_seconds += duration
+        prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        self.scheduler.observe_step(duration, plan.num_tokens, prefill_tokens)
+        self.emit(step_event(plan, started_at, duration, self.requests.request_id_of))
+
+    def publish(self) -> None:
+        kv_used, _ = self.scheduler.kv_usage()
+        self.snapshot = Snapshot(self.scheduler.load(), kv_used, self.scheduler.counter_spread(),
+                                 self.scheduler.adapter_usage())
+
+    def emit(self, event: EngineEvent) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("engine event listener failed")
