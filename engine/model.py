@@ -24,6 +24,7 @@ from engine.families import NORMS
 from engine.kv_cache import KVCache
 from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
+from engine.norms import add_rms_norm_, fused_norms_available, rms_norm
 from engine.packed_linear import PackedWeight, Weight, linear, pack, release_freed_heap, weight_form
 
 
@@ -74,7 +75,9 @@ class DecoderLayer(nn.Module):
             "k_norm": (cfg.head_dim,), "o": (cfg.q_size, h), "attn_out_norm": (h,), "post_norm": (h,),
             "gate_up": (h, 2 * inter), "down": (inter, h), "mlp_out_norm": (h,),
         }  # fmt: skip
-        for name in sorted({param for param, _ in cfg.family.weights.values()}):
+        needed = {param for param, _ in cfg.family.weights.values()}
+        # In the order of `shapes`, which is the forward's: random init (init_random) draws in this order.
+        for name in (name for name in shapes if name in needed):
             param = nn.Parameter(torch.empty(shapes[name], device=device, dtype=dtype), requires_grad=False)
             self.register_parameter(name, param)
 
@@ -96,6 +99,8 @@ class DecoderModel(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
         # The head as the forward multiplies it: packed, or a transposed copy on CPU (see prepare_weights).
         self.head: Weight | None = None
+        # Whether the forward's norms run on the fused CPU kernels (engine/norms.py); set with the weights' form.
+        self.fused_norms = False
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self._slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
@@ -181,6 +186,7 @@ class DecoderModel(nn.Module):
         device, after loading has let go of its buffers: packing inside the load raised the
         process's peak RSS. Call ``unpack_weights`` before moving the model.
         """
+        self.fused_norms = fused_norms_available(self.device, self.dtype)
         if self.is_packed:
             return
         form = weight_form(self.device, self.dtype)
@@ -225,16 +231,17 @@ class DecoderModel(nn.Module):
         tokens = input_ids.shape[0]
         eps, heads, kv_heads, head_dim = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
-        inter, hidden = cfg.intermediate_size, (cfg.hidden_size,)
+        inter = cfg.intermediate_size
         cos, sin = self._rope_tables(positions)
 
         family, act_fn = self.family, self.activation
 
+        fused, last = self.fused_norms, len(self.layers) - 1
         h = F.embedding(input_ids, self.embed)
         if family.embed_scale:
             h = h * torch.tensor(cfg.hidden_size**0.5, dtype=h.dtype)
+        x = rms_norm(h, self.layers[0].input_norm, eps, fused)
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(h, hidden, layer.input_norm, eps)
             qkv = linear(x, layer.qkv)
             if family.qkv_bias:
                 qkv.add_(layer.qkv_bias)
@@ -252,9 +259,8 @@ class DecoderModel(nn.Module):
             if lora is not None:
                 lora.apply(i, "o", attn, o)
             if family.sandwich_norms:
-                o = F.rms_norm(o, hidden, layer.attn_out_norm, eps)
-            h.add_(o)
-            x = F.rms_norm(h, hidden, layer.post_norm, eps)
+                o = rms_norm(o, layer.attn_out_norm, eps, fused)
+            x = add_rms_norm_(h, o, layer.post_norm, eps, fused)
             gate_up = linear(x, layer.gate_up)
             if lora is not None:
                 lora.apply(i, "gate_up", x, gate_up)
@@ -263,10 +269,13 @@ class DecoderModel(nn.Module):
             if lora is not None:
                 lora.apply(i, "down", act, down)
             if family.sandwich_norms:
-                down = F.rms_norm(down, hidden, layer.mlp_out_norm, eps)
-            h.add_(down)
+                down = rms_norm(down, layer.mlp_out_norm, eps, fused)
+            if i < last:  # the residual add and the next layer's input norm in one pass
+                x = add_rms_norm_(h, down, self.layers[i + 1].input_norm, eps, fused)
+            else:
+                h.add_(down)
 
-        h = F.rms_norm(h[sample_rows], hidden, self.norm, eps)
+        h = rms_norm(h[sample_rows], self.norm, eps, fused)
         if isinstance(self.head, PackedWeight) or (self.head is not None and h.shape[0] < LM_HEAD_TRANSPOSED_MAX_ROWS):
             logits = linear(h, self.head).float()
         else:
