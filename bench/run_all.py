@@ -59,8 +59,11 @@ def benches() -> list[Bench]:
     return [
         Bench("engine_throughput", "Engine throughput: tiergate vs HF transformers and llama.cpp",
               ["--requests", "48", "--output-len", "16:128", "--concurrency", "1,8,32",
-               "--single-stream-requests", "6", "--engines", "tiergate,llama.cpp-F32,hf-transformers,tiergate-plain"],
+               "--single-stream-requests", "6", "--engines",
+               "tiergate,llama.cpp-F32,hf-transformers,tiergate-plain,tiergate-onednn"],
               ["--requests", "16", "--concurrency", "1,8", "--single-stream-requests", "2"], timeout_s=1200),
+        Bench("bf16_quality", "The bfloat16 opt-in: logprob drift and decode speed against float32",
+              quick_args=["--tokens", "32"]),
         Bench("lora_throughput", "Multi-LoRA throughput", quick_args=[]),
         # Reads the step-cost model engine_throughput just fitted (when it ran); SLOs scaled to it.
         Bench("slo_sim", "SLO simulation on this CPU's cost model: tiered vs fcfs on a virtual clock", step_cost),

@@ -13,6 +13,13 @@ def default_cache_dir() -> str:
     return os.environ.get("TIERGATE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tiergate")
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 in hardware (x86 AVX-512 BF16 or AMX tiles)."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "bundled"  # "bundled", an HF directory, a .gguf file, or "dummy:<config.json | dir>"
@@ -46,11 +53,20 @@ class EngineConfig:
             tiers=self.tiers, standard_min_share=self.standard_min_share)
 
     def torch_dtype(self):
+        """The dtype to serve in. On CPU, float32 unless asked: it keeps exact parity with HF, and
+        bfloat16 is served only where the CPU computes it natively (AVX-512 BF16 or AMX), since
+        elsewhere torch emulates it slower than float32; float16 is not served on CPU."""
         import torch
 
         if self.dtype is None:
             return torch.float32 if self.device == "cpu" else torch.bfloat16
         try:
-            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
         except KeyError:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}") from None
+        if self.device == "cpu" and dtype == torch.float16:
+            raise ValueError("dtype float16 is not served on CPU: use float32 or, with native bf16, bfloat16")
+        if self.device == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
+            raise ValueError("dtype bfloat16 needs a CPU with native bf16 (AVX-512 BF16 or AMX); this one has "
+                             "neither, so serve float32")
+        return dtype

@@ -11,7 +11,10 @@ Three forms of a projection weight, chosen once per model by ``weight_form``:
   built. Both ops are private to torch, so they are used only on the torch
   releases they were checked against (``PACKED_OPS_TORCH``).
 - ``plain``: an ``[in, out]`` tensor multiplied with ``torch.mm``: CUDA, other
-  dtypes, and ``TIERGATE_PACKED_WEIGHTS=0``. MKL behind ``torch.mm`` re-packs its
+  dtypes, and ``TIERGATE_PACKED_WEIGHTS=0``.
+
+The panels serve float32 and the bfloat16 opt-in (``--dtype bfloat16``); oneDNN's
+packing here serves float32 only. MKL behind ``torch.mm`` re-packs its
   weight operand on every call.
 
 ``TIERGATE_PACKED_WEIGHTS`` picks a form (``panels``, ``onednn``, ``0`` for plain);
@@ -58,7 +61,11 @@ def panel_kernel_present() -> bool:
 def weight_form(device: torch.device | str, dtype: torch.dtype) -> str:
     """The form projections take on this device and dtype (see the module docstring)."""
     asked = os.environ.get("TIERGATE_PACKED_WEIGHTS", "auto").strip().lower()
-    if asked in ("0", "false", "no", "off", "plain") or torch.device(device).type != "cpu" or dtype != torch.float32:
+    if asked in ("0", "false", "no", "off", "plain") or torch.device(device).type != "cpu":
+        return "plain"
+    if dtype == torch.bfloat16:  # the bfloat16 opt-in: panels only (oneDNN's packing here is float32's)
+        return "panels" if asked != "onednn" and panel_kernel_present() else "plain"
+    if dtype != torch.float32:
         return "plain"
     if asked == "onednn":
         return "onednn" if _onednn_present() else "plain"
@@ -97,6 +104,8 @@ class PanelWeight(PackedWeight):
     form = "panels"
 
     def __init__(self, weight_in_out: torch.Tensor) -> None:
+        if not panel_kernel_present():
+            raise RuntimeError("the panel kernel could not be built here; pack for oneDNN or keep the plain weight")
         self.in_features, self.out_features = weight_in_out.shape
         padding = -self.out_features % PANEL
         padded = F.pad(weight_in_out, (0, padding))

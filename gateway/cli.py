@@ -72,6 +72,8 @@ def build_parser() -> OneLineParser:
     s = sub.add_parser("serve", help="run the OpenAI-compatible server")
     s.add_argument("--model", help="model directory, .gguf file, or 'bundled' (default)")
     s.add_argument("--device", choices=["cpu", "cuda"])
+    s.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="float32 (default on CPU: exact parity with HF) or bfloat16 (CPUs with native bf16 only)")
     s.add_argument("--host")
     s.add_argument("--port", type=port_number)
     s.add_argument("--policy", choices=["tiered", "fcfs"], dest="scheduler_policy")
@@ -122,7 +124,7 @@ def build_parser() -> OneLineParser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    names = ("database_url", "model", "device", "host", "port", "scheduler_policy", "premium_ttft_slo_s")
+    names = ("database_url", "model", "device", "dtype", "host", "port", "scheduler_policy", "premium_ttft_slo_s")
     return load_settings({n: getattr(args, n, None) for n in names})
 
 

@@ -61,7 +61,8 @@ def build(settings: Settings, migrate: bool = True,
     from engine.engine import Engine  # torch is imported only by commands that serve
 
     db = create_engine_for(settings.database_url)
-    engine = Engine(EngineConfig(model=settings.model, device=settings.device, policy=settings.scheduler_policy,
+    engine = Engine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
+                                 policy=settings.scheduler_policy,
                                  prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
                                  max_loras=settings.max_loras, tiers=tiers(settings)))
     ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))

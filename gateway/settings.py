@@ -24,6 +24,9 @@ class Settings:
     redis_key_prefix: str = "tiergate:rl"  # one per deployment sharing a Redis
     model: str = "bundled"
     device: str = "cpu"
+    # The weights' and activations' dtype. None: float32 on CPU (exact parity with HF), bfloat16 on
+    # CUDA. bfloat16 on CPU is an opt-in for CPUs with native bf16 (engine/config.py says why).
+    dtype: str | None = None
     admin_token: str | None = None  # None: the /admin API is closed
     scheduler_policy: str = "tiered"
     # "tenant": a request hits only its own tenant's cached prefixes; "shared": anyone's (see README).
@@ -68,6 +71,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise SettingsError(f"device must be cpu or cuda, not {self.device!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise SettingsError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
         if self.scheduler_policy not in ("tiered", "fcfs"):
             raise SettingsError(f"scheduler policy must be tiered or fcfs, not {self.scheduler_policy!r}")
         if self.prefix_cache_scope not in ("tenant", "shared"):

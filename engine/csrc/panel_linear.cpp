@@ -1,6 +1,9 @@
-// Projections on the CPU: y = x @ W for float32 weights stored in panels of 16 outputs.
+// Projections on the CPU: y = x @ W for weights stored in panels of 16 outputs.
 //
-// Registered as torch.ops.tiergate.panel_linear. The weight [in, out] is stored as
+// Registered as torch.ops.tiergate.panel_linear, for float32 (the default) and
+// bfloat16 (the opt-in): x, the panels and the output share the dtype, and sums
+// accumulate in float32 either way; a bfloat16 weight is widened to float32 in
+// registers as it is loaded, so it streams from memory at half the bytes. The weight [in, out] is stored as
 // [panels, in, 16]: panel p holds outputs 16p..16p+15, and for each input k their 16
 // weights sit side by side, so one vector load brings 16 outputs' weights for one k
 // and a panel is one contiguous stretch of memory read front to back. A tile of
@@ -12,12 +15,15 @@
 // Written by hand because the libraries at hand either re-pack the weight per call
 // (MKL behind torch.mm) or read it slower than memory allows at decode sizes (oneDNN).
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 namespace {
@@ -33,60 +39,92 @@ constexpr int TILE_PANELS = 2, TILE_ROWS = 12;
 constexpr int TILE_PANELS = 1, TILE_ROWS = 6;
 #endif
 
+typedef uint16_t half_bits_vec __attribute__((vector_size(PANEL * sizeof(uint16_t))));
+typedef uint32_t word_vec __attribute__((vector_size(PANEL * sizeof(uint32_t))));
+
 inline panel_vec load(const float* p) {
   panel_vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
+// A bfloat16 is the top half of a float32: widen the 16 bit patterns and shift them up.
+inline panel_vec load(const c10::BFloat16* p) {
+  half_bits_vec bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const word_vec words = __builtin_convertvector(bits, word_vec) << 16;
+  panel_vec v;
+  std::memcpy(&v, &words, sizeof(v));
+  return v;
+}
+
+inline void store(float* dst, const panel_vec& v, int64_t count) { std::memcpy(dst, &v, count * sizeof(float)); }
+
+inline void store(c10::BFloat16* dst, const panel_vec& v, int64_t count) {
+  for (int64_t l = 0; l < count; ++l) dst[l] = c10::BFloat16(v[l]);  // rounds to nearest even
+}
+
+template <typename scalar_t>
 struct Operands {
-  const float* panels;  // [num_panels, in, PANEL]
-  const float* x;       // [rows, in], row stride x_stride
-  float* out;           // [rows, out]
+  const scalar_t* panels;  // [num_panels, in, PANEL]
+  const scalar_t* x;       // [rows, in], row stride x_stride
+  scalar_t* out;           // [rows, out]
   int64_t in, out_features, rows, x_stride;
 };
 
 // out[row0 + r][16 * (panel0 + p) + l] for r < ROWS, p < PANELS.
-template <int PANELS, int ROWS>
-void tile(const Operands& o, int64_t panel0, int64_t row0) {
+template <typename scalar_t, int PANELS, int ROWS>
+void tile(const Operands<scalar_t>& o, int64_t panel0, int64_t row0) {
   panel_vec acc[ROWS][PANELS] = {};
-  const float* w = o.panels + panel0 * o.in * PANEL;
-  const float* x = o.x + row0 * o.x_stride;
+  const scalar_t* w = o.panels + panel0 * o.in * PANEL;
+  const scalar_t* x = o.x + row0 * o.x_stride;
   for (int64_t k = 0; k < o.in; ++k) {
     panel_vec wk[PANELS];
     for (int p = 0; p < PANELS; ++p) wk[p] = load(w + (p * o.in + k) * PANEL);
     for (int r = 0; r < ROWS; ++r) {
-      const float xk = x[r * o.x_stride + k];
+      const float xk = static_cast<float>(x[r * o.x_stride + k]);
       for (int p = 0; p < PANELS; ++p) acc[r][p] += wk[p] * xk;
     }
   }
   for (int r = 0; r < ROWS; ++r)
     for (int p = 0; p < PANELS; ++p) {
       const int64_t first = (panel0 + p) * PANEL;
-      const int64_t count = std::min(PANEL, o.out_features - first);
-      std::memcpy(o.out + (row0 + r) * o.out_features + first, &acc[r][p], count * sizeof(float));
+      store(o.out + (row0 + r) * o.out_features + first, acc[r][p], std::min(PANEL, o.out_features - first));
     }
 }
 
 // A tile of `rows` (1..ROWS) rows: the row count is a template argument so sums stay in registers.
-template <int PANELS, int ROWS>
-void tile_of(const Operands& o, int64_t panel0, int64_t row0, int64_t rows) {
+template <typename scalar_t, int PANELS, int ROWS>
+void tile_of(const Operands<scalar_t>& o, int64_t panel0, int64_t row0, int64_t rows) {
   if constexpr (ROWS > 1) {
-    if (rows < ROWS) return tile_of<PANELS, ROWS - 1>(o, panel0, row0, rows);
+    if (rows < ROWS) return tile_of<scalar_t, PANELS, ROWS - 1>(o, panel0, row0, rows);
   }
-  tile<PANELS, ROWS>(o, panel0, row0);
+  tile<scalar_t, PANELS, ROWS>(o, panel0, row0);
 }
 
 // Every row against PANELS panels: the panels stay in cache while the rows pass over them.
-template <int PANELS>
-void column(const Operands& o, int64_t panel0) {
+template <typename scalar_t, int PANELS>
+void column(const Operands<scalar_t>& o, int64_t panel0) {
   for (int64_t row0 = 0; row0 < o.rows; row0 += TILE_ROWS)
-    tile_of<PANELS, TILE_ROWS>(o, panel0, row0, std::min<int64_t>(TILE_ROWS, o.rows - row0));
+    tile_of<scalar_t, PANELS, TILE_ROWS>(o, panel0, row0, std::min<int64_t>(TILE_ROWS, o.rows - row0));
+}
+
+template <typename scalar_t>
+void multiply(const at::Tensor& x, const at::Tensor& panels, at::Tensor& out) {
+  const Operands<scalar_t> o{panels.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                             out.mutable_data_ptr<scalar_t>(), x.size(1), out.size(1), x.size(0), x.stride(0)};
+  const int64_t num_panels = panels.size(0), tiles = num_panels / TILE_PANELS;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) column<scalar_t, TILE_PANELS>(o, t * TILE_PANELS);
+  });
+  for (int64_t p = tiles * TILE_PANELS; p < num_panels; ++p) column<scalar_t, 1>(o, p);
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "panel_linear: float32 only");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  panels.scalar_type() == x.scalar_type(),
+              "panel_linear: x and the panels must both be float32 or both bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, in] with contiguous rows");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == PANEL && panels.is_contiguous(),
               "panels must be a contiguous [panels, in, 16]");
@@ -95,13 +133,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
               "out_features does not fit the panels");
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;
-  const Operands o{panels.const_data_ptr<float>(), x.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
-                   x.size(1), out_features, x.size(0), x.stride(0)};
-  const int64_t num_panels = panels.size(0), tiles = num_panels / TILE_PANELS;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) column<TILE_PANELS>(o, t * TILE_PANELS);
-  });
-  for (int64_t p = tiles * TILE_PANELS; p < num_panels; ++p) column<1>(o, p);
+  if (x.scalar_type() == at::kFloat)
+    multiply<float>(x, panels, out);
+  else
+    multiply<c10::BFloat16>(x, panels, out);
   return out;
 }
 
