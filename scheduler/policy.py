@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from scheduler.block_manager import TierCap
@@ -59,6 +60,10 @@ class Policy(ABC):
     def goes_before(self, waiting: Sequence, running: Sequence) -> bool:
         """Whether ``waiting`` is admitted before ``running`` (same queue) continues its prefill."""
         return False
+
+    def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int) -> list[Sequence]:
+        """Waiting sequences of ``queue`` to prefill whole in a step that carries no other prefill of the queue."""
+        return []
 
     # Fair-share bookkeeping; only the tiered policy with fair_share keeps any.
     def enqueued(self, seq: Sequence) -> None:
@@ -143,6 +148,32 @@ class TieredPolicy(Policy):
     def goes_before(self, waiting: Sequence, running: Sequence) -> bool:
         return self.fair is not None and self.fair.counter(waiting) < self.fair.counter(running)
 
+    def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int) -> list[Sequence]:
+        """The first request of each tenant with no other prefill work in the tier, if its prompt fits.
+
+        A step lasts as long as its longest work, and every prefill that ends in it waits for
+        all of it: beside a flood's prefill chunks, a neighbour's short request would take as
+        long as the flood's step, not its own. Such a request (a tenant's turn, not its backlog:
+        one per tenant with nothing else waiting or prefilling) gets a step with the running
+        decodes and no other tenant's prefill of its tier. The scheduler grants no two such steps
+        in a row, so a stream of newcomers cannot hold a backlogged tenant's prefill for long.
+        """
+        if self.fair is None:
+            return []
+        queue = list(queue)
+        busy = {(s.tier, s.tenant) for s in running if s.is_prefilling}
+        waiting: dict[tuple[str, str | None], int] = {}
+        for seq in queue:
+            waiting[seq.tier, seq.tenant] = waiting.get((seq.tier, seq.tenant), 0) + 1
+        picked = []
+        for seq in queue:
+            key = (seq.tier, seq.tenant)
+            if key in busy or waiting[key] > 1 or seq.num_tokens > budget:
+                continue
+            picked.append(seq)
+            budget -= seq.num_tokens
+        return picked
+
     def enqueued(self, seq: Sequence) -> None:
         if self.fair is not None:
             self.fair.enqueued(seq)
@@ -214,7 +245,7 @@ class TieredPolicy(Policy):
     ) -> Sequence | None:
         worse = self._worse(waiting, running)
         if not worse:
-            return None
+            return self._fair_victim(waiting, reason, running, frees_enough) if self.fair is not None else None
         if reason == NO_SLOT:
             return self.latest(worse)
         if reason == NO_BLOCKS:
@@ -231,6 +262,37 @@ class TieredPolicy(Policy):
             return None
         group = min(groups.values(), key=lambda g: (len(g), -self.arrival[self.latest(g).seq_id]))
         return self.latest(group)
+
+    def _fair_victim(
+        self,
+        waiting: Sequence,
+        reason: str,
+        running: list[Sequence],
+        frees_enough: Callable[[list[Sequence]], bool],
+    ) -> Sequence | None:
+        """A same-tier sequence that gives way to ``waiting``, or None.
+
+        Its tenant must be served no less than ``waiting``'s and run at least two more sequences
+        of the tier: after the swap it still runs at least as many, so it cannot take the place
+        back (no thrashing). That is a newcomer's case: lifted level with a flood whose work in
+        flight is not charged yet, it would otherwise wait for one of the flood's sequences to
+        end. Never another tier's sequence, and never to make room for an adapter.
+        """
+        assert self.fair is not None
+        if reason == NO_ADAPTER:
+            return None
+        fair = self.fair
+        mine = fair.counter(waiting)
+        runs = Counter(s.tenant for s in running if s.tier == waiting.tier)
+        ahead = [
+            s
+            for s in running
+            if s.tier == waiting.tier and fair.counter(s) >= mine and runs[s.tenant] >= runs[waiting.tenant] + 2
+        ]
+        if not ahead or (reason == NO_BLOCKS and not frees_enough(ahead)):
+            return None
+        top = max(self.fair.counter(s) for s in ahead)
+        return self.latest([s for s in ahead if self.fair.counter(s) == top])
 
 
 def make_policy(config: SchedulerConfig, arrival: dict[str, int]) -> Policy:

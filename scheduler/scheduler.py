@@ -35,6 +35,8 @@ class _Step:
     preempted: set[str] = field(default_factory=set)
     # A better queue's head could not get blocks or a slot: worse queues admit nobody.
     admission_closed: bool = False
+    # Queues whose prefill this step is only their express tenants' (the policy's ``express``).
+    held: dict[str, set[str | None]] = field(default_factory=dict)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         chunk = self.chunks.get(seq.seq_id)
@@ -88,6 +90,7 @@ class Scheduler:
         self.waiting: dict[str, deque[Sequence]] = {q: deque() for q in self.policy.queue_names()}
         self.running: list[Sequence] = []
         self._live: dict[str, Sequence] = {}
+        self._express_last = False  # the previous step held a queue's prefill for express requests
 
     # -- requests ------------------------------------------------------------
 
@@ -188,7 +191,10 @@ class Scheduler:
         for i, queue in enumerate(queues):
             keep = self._kept_for_worse(queues[i + 1 :], prefilling, step)
             kept += keep
+            if not self._express_last:
+                self._admit_express(queue, step, keep)
             self._schedule_prefills(queue, prefilling[queue], step, keep, True)
+        self._express_last = bool(step.held)
         if kept and step.budget > 0:
             # Tokens kept for worse queues that they could not use go back to everyone.
             prefilling = {q: [] for q in queues}
@@ -205,6 +211,17 @@ class Scheduler:
         given = sum(c.num_tokens for c in step.plan.chunks if self.policy.queue_of(c.seq) in worse)
         return max(0, self.policy.min_share_tokens() - given)
 
+    def _admit_express(self, queue: str, step: _Step, keep: int) -> None:
+        """Admit the policy's express requests of ``queue``; if any, hold its other prefill this step."""
+        tenants = set()
+        for seq in self.policy.express(self.waiting[queue], self.running, step.budget - keep):
+            if step.admission_closed:
+                break
+            if self._admit(seq, step, keep, True) is None:
+                tenants.add(seq.tenant)
+        if tenants:
+            step.held[queue] = tenants
+
     def _schedule_prefills(
         self, queue: str, prefilling: list[Sequence], step: _Step, keep: int, may_preempt: bool
     ) -> None:
@@ -216,12 +233,16 @@ class Scheduler:
         """
         queued = self.waiting[queue]
         skipped: set[str] = set()
+        held = step.held.get(queue)
         for seq in prefilling:
             if step.budget - keep <= 0:
                 break
-            if seq.seq_id in step.preempted:
+            if seq.seq_id in step.preempted or (held is not None and seq.tenant not in held):
                 continue
-            self._admit_waiting(queued, step, keep, may_preempt, skipped, before=seq)
+            if held is None:
+                self._admit_waiting(queued, step, keep, may_preempt, skipped, before=seq)
+                if seq.seq_id in step.preempted:  # it gave way to one admitted before it
+                    continue
             chunk = step.chunks.get(seq.seq_id)
             start = chunk.end if chunk else seq.num_computed_tokens
             n = min(seq.num_tokens - start, step.budget - keep)
@@ -235,7 +256,8 @@ class Scheduler:
                     self.block_manager.allocate(seq, start + n)
             if ok:
                 step.add(seq, n)
-        self._admit_waiting(queued, step, keep, may_preempt, skipped)
+        if held is None:
+            self._admit_waiting(queued, step, keep, may_preempt, skipped)
         if any(s.seq_id in step.preempted for s in queued):
             # Preempted for want of blocks this step: worse queues must not take the blocks it will
             # need. (Under fair share a less-served tenant of the same queue may still go first.)
