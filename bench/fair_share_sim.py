@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 from bench.slo_sim import CostModel, SimSettings, scheduler_config
 from bench.stats import percentile
-from scheduler import Sequence, make_scheduler
+from scheduler import Scheduler, Sequence
 
 POLICIES = (("tiered", True), ("tiered-nofair", False), ("fcfs", True))
 
@@ -52,7 +52,7 @@ def run_policy(sc: Scenario, cost: CostModel, policy: str, fair: bool, flood: bo
     settings = SimSettings(num_blocks=sc.num_blocks, max_num_seqs=sc.max_num_seqs,
                            max_num_batched_tokens=sc.max_num_batched_tokens, standard_min_share=0.1,
                            premium_kv_reserve=sc.premium_kv_reserve)
-    sched = make_scheduler(scheduler_config(settings, "fcfs" if policy == "fcfs" else "tiered", fair),
+    sched = Scheduler(scheduler_config(settings, "fcfs" if policy == "fcfs" else "tiered", fair),
                            clock=lambda: now)
     ids = itertools.count()
     arrived: dict[str, float] = {}

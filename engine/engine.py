@@ -37,7 +37,7 @@ from engine.step_timer import StepTimer
 from engine.stream import BlockingCollector, RequestStream
 from engine.tokenizer import TextTokenizer
 
-from scheduler import make_scheduler
+from scheduler import Scheduler
 from scheduler.config import SchedulerConfig, TierLoad
 from scheduler.plan import StepPlan
 
@@ -72,7 +72,7 @@ class Engine:
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype)
         self.num_kv_blocks = num_blocks
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model_config.vocab_size, tuple(loaded.eos_token_ids))
-        self.scheduler = make_scheduler(
+        self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.num_kv_blocks,
                 block_size=config.block_size,

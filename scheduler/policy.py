@@ -49,6 +49,15 @@ class Policy(ABC):
     def caps(self) -> tuple[TierCap, ...]:
         return ()
 
+    @abstractmethod
+    def tiers_ahead(self, tier: str) -> set[str]:
+        """The tiers whose queued prefill a new request of ``tier`` waits behind (its own included)."""
+
+    @property
+    def fair_within_tier(self) -> bool:
+        """Whether tenants of one tier take turns (so each waits for its own backlog, not the tier's)."""
+        return False
+
     def min_share_tokens(self) -> int:
         """Tokens of each step kept for the queues after the best one while they have work."""
         return 0
@@ -114,6 +123,9 @@ class FcfsPolicy(Policy):
 
     def queue_names(self) -> list[str]:
         return ["all"]
+
+    def tiers_ahead(self, tier: str) -> set[str]:
+        return {t.name for t in self.config.tiers}  # arrival order: everyone queued is ahead
 
     def victim_for_running(self, needy: Sequence, running: list[Sequence]) -> Sequence:
         return self.latest(running)
@@ -197,6 +209,13 @@ class TieredPolicy(Policy):
 
     def queue_of(self, seq: Sequence) -> str:
         return seq.tier
+
+    def tiers_ahead(self, tier: str) -> set[str]:
+        return {name for name, rank in self.priority.items() if rank <= self.priority[tier]}
+
+    @property
+    def fair_within_tier(self) -> bool:
+        return self.fair is not None
 
     def queue_names(self) -> list[str]:
         return [t.name for t in sorted(self.config.tiers, key=lambda t: t.priority)]

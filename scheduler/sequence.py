@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 
@@ -33,7 +32,6 @@ class Sequence:
     tenant: str | None = None
     weight: float = 1.0  # the tenant's share of its tier relative to others (fair share)
     max_tokens: int = 16
-    arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -45,7 +43,6 @@ class Sequence:
     recompute_until: int = 0
     recompute_charged_tier: str | None = None
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None
     # Time spent in a waiting queue, first wait and waits after preemptions together.
     queue_time_s: float = 0.0
     waiting_since: float | None = None
@@ -70,7 +67,3 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True while more than the one newest token is left to compute."""
         return self.num_uncomputed_tokens > 1
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import SchedulerConfig, Sequence, make_scheduler
+from scheduler import Scheduler, SchedulerConfig, Sequence
 
 from scheduler_driver import engine_step
 
@@ -30,7 +30,7 @@ def prefill_of(plan, tenant: str) -> int:
 
 
 def test_a_newcomers_first_token_shares_its_step_with_decodes_only():
-    sched = make_scheduler(config())
+    sched = Scheduler(config())
     for n in range(6):
         sched.add(make("flood", n, prompt=40, max_tokens=20))
     for _ in range(3):
@@ -45,7 +45,7 @@ def test_a_newcomers_first_token_shares_its_step_with_decodes_only():
 
 
 def test_a_tenant_with_a_backlog_gets_no_step_of_its_own():
-    sched = make_scheduler(config())
+    sched = Scheduler(config())
     for n in range(6):
         sched.add(make("flood", n, prompt=40, max_tokens=20))
     engine_step(sched)
@@ -56,7 +56,7 @@ def test_a_tenant_with_a_backlog_gets_no_step_of_its_own():
 
 
 def test_newcomers_every_step_still_leave_the_flood_every_other_step():
-    sched = make_scheduler(config())
+    sched = Scheduler(config())
     for n in range(40):
         sched.add(make("flood", n, prompt=40, max_tokens=1))  # more prefill than 40 steps can hold
     with_flood_prefill = 0
@@ -68,7 +68,7 @@ def test_newcomers_every_step_still_leave_the_flood_every_other_step():
 
 def test_fcfs_and_tiered_without_fair_share_give_no_step_of_its_own():
     for cfg in (config(policy="fcfs"), config(fair_share=False)):
-        sched = make_scheduler(cfg)
+        sched = Scheduler(cfg)
         for n in range(6):
             sched.add(make("flood", n, prompt=40, max_tokens=20))
         engine_step(sched)
@@ -77,7 +77,7 @@ def test_fcfs_and_tiered_without_fair_share_give_no_step_of_its_own():
 
 
 def test_a_newcomer_takes_a_slot_from_the_tenant_holding_them_all():
-    sched = make_scheduler(config(max_num_seqs=4))
+    sched = Scheduler(config(max_num_seqs=4))
     flood = [make("flood", n, prompt=8, max_tokens=40) for n in range(8)]
     for s in flood:
         sched.add(s)
@@ -92,7 +92,7 @@ def test_a_newcomer_takes_a_slot_from_the_tenant_holding_them_all():
 
 
 def test_a_fairness_preemption_never_takes_from_a_better_tier():
-    sched = make_scheduler(config(max_num_seqs=4))
+    sched = Scheduler(config(max_num_seqs=4))
     for n in range(4):
         sched.add(make("gold", n, prompt=8, max_tokens=40, tier="premium"))
     for _ in range(3):
@@ -115,7 +115,7 @@ def test_fairness_preemptions_stay_in_the_tier_and_never_swap_back(pattern, seqs
     """Every preemption made for a waiting sequence of the same tier takes another tenant's sequence,
     and no sequence is ever preempted for one it was itself preempted for (no thrashing)."""
     cfg = config(max_num_seqs=seqs, num_blocks=blocks, max_model_len=40)
-    sched = make_scheduler(cfg, clock=lambda: 0.0)
+    sched = Scheduler(cfg, clock=lambda: 0.0)
     choose, swaps = sched.policy.victim_for_waiting, set()
 
     def spied(waiting, reason, running, frees_enough):
