@@ -303,26 +303,33 @@ class Scheduler:
         if self.block_manager.blocks_for(num_tokens) <= len(seq.block_table):
             return True
         while not self.block_manager.can_allocate(seq, num_tokens):
-            victim = self.policy.victim_for_running(seq, self.running)
-            self._preempt(victim, seq, step)
-            if victim is seq:
+            self._preempt(self.policy.victim_for_running(seq, self.running), seq, step)
+            if seq.seq_id in step.preempted:  # itself, or with a sibling of its group
                 return False
         self.block_manager.allocate(seq, num_tokens)
         return True
 
     def _preempt(self, victim: Sequence, cause: Sequence, step: StepBuilder) -> None:
-        """Recompute later: free its blocks and put it first in its queue."""
-        step.drop(victim)
-        self.block_manager.free(victim)
-        self.running.remove(victim)
-        victim.recompute_until = max(victim.recompute_until, victim.num_computed_tokens)
-        victim.recompute_charged_tier = cause.tier
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        victim.status = SequenceStatus.WAITING
-        self._enqueue(victim, arriving=False)
-        step.preempted.add(victim.seq_id)
-        step.plan.preempted.append(victim)
+        """Recompute later: free its blocks and put it first in its queue; its running group goes with it.
+
+        The choices of one request stream together: one left running while a sibling waits
+        would hold blocks the request cannot finish with.
+        """
+        group = [victim]
+        if victim.group is not None:
+            group += [s for s in self.running if s.group == victim.group and s is not victim]
+        for seq in reversed(group):  # the victim ends up first in the queue
+            step.drop(seq)
+            self.block_manager.free(seq)
+            self.running.remove(seq)
+            seq.recompute_until = max(seq.recompute_until, seq.num_computed_tokens)
+            seq.recompute_charged_tier = cause.tier
+            seq.num_computed_tokens = 0
+            seq.num_preemptions += 1
+            seq.status = SequenceStatus.WAITING
+            self._enqueue(seq, arriving=False)
+            step.preempted.add(seq.seq_id)
+            step.plan.preempted.append(seq)
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> None:
         """Apply a step: advance every chunk, append the tokens of chunks that sample."""

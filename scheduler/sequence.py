@@ -31,6 +31,8 @@ class Sequence:
     # Opaque to the scheduler: whose request this is, for fair share and the prefix cache's scope.
     tenant: str | None = None
     weight: float = 1.0  # the tenant's share of its tier relative to others (fair share)
+    # The request whose n > 1 choices this is one of (opaque): the choices are preempted together.
+    group: str | None = None
     max_tokens: int = 16
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
