@@ -161,26 +161,30 @@ class TieredPolicy(Policy):
         return self.fair is not None and self.fair.counter(waiting) < self.fair.counter(running)
 
     def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int) -> list[Sequence]:
-        """The first request of each tenant with no other prefill work in the tier, if its prompt fits.
+        """The first request of each tenant that runs two fewer sequences of the tier than another
+        and has no other prefill work in it, if its prompt fits.
 
         A step lasts as long as its longest work, and every prefill that ends in it waits for
         all of it: beside a flood's prefill chunks, a neighbour's short request would take as
-        long as the flood's step, not its own. Such a request (a tenant's turn, not its backlog:
-        one per tenant with nothing else waiting or prefilling) gets a step with the running
-        decodes and no other tenant's prefill of its tier. The scheduler grants no two such steps
-        in a row, so a stream of newcomers cannot hold a backlogged tenant's prefill for long.
+        long as the flood's step, not its own. Such a request (a light tenant's turn, not a
+        backlog) gets a step with the running decodes and no other tenant's prefill of its tier.
+        A flood's own new request never qualifies (no one runs more than it), and the scheduler
+        grants no two such steps in a row, so a backlogged tenant's prefill is held for at most
+        every other step.
         """
         if self.fair is None:
             return []
         queue = list(queue)
+        runs = Counter((s.tier, s.tenant) for s in running)
+        most = Counter()
+        for (tier, _), n in runs.items():
+            most[tier] = max(most[tier], n)
         busy = {(s.tier, s.tenant) for s in running if s.is_prefilling}
-        waiting: dict[tuple[str, str | None], int] = {}
-        for seq in queue:
-            waiting[seq.tier, seq.tenant] = waiting.get((seq.tier, seq.tenant), 0) + 1
+        waiting = Counter((s.tier, s.tenant) for s in queue)
         picked = []
         for seq in queue:
             key = (seq.tier, seq.tenant)
-            if key in busy or waiting[key] > 1 or seq.num_tokens > budget:
+            if key in busy or waiting[key] > 1 or seq.num_tokens > budget or runs[key] + 2 > most[seq.tier]:
                 continue
             picked.append(seq)
             budget -= seq.num_tokens

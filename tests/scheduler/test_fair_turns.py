@@ -55,6 +55,19 @@ def test_a_tenant_with_a_backlog_gets_no_step_of_its_own():
     assert prefill_of(engine_step(sched), "flood") > 0
 
 
+def test_a_floods_own_new_request_gets_no_step_of_its_own():
+    sched = Scheduler(config())
+    for n in range(4):
+        sched.add(make("flood", n, prompt=8, max_tokens=30))
+    for _ in range(2):
+        engine_step(sched)  # all four decoding
+    sched.add(make("other", 50, prompt=40, max_tokens=2))
+    engine_step(sched)  # other's long prompt is under way
+    sched.add(make("flood", 60, prompt=4, max_tokens=2))
+    plan = engine_step(sched)
+    assert prefill_of(plan, "flood") == 4 and prefill_of(plan, "other") > 0
+
+
 def test_newcomers_every_step_still_leave_the_flood_every_other_step():
     sched = Scheduler(config())
     for n in range(40):
