@@ -34,7 +34,8 @@ import sys
 from dataclasses import asdict, dataclass, replace
 
 from bench.stats import percentile
-from scheduler import SchedulerConfig, Sequence, StepPlan, TierConfig, make_scheduler
+from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
+from scheduler.config import default_tiers
 
 LOADS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 
@@ -93,10 +94,7 @@ class SimSettings:
 
 
 def scheduler_config(s: SimSettings, policy: str, fair_share: bool = True) -> SchedulerConfig:
-    tiers = (
-        TierConfig("premium", priority=0, ttft_slo_s=s.premium_slo_s, kv_reserve_fraction=s.premium_kv_reserve),
-        TierConfig("standard", priority=1, ttft_slo_s=s.standard_slo_s),
-    )
+    tiers = default_tiers(s.premium_slo_s, s.premium_kv_reserve, s.standard_slo_s)
     return SchedulerConfig(
         num_blocks=s.num_blocks,
         block_size=s.block_size,
@@ -148,7 +146,7 @@ class Outcome:
 def simulate(s: SimSettings, policy: str, requests: list[Request], cost: CostModel) -> tuple[list[Outcome], float]:
     """Run ``requests`` to completion; (outcomes, makespan in virtual seconds)."""
     now = 0.0
-    sched = make_scheduler(scheduler_config(s, policy), clock=lambda: now)
+    sched = Scheduler(scheduler_config(s, policy), clock=lambda: now)
     first_token: dict[str, float] = {}
     predicted: dict[str, float] = {}
     seqs: dict[str, Sequence] = {}
@@ -158,7 +156,7 @@ def simulate(s: SimSettings, policy: str, requests: list[Request], cost: CostMod
         while nxt < len(pending) and pending[nxt].arrival_s <= now:
             r = pending[nxt]
             seq = Sequence(r.request_id, list(r.prompt), tier=r.tier, adapter=r.adapter,
-                           max_tokens=r.max_tokens, arrival_time=r.arrival_s, tenant=r.tenant)
+                           max_tokens=r.max_tokens, tenant=r.tenant)
             predicted[r.request_id] = sched.load()[r.tier].predicted_ttft_s
             sched.add(seq)
             seqs[r.request_id] = seq

@@ -48,6 +48,7 @@ class RequestState:
             max_tokens=params.max_tokens,
             tenant=request.tenant,
             weight=request.tenant_weight,
+            group=request.request_id if params.n > 1 else None,
         )
         return cls(
             request=request,

@@ -24,7 +24,7 @@ from billing.db import create_engine_for, upgrade
 from billing.ledger import Ledger
 from billing.spool import adopt_orphans, process_spool_path
 from engine.config import EngineConfig
-from scheduler.config import TierConfig
+from scheduler.config import TierConfig, default_tiers
 from gateway.app import create_app
 from gateway.http_protocol import OneWriteHttpToolsProtocol
 from gateway.services import Gateway
@@ -44,11 +44,7 @@ class Built:
 
 def tiers(settings: Settings) -> tuple[TierConfig, ...]:
     """The two tiers billing knows, with the premium SLO and reserve the settings give."""
-    return (
-        TierConfig("premium", priority=0, ttft_slo_s=settings.premium_slo_s,
-                   kv_reserve_fraction=settings.premium_kv_reserve),
-        TierConfig("standard", priority=1, ttft_slo_s=None),
-    )
+    return default_tiers(premium_slo_s=settings.premium_slo_s, premium_kv_reserve=settings.premium_kv_reserve)
 
 
 def build(settings: Settings, migrate: bool = True,

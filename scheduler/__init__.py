@@ -6,7 +6,7 @@ in microseconds.
 
 from scheduler.config import SchedulerConfig, TierConfig, TierLoad
 from scheduler.plan import ScheduledChunk, StepPlan
-from scheduler.scheduler import Scheduler, make_scheduler
+from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence, SequenceStatus
 
 __all__ = [
@@ -16,7 +16,6 @@ __all__ = [
     "ScheduledChunk",
     "StepPlan",
     "Scheduler",
-    "make_scheduler",
     "Sequence",
     "SequenceStatus",
 ]

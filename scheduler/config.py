@@ -14,10 +14,13 @@ class TierConfig:
     kv_reserve_fraction: float = 0.0  # share of the pool only this tier (or better) may use
 
 
-def default_tiers() -> tuple[TierConfig, ...]:
+def default_tiers(
+    premium_slo_s: float = 0.5, premium_kv_reserve: float = 0.30, standard_slo_s: float | None = None
+) -> tuple[TierConfig, ...]:
+    """The two tiers billing knows; the one table the gateway, the engine and the benches build on."""
     return (
-        TierConfig("premium", priority=0, ttft_slo_s=0.5, kv_reserve_fraction=0.30),
-        TierConfig("standard", priority=1, ttft_slo_s=None, kv_reserve_fraction=0.0),
+        TierConfig("premium", priority=0, ttft_slo_s=premium_slo_s, kv_reserve_fraction=premium_kv_reserve),
+        TierConfig("standard", priority=1, ttft_slo_s=standard_slo_s),
     )
 
 
@@ -49,12 +52,6 @@ class SchedulerConfig:
     prior_prompt_tokens: int = 256
     load_ema_alpha: float = 0.1
 
-    def tier(self, name: str) -> TierConfig:
-        for t in self.tiers:
-            if t.name == name:
-                return t
-        raise KeyError(f"unknown tier {name!r}")
-
 
 @dataclass(frozen=True)
 class TierLoad:
@@ -62,7 +59,6 @@ class TierLoad:
 
     queue_depth: int  # waiting sequences
     running: int
-    queued_prefill_tokens: int
     predicted_ttft_s: float  # for a new request of this tier arriving now
     # Fair share: tenants take turns, so a tenant's new request waits for its own backlog and about
     # as much of each other tenant's, not for the whole tier's. None without fair share.

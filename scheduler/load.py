@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from scheduler.config import SchedulerConfig, TierLoad
+from scheduler.policy import Policy
 from scheduler.sequence import Sequence, SequenceStatus
 
 
@@ -56,18 +57,18 @@ class LoadEstimator:
         return (tokens_ahead + self.typical_prompt(tier)) / self.prefill_tokens_per_s + self.step_time_s
 
 
-def tier_loads(
-    live: Iterable[Sequence], priority: dict[str, int], estimator: LoadEstimator, tiered: bool, fair: bool
-) -> dict[str, TierLoad]:
-    """Per tier: queue depth, running, queued prefill tokens and predicted TTFT of a new request.
+def tier_loads(live: Iterable[Sequence], tiers: Iterable[str], estimator: LoadEstimator, policy: Policy
+               ) -> dict[str, TierLoad]:
+    """Per tier: queue depth, running and predicted TTFT of a new request.
 
-    ``tiered``: better tiers' backlogs are ahead, worse ones are not (else everyone's is);
-    ``fair``: also per tenant, since tenants of a tier take turns.
+    The policy says whose backlog is ahead of a tier, and whether tenants of a tier take
+    turns (then the prediction is also per tenant).
     """
-    waiting = dict.fromkeys(priority, 0)
-    running = dict.fromkeys(priority, 0)
-    queued = dict.fromkeys(priority, 0)  # prefill tokens not yet computed
-    by_tenant: dict[str, dict[str | None, int]] = {t: {} for t in priority}
+    tiers = list(tiers)
+    waiting = dict.fromkeys(tiers, 0)
+    running = dict.fromkeys(tiers, 0)
+    queued = dict.fromkeys(tiers, 0)  # prefill tokens not yet computed
+    by_tenant: dict[str, dict[str | None, int]] = {t: {} for t in tiers}
     for s in live:
         if s.status is SequenceStatus.WAITING:
             waiting[s.tier] += 1
@@ -79,20 +80,16 @@ def tier_loads(
         if left:
             by_tenant[s.tier][s.tenant] = by_tenant[s.tier].get(s.tenant, 0) + left
     result = {}
-    for tier, rank in priority.items():
-        if tiered:
-            ahead = sum(n for t, n in queued.items() if priority[t] <= rank)
-        else:
-            ahead = sum(queued.values())  # FCFS: everyone queued is ahead
+    for tier in tiers:
+        ahead = policy.tiers_ahead(tier)
         newcomer, per_tenant = None, {}
-        if fair:
-            better = sum(n for t, n in queued.items() if priority[t] < rank)
+        if policy.fair_within_tier:
+            better = sum(queued[t] for t in ahead if t != tier)
             newcomer, per_tenant = _fair_predictions(tier, by_tenant[tier], better, estimator)
         result[tier] = TierLoad(
             queue_depth=waiting[tier],
             running=running[tier],
-            queued_prefill_tokens=queued[tier],
-            predicted_ttft_s=estimator.predict_ttft(tier, ahead),
+            predicted_ttft_s=estimator.predict_ttft(tier, sum(queued[t] for t in ahead)),
             newcomer_ttft_s=newcomer,
             tenant_ttft_s=per_tenant,
         )

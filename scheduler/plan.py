@@ -1,7 +1,8 @@
-"""What one engine step computes: chunks of sequences' tokens, and who was preempted."""
+"""What one engine step computes: chunks of sequences' tokens, and who was preempted; and the step under construction."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.sequence import Sequence
@@ -47,3 +48,36 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass
+class StepBuilder:
+    """The plan under construction and what it has used so far."""
+
+    plan: StepPlan
+    budget: int
+    # charge(seq, start, num_tokens, sign): the policy's fair-share charge for planned tokens.
+    charge: Callable[[Sequence, int, int, int], None]
+    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+    # A better queue's head could not get blocks or a slot: worse queues admit nobody.
+    admission_closed: bool = False
+    # Queues whose prefill this step is only their express tenants' (the policy's ``express``).
+    held: dict[str, set[str | None]] = field(default_factory=dict)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        chunk = self.chunks.get(seq.seq_id)
+        if chunk is None:
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, 0)
+            self.chunks[seq.seq_id] = chunk
+            self.plan.chunks.append(chunk)
+        self.charge(seq, chunk.end, num_tokens, 1)
+        chunk.num_tokens += num_tokens
+        self.budget -= num_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        chunk = self.chunks.pop(seq.seq_id, None)
+        if chunk is not None:
+            self.plan.chunks.remove(chunk)
+            self.budget += chunk.num_tokens
+            self.charge(seq, chunk.start, chunk.num_tokens, -1)

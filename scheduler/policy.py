@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from scheduler.block_manager import TierCap
@@ -48,6 +49,15 @@ class Policy(ABC):
     def caps(self) -> tuple[TierCap, ...]:
         return ()
 
+    @abstractmethod
+    def tiers_ahead(self, tier: str) -> set[str]:
+        """The tiers whose queued prefill a new request of ``tier`` waits behind (its own included)."""
+
+    @property
+    def fair_within_tier(self) -> bool:
+        """Whether tenants of one tier take turns (so each waits for its own backlog, not the tier's)."""
+        return False
+
     def min_share_tokens(self) -> int:
         """Tokens of each step kept for the queues after the best one while they have work."""
         return 0
@@ -59,6 +69,10 @@ class Policy(ABC):
     def goes_before(self, waiting: Sequence, running: Sequence) -> bool:
         """Whether ``waiting`` is admitted before ``running`` (same queue) continues its prefill."""
         return False
+
+    def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int) -> list[Sequence]:
+        """Waiting sequences of ``queue`` to prefill whole in a step that carries no other prefill of the queue."""
+        return []
 
     # Fair-share bookkeeping; only the tiered policy with fair_share keeps any.
     def enqueued(self, seq: Sequence) -> None:
@@ -110,6 +124,9 @@ class FcfsPolicy(Policy):
     def queue_names(self) -> list[str]:
         return ["all"]
 
+    def tiers_ahead(self, tier: str) -> set[str]:
+        return {t.name for t in self.config.tiers}  # arrival order: everyone queued is ahead
+
     def victim_for_running(self, needy: Sequence, running: list[Sequence]) -> Sequence:
         return self.latest(running)
 
@@ -143,6 +160,36 @@ class TieredPolicy(Policy):
     def goes_before(self, waiting: Sequence, running: Sequence) -> bool:
         return self.fair is not None and self.fair.counter(waiting) < self.fair.counter(running)
 
+    def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int) -> list[Sequence]:
+        """The first request of each tenant that runs two fewer sequences of the tier than another
+        and has no other prefill work in it, if its prompt fits.
+
+        A step lasts as long as its longest work, and every prefill that ends in it waits for
+        all of it: beside a flood's prefill chunks, a neighbour's short request would take as
+        long as the flood's step, not its own. Such a request (a light tenant's turn, not a
+        backlog) gets a step with the running decodes and no other tenant's prefill of its tier.
+        A flood's own new request never qualifies (no one runs more than it), and the scheduler
+        grants no two such steps in a row, so a backlogged tenant's prefill is held for at most
+        every other step.
+        """
+        if self.fair is None:
+            return []
+        queue = list(queue)
+        runs = Counter((s.tier, s.tenant) for s in running)
+        most = Counter()
+        for (tier, _), n in runs.items():
+            most[tier] = max(most[tier], n)
+        busy = {(s.tier, s.tenant) for s in running if s.is_prefilling}
+        waiting = Counter((s.tier, s.tenant) for s in queue)
+        picked = []
+        for seq in queue:
+            key = (seq.tier, seq.tenant)
+            if key in busy or waiting[key] > 1 or seq.num_tokens > budget or runs[key] + 2 > most[seq.tier]:
+                continue
+            picked.append(seq)
+            budget -= seq.num_tokens
+        return picked
+
     def enqueued(self, seq: Sequence) -> None:
         if self.fair is not None:
             self.fair.enqueued(seq)
@@ -166,6 +213,13 @@ class TieredPolicy(Policy):
 
     def queue_of(self, seq: Sequence) -> str:
         return seq.tier
+
+    def tiers_ahead(self, tier: str) -> set[str]:
+        return {name for name, rank in self.priority.items() if rank <= self.priority[tier]}
+
+    @property
+    def fair_within_tier(self) -> bool:
+        return self.fair is not None
 
     def queue_names(self) -> list[str]:
         return [t.name for t in sorted(self.config.tiers, key=lambda t: t.priority)]
@@ -214,7 +268,7 @@ class TieredPolicy(Policy):
     ) -> Sequence | None:
         worse = self._worse(waiting, running)
         if not worse:
-            return None
+            return self._fair_victim(waiting, reason, running, frees_enough) if self.fair is not None else None
         if reason == NO_SLOT:
             return self.latest(worse)
         if reason == NO_BLOCKS:
@@ -231,6 +285,37 @@ class TieredPolicy(Policy):
             return None
         group = min(groups.values(), key=lambda g: (len(g), -self.arrival[self.latest(g).seq_id]))
         return self.latest(group)
+
+    def _fair_victim(
+        self,
+        waiting: Sequence,
+        reason: str,
+        running: list[Sequence],
+        frees_enough: Callable[[list[Sequence]], bool],
+    ) -> Sequence | None:
+        """A same-tier sequence that gives way to ``waiting``, or None.
+
+        Its tenant must be served no less than ``waiting``'s and run at least two more sequences
+        of the tier: after the swap it still runs at least as many, so it cannot take the place
+        back (no thrashing). That is a newcomer's case: lifted level with a flood whose work in
+        flight is not charged yet, it would otherwise wait for one of the flood's sequences to
+        end. Never another tier's sequence, and never to make room for an adapter.
+        """
+        assert self.fair is not None
+        if reason == NO_ADAPTER:
+            return None
+        fair = self.fair
+        mine = fair.counter(waiting)
+        runs = Counter(s.tenant for s in running if s.tier == waiting.tier)
+        ahead = [
+            s
+            for s in running
+            if s.tier == waiting.tier and fair.counter(s) >= mine and runs[s.tenant] >= runs[waiting.tenant] + 2
+        ]
+        if not ahead or (reason == NO_BLOCKS and not frees_enough(ahead)):
+            return None
+        top = max(self.fair.counter(s) for s in ahead)
+        return self.latest([s for s in ahead if self.fair.counter(s) == top])
 
 
 def make_policy(config: SchedulerConfig, arrival: dict[str, int]) -> Policy:

@@ -13,45 +13,13 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig, TierLoad
 from scheduler.load import LoadEstimator, tier_loads
-from scheduler.plan import ScheduledChunk, StepPlan
+from scheduler.plan import StepBuilder, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class _Step:
-    """The plan under construction and what it has used so far."""
-
-    plan: StepPlan
-    budget: int
-    # charge(seq, start, num_tokens, sign): the policy's fair-share charge for planned tokens.
-    charge: Callable[[Sequence, int, int, int], None]
-    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
-    preempted: set[str] = field(default_factory=set)
-    # A better queue's head could not get blocks or a slot: worse queues admit nobody.
-    admission_closed: bool = False
-
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        chunk = self.chunks.get(seq.seq_id)
-        if chunk is None:
-            chunk = ScheduledChunk(seq, seq.num_computed_tokens, 0)
-            self.chunks[seq.seq_id] = chunk
-            self.plan.chunks.append(chunk)
-        self.charge(seq, chunk.end, num_tokens, 1)
-        chunk.num_tokens += num_tokens
-        self.budget -= num_tokens
-
-    def drop(self, seq: Sequence) -> None:
-        chunk = self.chunks.pop(seq.seq_id, None)
-        if chunk is not None:
-            self.plan.chunks.remove(chunk)
-            self.budget += chunk.num_tokens
-            self.charge(seq, chunk.start, chunk.num_tokens, -1)
 
 
 class Scheduler:
@@ -88,6 +56,7 @@ class Scheduler:
         self.waiting: dict[str, deque[Sequence]] = {q: deque() for q in self.policy.queue_names()}
         self.running: list[Sequence] = []
         self._live: dict[str, Sequence] = {}
+        self._express_last = False  # the previous step held a queue's prefill for express requests
 
     # -- requests ------------------------------------------------------------
 
@@ -171,7 +140,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Plan one step; blocks for every chunk are allocated, preemptions already done."""
-        step = _Step(StepPlan(), self.config.max_num_batched_tokens, self.policy.charge_prefill)
+        step = StepBuilder(StepPlan(), self.config.max_num_batched_tokens, self.policy.charge_prefill)
         queues = self.policy.queue_names()
         prefilling: dict[str, list[Sequence]] = {q: [] for q in queues}
         for seq in sorted(self.running, key=self.policy.rank):
@@ -188,7 +157,10 @@ class Scheduler:
         for i, queue in enumerate(queues):
             keep = self._kept_for_worse(queues[i + 1 :], prefilling, step)
             kept += keep
+            if not self._express_last:
+                self._admit_express(queue, step, keep)
             self._schedule_prefills(queue, prefilling[queue], step, keep, True)
+        self._express_last = bool(step.held)
         if kept and step.budget > 0:
             # Tokens kept for worse queues that they could not use go back to everyone.
             prefilling = {q: [] for q in queues}
@@ -199,14 +171,25 @@ class Scheduler:
                 self._schedule_prefills(queue, prefilling[queue], step, 0, False)
         return step.plan
 
-    def _kept_for_worse(self, worse: list[str], prefilling: dict[str, list[Sequence]], step: _Step) -> int:
+    def _kept_for_worse(self, worse: list[str], prefilling: dict[str, list[Sequence]], step: StepBuilder) -> int:
         if not any(self.waiting[q] or prefilling[q] for q in worse):
             return 0
         given = sum(c.num_tokens for c in step.plan.chunks if self.policy.queue_of(c.seq) in worse)
         return max(0, self.policy.min_share_tokens() - given)
 
+    def _admit_express(self, queue: str, step: StepBuilder, keep: int) -> None:
+        """Admit the policy's express requests of ``queue``; if any, hold its other prefill this step."""
+        tenants = set()
+        for seq in self.policy.express(self.waiting[queue], self.running, step.budget - keep):
+            if step.admission_closed:
+                break
+            if seq.seq_id not in step.preempted and self._admit(seq, step, keep, True) is None:
+                tenants.add(seq.tenant)
+        if tenants:
+            step.held[queue] = tenants
+
     def _schedule_prefills(
-        self, queue: str, prefilling: list[Sequence], step: _Step, keep: int, may_preempt: bool
+        self, queue: str, prefilling: list[Sequence], step: StepBuilder, keep: int, may_preempt: bool
     ) -> None:
         """Continue ``queue``'s running prefills, then admit its waiting sequences in order.
 
@@ -216,12 +199,16 @@ class Scheduler:
         """
         queued = self.waiting[queue]
         skipped: set[str] = set()
+        held = step.held.get(queue)
         for seq in prefilling:
             if step.budget - keep <= 0:
                 break
-            if seq.seq_id in step.preempted:
+            if seq.seq_id in step.preempted or (held is not None and seq.tenant not in held):
                 continue
-            self._admit_waiting(queued, step, keep, may_preempt, skipped, before=seq)
+            if held is None:
+                self._admit_waiting(queued, step, keep, may_preempt, skipped, before=seq)
+                if seq.seq_id in step.preempted:  # it gave way to one admitted before it
+                    continue
             chunk = step.chunks.get(seq.seq_id)
             start = chunk.end if chunk else seq.num_computed_tokens
             n = min(seq.num_tokens - start, step.budget - keep)
@@ -235,7 +222,8 @@ class Scheduler:
                     self.block_manager.allocate(seq, start + n)
             if ok:
                 step.add(seq, n)
-        self._admit_waiting(queued, step, keep, may_preempt, skipped)
+        if held is None:
+            self._admit_waiting(queued, step, keep, may_preempt, skipped)
         if any(s.seq_id in step.preempted for s in queued):
             # Preempted for want of blocks this step: worse queues must not take the blocks it will
             # need. (Under fair share a less-served tenant of the same queue may still go first.)
@@ -244,7 +232,7 @@ class Scheduler:
     def _admit_waiting(
         self,
         queued: deque[Sequence],
-        step: _Step,
+        step: StepBuilder,
         keep: int,
         may_preempt: bool,
         skipped: set[str],
@@ -263,7 +251,7 @@ class Scheduler:
             elif reason == NO_ADAPTER:
                 skipped.add(seq.seq_id)  # it waits for a slot; later requests with resident adapters may go
 
-    def _admission_need(self, seq: Sequence, step: _Step, keep: int) -> tuple[str | None, list[int], int]:
+    def _admission_need(self, seq: Sequence, step: StepBuilder, keep: int) -> tuple[str | None, list[int], int]:
         """(why ``seq`` cannot start now or None, its cached prefix blocks, its chunk)."""
         cached = self.block_manager.match_prefix(seq)
         n = min(seq.num_tokens - len(cached) * self.config.block_size, step.budget - keep)
@@ -276,7 +264,7 @@ class Scheduler:
             return NO_BLOCKS, cached, n
         return None, cached, n
 
-    def _admit(self, seq: Sequence, step: _Step, keep: int, may_preempt: bool) -> str | None:
+    def _admit(self, seq: Sequence, step: StepBuilder, keep: int, may_preempt: bool) -> str | None:
         while True:
             reason, cached, n = self._admission_need(seq, step, keep)
             if reason is None:
@@ -292,8 +280,7 @@ class Scheduler:
         start = len(cached) * self.config.block_size
         self.block_manager.allocate(seq, start + n, cached)
         seq.num_computed_tokens = start
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = self.clock()
+        if seq.num_preemptions == 0:  # its first admission: what the prefix cache saved it is billed
             seq.num_cached_tokens = min(start, seq.num_prompt_tokens)
         seq.status = SequenceStatus.RUNNING
         self._dequeue(seq)
@@ -301,7 +288,7 @@ class Scheduler:
         step.add(seq, n)
         return None
 
-    def _frees_enough(self, seq: Sequence, step: _Step, keep: int, victims: list[Sequence]) -> bool:
+    def _frees_enough(self, seq: Sequence, step: StepBuilder, keep: int, victims: list[Sequence]) -> bool:
         bm = self.block_manager
         cached = bm.match_prefix(seq)
         tokens = len(cached) * self.config.block_size + min(
@@ -311,31 +298,38 @@ class Scheduler:
         need = bm.blocks_for(tokens) - len(cached) + sum(1 for b in cached if bm.ref_count(b) == 0)
         return need <= bm.num_free_blocks + bm.reclaimable(victims)
 
-    def _grow_running(self, seq: Sequence, num_tokens: int, step: _Step) -> bool:
+    def _grow_running(self, seq: Sequence, num_tokens: int, step: StepBuilder) -> bool:
         """Blocks for ``seq`` up to ``num_tokens`` positions, preempting as the policy says."""
         if self.block_manager.blocks_for(num_tokens) <= len(seq.block_table):
             return True
         while not self.block_manager.can_allocate(seq, num_tokens):
-            victim = self.policy.victim_for_running(seq, self.running)
-            self._preempt(victim, seq, step)
-            if victim is seq:
+            self._preempt(self.policy.victim_for_running(seq, self.running), seq, step)
+            if seq.seq_id in step.preempted:  # itself, or with a sibling of its group
                 return False
         self.block_manager.allocate(seq, num_tokens)
         return True
 
-    def _preempt(self, victim: Sequence, cause: Sequence, step: _Step) -> None:
-        """Recompute later: free its blocks and put it first in its queue."""
-        step.drop(victim)
-        self.block_manager.free(victim)
-        self.running.remove(victim)
-        victim.recompute_until = max(victim.recompute_until, victim.num_computed_tokens)
-        victim.recompute_charged_tier = cause.tier
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        victim.status = SequenceStatus.WAITING
-        self._enqueue(victim, arriving=False)
-        step.preempted.add(victim.seq_id)
-        step.plan.preempted.append(victim)
+    def _preempt(self, victim: Sequence, cause: Sequence, step: StepBuilder) -> None:
+        """Recompute later: free its blocks and put it first in its queue; its running group goes with it.
+
+        The choices of one request stream together: one left running while a sibling waits
+        would hold blocks the request cannot finish with.
+        """
+        group = [victim]
+        if victim.group is not None:
+            group += [s for s in self.running if s.group == victim.group and s is not victim]
+        for seq in reversed(group):  # the victim ends up first in the queue
+            step.drop(seq)
+            self.block_manager.free(seq)
+            self.running.remove(seq)
+            seq.recompute_until = max(seq.recompute_until, seq.num_computed_tokens)
+            seq.recompute_charged_tier = cause.tier
+            seq.num_computed_tokens = 0
+            seq.num_preemptions += 1
+            seq.status = SequenceStatus.WAITING
+            self._enqueue(seq, arriving=False)
+            step.preempted.add(seq.seq_id)
+            step.plan.preempted.append(seq)
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> None:
         """Apply a step: advance every chunk, append the tokens of chunks that sample."""
@@ -360,14 +354,8 @@ class Scheduler:
         self.load_estimator.observe_step(duration_s, num_tokens, num_prefill_tokens)
 
     def load(self) -> dict[str, TierLoad]:
-        """Per tier: queue depth, running, queued prefill tokens and predicted TTFT of a new request."""
-        return tier_loads(
-            self._live.values(),
-            self._priority,
-            self.load_estimator,
-            tiered=self.policy.name == "tiered",
-            fair=self.policy.name == "tiered" and self.config.fair_share,
-        )
+        """Per tier: queue depth, running and predicted TTFT of a new request."""
+        return tier_loads(self._live.values(), self._priority, self.load_estimator, self.policy)
 
     def counter_spread(self) -> dict[str, float]:
         """Per tier (fair share only): max minus min virtual token counter over backlogged tenants."""
@@ -403,6 +391,3 @@ class Scheduler:
             assert self.block_manager.blocks_for(seq.num_computed_tokens) <= len(seq.block_table)
             assert seq.num_computed_tokens < seq.num_tokens <= cfg.max_model_len
 
-
-def make_scheduler(config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> Scheduler:
-    return Scheduler(config, clock)

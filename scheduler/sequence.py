@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 
@@ -32,8 +31,9 @@ class Sequence:
     # Opaque to the scheduler: whose request this is, for fair share and the prefix cache's scope.
     tenant: str | None = None
     weight: float = 1.0  # the tenant's share of its tier relative to others (fair share)
+    # The request whose n > 1 choices this is one of (opaque): the choices are preempted together.
+    group: str | None = None
     max_tokens: int = 16
-    arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -45,7 +45,6 @@ class Sequence:
     recompute_until: int = 0
     recompute_charged_tier: str | None = None
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None
     # Time spent in a waiting queue, first wait and waits after preemptions together.
     queue_time_s: float = 0.0
     waiting_since: float | None = None
@@ -70,7 +69,3 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True while more than the one newest token is left to compute."""
         return self.num_uncomputed_tokens > 1
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)

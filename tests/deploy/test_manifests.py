@@ -99,7 +99,7 @@ class _IdleEngine:
     def add_listener(self, listener) -> None: ...
 
     def load(self) -> dict[str, TierLoad]:
-        return {t.name: TierLoad(0, 0, 0, 0.0) for t in self.config.tiers}
+        return {t.name: TierLoad(0, 0, 0.0) for t in self.config.tiers}
 
     def kv_usage(self) -> tuple[dict[str, int], int]:
         return {}, 100

@@ -75,7 +75,7 @@ def test_unknown_route_and_wrong_method_are_openai_shaped(server):
 
 
 def test_predicted_ttft_over_slo_is_429_overloaded_with_retry_after(post, server, monkeypatch):
-    overloaded = {"premium": TierLoad(3, 8, 900, 4.0), "standard": TierLoad(20, 8, 9000, 40.0)}
+    overloaded = {"premium": TierLoad(3, 8, 4.0), "standard": TierLoad(20, 8, 40.0)}
     monkeypatch.setattr(server.engine, "load", lambda: overloaded)
     r = post("/v1/completions", {"model": server.engine.model_name, "prompt": "x", "max_tokens": 1})
     assert r.status_code == 429

@@ -8,8 +8,8 @@ from scheduler.config import TierLoad, default_tiers
 
 def load(premium_ttft=0.0, standard_ttft=0.0, premium_queue=0, standard_queue=0):
     return {
-        "premium": TierLoad(premium_queue, 0, 0, premium_ttft),
-        "standard": TierLoad(standard_queue, 0, 0, standard_ttft),
+        "premium": TierLoad(premium_queue, 0, premium_ttft),
+        "standard": TierLoad(standard_queue, 0, standard_ttft),
     }
 
 
@@ -54,8 +54,8 @@ def test_queues_are_bounded_and_standard_bound_is_smaller():
 
 
 def test_a_floods_backlog_does_not_shed_a_tenant_with_nothing_waiting():
-    flooded = {"premium": TierLoad(0, 0, 0, 0.0),
-               "standard": TierLoad(30, 2, 9000, 40.0, newcomer_ttft_s=1.5, tenant_ttft_s={"flood": 40.0, "light": 3.0})}
+    flooded = {"premium": TierLoad(0, 0, 0.0),
+               "standard": TierLoad(30, 2, 40.0, newcomer_ttft_s=1.5, tenant_ttft_s={"flood": 40.0, "light": 3.0})}
     c = controller(standard_max_wait_s=30)
     assert c.check("standard", flooded, "flood").reason == "slo"
     assert c.check("standard", flooded, "light") is None  # its own queued work and its turns: 3 s
@@ -64,5 +64,5 @@ def test_a_floods_backlog_does_not_shed_a_tenant_with_nothing_waiting():
 
 
 def test_without_fair_share_every_tenant_is_judged_by_the_tiers_backlog():
-    fifo = {"premium": TierLoad(0, 0, 0, 0.0), "standard": TierLoad(30, 2, 9000, 40.0)}
+    fifo = {"premium": TierLoad(0, 0, 0.0), "standard": TierLoad(30, 2, 40.0)}
     assert controller(standard_max_wait_s=30).check("standard", fifo, "light").reason == "slo"

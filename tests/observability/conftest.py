@@ -54,7 +54,7 @@ def metrics() -> GatewayMetrics:
 @pytest.fixture
 def engine_state() -> EngineState:
     return EngineState(
-        loads={"premium": TierLoad(1, 2, 40, 0.25), "standard": TierLoad(5, 3, 900, 4.0)},
+        loads={"premium": TierLoad(1, 2, 0.25), "standard": TierLoad(5, 3, 4.0)},
         used_blocks={"premium": 12, "standard": 50},
         num_blocks=100,
         lora_pool=LoraPoolCounters(loads=3, cache_hits=17),

@@ -35,7 +35,7 @@ def scrape(metrics: GatewayMetrics) -> dict[str, list]:
 
 
 def test_each_epp_series_is_one_sample_summed_over_tiers():
-    engine = BusyEngine(loads={"premium": TierLoad(2, 3, 10, 0.1), "standard": TierLoad(5, 1, 40, 0.9)},
+    engine = BusyEngine(loads={"premium": TierLoad(2, 3, 0.1), "standard": TierLoad(5, 1, 0.9)},
                         used={"premium": 30, "standard": 20}, adapters=(frozenset({"b", "a"}), frozenset({"c"})))
     metrics = GatewayMetrics(default_tiers())
     metrics.attach_engine(engine)
@@ -64,7 +64,7 @@ def test_lora_info_timestamp_moves_only_when_the_adapter_sets_change():
 
 
 def test_vllm_names_carry_the_same_values():
-    engine = BusyEngine(loads={"premium": TierLoad(1, 2, 0, 0.0)}, used={"premium": 50})
+    engine = BusyEngine(loads={"premium": TierLoad(1, 2, 0.0)}, used={"premium": 50})
     metrics = GatewayMetrics(default_tiers(), vllm_names=True)
     metrics.attach_engine(engine)
     families = scrape(metrics)

@@ -41,6 +41,6 @@ def seq() -> Callable[..., Sequence]:
     def make(prompt: int | list[int], tier: str = "standard", **kw) -> Sequence:
         n = next(counter)
         tokens = prompt if isinstance(prompt, list) else [(n * 7919 + i) % 997 + 1000 for i in range(prompt)]
-        return Sequence(kw.pop("seq_id", f"s{n}"), list(tokens), tier=tier, arrival_time=float(n), **kw)
+        return Sequence(kw.pop("seq_id", f"s{n}"), list(tokens), tier=tier, **kw)
 
     return make

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import SchedulerConfig, Sequence, make_scheduler
+from scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
 from scheduler.fairness import VirtualTokenCounters
 from scheduler.policy import TieredPolicy
 
@@ -37,10 +37,14 @@ def request_of():
     return make
 
 
+def started(seq: Sequence) -> bool:
+    return seq.status is not SequenceStatus.WAITING or seq.num_preemptions > 0
+
+
 def steps_until_scheduled(sched, seq: Sequence, limit: int = 500) -> int:
     for n in range(1, limit + 1):
         engine_step(sched)
-        if seq.first_scheduled_time is not None:
+        if started(seq):
             return n
     raise AssertionError(f"{seq.seq_id} never scheduled in {limit} steps")
 
@@ -59,7 +63,7 @@ def weighted_service(plan) -> dict[str | None, float]:
                                                          ("fcfs", True, False)])
 def test_light_tenant_overtakes_a_flooding_tenants_backlog_only_with_fair_share(request_of, policy, fair,
                                                                                 fair_expected):
-    sched = make_scheduler(config(policy=policy, fair_share=fair))
+    sched = Scheduler(config(policy=policy, fair_share=fair))
     for _ in range(12):
         sched.add(request_of("flood", max_tokens=8))
     engine_step(sched)
@@ -73,7 +77,7 @@ def test_light_tenant_overtakes_a_flooding_tenants_backlog_only_with_fair_share(
 
 
 def test_weights_split_a_contended_tier_in_proportion(request_of):
-    sched = make_scheduler(config(max_num_seqs=4))
+    sched = Scheduler(config(max_num_seqs=4))
     for _ in range(40):
         sched.add(request_of("one", weight=1.0))
         sched.add(request_of("two", weight=2.0))
@@ -85,15 +89,15 @@ def test_weights_split_a_contended_tier_in_proportion(request_of):
 
 
 def test_fcfs_inside_one_tenant(request_of):
-    sched = make_scheduler(config(max_num_seqs=1))
+    sched = Scheduler(config(max_num_seqs=1))
     mine = [request_of("a") for _ in range(4)]
     sched.add(request_of("b", max_tokens=12))
     for s in mine:
         sched.add(s)
+    order = []
     for _ in range(200):
         engine_step(sched)
-    starts = [s.first_scheduled_time for s in mine]
-    order = sorted(range(4), key=lambda i: (starts[i], i))
+        order += [i for i, s in enumerate(mine) if started(s) and i not in order]
     assert order == [0, 1, 2, 3]
 
 
@@ -133,7 +137,7 @@ def test_the_last_counter_to_leave_an_empty_backlog_is_the_floor(request_of):
 
 def test_queue_time_counts_every_wait(request_of):
     now = [0.0]
-    sched = make_scheduler(config(max_num_seqs=1), clock=lambda: now[0])
+    sched = Scheduler(config(max_num_seqs=1), clock=lambda: now[0])
     first, second = request_of("a", max_tokens=2), request_of("b", max_tokens=2)
     sched.add(first)
     sched.add(second)
@@ -146,7 +150,7 @@ def test_queue_time_counts_every_wait(request_of):
 
 
 def test_a_weight_that_is_not_positive_is_refused(request_of):
-    sched = make_scheduler(config())
+    sched = Scheduler(config())
     with pytest.raises(ValueError, match="weight"):
         sched.add(request_of("a", weight=0.0))
     assert not sched.has_unfinished()
@@ -170,7 +174,7 @@ def fairness_bound(seqs: int, budget: int = 32) -> float:
 
 def run_two_tenants(cfg: SchedulerConfig, pattern, weight_b: float = 1.0):
     """Drive a and b through ``pattern``; yield (scheduler, plan, backlogged tenants) after every step."""
-    sched = make_scheduler(cfg, clock=lambda: 0.0)
+    sched = Scheduler(cfg, clock=lambda: 0.0)
     ids = itertools.count()
     for new_a, new_b in pattern + [([], [])] * 200:
         for tenant, new, weight in (("a", new_a, 1.0), ("b", new_b, weight_b)):
@@ -228,7 +232,7 @@ def test_the_bound_fails_without_fair_share():
 @given(pattern=arrivals, seqs=st.integers(1, 3))
 def test_becoming_backlogged_never_starts_below_the_others(pattern, seqs):
     """No banked credit: a tenant joining the backlog starts at or above every backlogged counter's minimum."""
-    sched = make_scheduler(config(max_num_seqs=seqs), clock=lambda: 0.0)
+    sched = Scheduler(config(max_num_seqs=seqs), clock=lambda: 0.0)
     fair = sched.policy.fair
     original = fair.enqueued
 
@@ -255,7 +259,7 @@ def test_becoming_backlogged_never_starts_below_the_others(pattern, seqs):
        prompt=st.integers(1, MAX_PROMPT), max_tokens=st.integers(1, MAX_TOKENS))
 def test_a_light_request_is_not_starved_by_an_endless_flood(flood, arrives_at, seqs, prompt, max_tokens):
     """A flood that never stops: the light request still starts within a few requests' lifetimes."""
-    sched = make_scheduler(config(max_num_seqs=seqs, num_blocks=256), clock=lambda: 0.0)
+    sched = Scheduler(config(max_num_seqs=seqs, num_blocks=256), clock=lambda: 0.0)
     ids = itertools.count()
     light = Sequence("light", [7] * prompt, tenant="light", max_tokens=max_tokens)
     for t in range(400):
@@ -266,14 +270,14 @@ def test_a_light_request_is_not_starved_by_an_endless_flood(flood, arrives_at, s
         if t == arrives_at:
             sched.add(light)
         engine_step(sched)
-        if t > arrives_at and light.first_scheduled_time is not None:
+        if t > arrives_at and started(light):
             assert t - arrives_at <= MAX_PROMPT + MAX_TOKENS + 2
             return
     raise AssertionError("the light request starved")
 
 
 def test_load_predicts_each_tenant_its_own_wait_under_fair_share(request_of):
-    sched = make_scheduler(config(max_num_seqs=1))
+    sched = Scheduler(config(max_num_seqs=1))
     for _ in range(10):
         sched.add(request_of("flood", prompt=20))
     engine_step(sched)
@@ -282,12 +286,12 @@ def test_load_predicts_each_tenant_its_own_wait_under_fair_share(request_of):
     assert set(standard.tenant_ttft_s) == {"flood", "light"}
     assert standard.predicted_ttft_for("light") < standard.predicted_ttft_for("flood")
     assert standard.predicted_ttft_for("newcomer") < standard.predicted_ttft_for("light")
-    assert make_scheduler(config(fair_share=False)).load()["standard"].newcomer_ttft_s is None
+    assert Scheduler(config(fair_share=False)).load()["standard"].newcomer_ttft_s is None
 
 
 @pytest.mark.parametrize("fair", [True, False])
 def test_a_light_request_does_not_wait_for_a_floods_running_prefills(request_of, fair):
-    sched = make_scheduler(config(max_num_seqs=8, max_num_batched_tokens=16, fair_share=fair))
+    sched = Scheduler(config(max_num_seqs=8, max_num_batched_tokens=16, fair_share=fair))
     for _ in range(6):
         sched.add(request_of("flood", prompt=60, max_tokens=2))
     for _ in range(2):

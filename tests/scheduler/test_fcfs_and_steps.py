@@ -6,16 +6,16 @@ import dataclasses
 
 import pytest
 
-from scheduler import SchedulerConfig, SequenceStatus, make_scheduler
+from scheduler import Scheduler, SchedulerConfig, SequenceStatus
 
 
 def fcfs(config: SchedulerConfig, **kw):
-    return make_scheduler(dataclasses.replace(config, policy="fcfs", **kw))
+    return Scheduler(dataclasses.replace(config, policy="fcfs", **kw))
 
 
 def test_unknown_policy_is_a_clear_error(small_config):
     with pytest.raises(ValueError, match="policy"):
-        make_scheduler(dataclasses.replace(small_config, policy="lottery"))
+        Scheduler(dataclasses.replace(small_config, policy="lottery"))
 
 
 def test_fcfs_serves_in_arrival_order_whatever_the_tier(small_config, seq, step):
@@ -56,7 +56,7 @@ def test_fcfs_waiting_request_never_preempts(small_config, seq, step):
 
 @pytest.mark.parametrize("policy", ["fcfs", "tiered"])
 def test_decodes_come_before_prefill_chunks(small_config, seq, step, policy):
-    sched = make_scheduler(dataclasses.replace(small_config, policy=policy))
+    sched = Scheduler(dataclasses.replace(small_config, policy=policy))
     first = seq(4, max_tokens=4)
     sched.add(first)
     step(sched)
@@ -69,7 +69,7 @@ def test_decodes_come_before_prefill_chunks(small_config, seq, step, policy):
 
 @pytest.mark.parametrize("policy", ["fcfs", "tiered"])
 def test_request_with_one_adapter_too_many_waits_then_runs(small_config, seq, step, policy):
-    sched = make_scheduler(dataclasses.replace(small_config, policy=policy, max_loras=2))
+    sched = Scheduler(dataclasses.replace(small_config, policy=policy, max_loras=2))
     a, b, c, a2 = (seq(4, adapter=n, max_tokens=3) for n in ("a", "b", "c", "a"))
     for s in (a, b, c, a2):
         sched.add(s)
@@ -171,7 +171,7 @@ def test_add_rejects_a_duplicate_id(small_config, seq):
 
 
 def test_add_rejects_a_standard_sequence_larger_than_its_share_of_the_pool(small_config, seq):
-    sched = make_scheduler(dataclasses.replace(small_config, num_blocks=8, max_model_len=32))
+    sched = Scheduler(dataclasses.replace(small_config, num_blocks=8, max_model_len=32))
     with pytest.raises(ValueError, match="share"):
         sched.add(seq(24, max_tokens=4))  # 7 blocks > 5 (70% of 8)
     sched.add(seq(24, tier="premium", max_tokens=4))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from scheduler import SchedulerConfig, Sequence, SequenceStatus, make_scheduler
+from scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
 
 from scheduler_driver import fake_token
 
@@ -111,14 +111,14 @@ def run_step(sched) -> None:
     ops=[("step",), ("arrive", "standard", 0, 1, "b", 1)] + [("step",)] * 5 + [("abort", 0), ("abort", 0), ("abort", 4)],
 )
 def test_random_traffic_keeps_every_invariant_and_ends_with_all_blocks_free(config, burst, ops):
-    sched = make_scheduler(config)
+    sched = Scheduler(config)
     made: list[Sequence] = []
     for op in burst + ops:
         if op[0] == "arrive":
             _, tier, prefix, suffix_len, adapter, max_tokens = op
             n = len(made)
             prompt = PREFIXES.get(prefix, []) + [(n * 37 + i) % 500 for i in range(suffix_len)]
-            seq = Sequence(f"r{n}", prompt, tier=tier, adapter=adapter, max_tokens=max_tokens, arrival_time=n,
+            seq = Sequence(f"r{n}", prompt, tier=tier, adapter=adapter, max_tokens=max_tokens,
                            tenant=f"t{n % 3}")
             sched.add(seq)
             made.append(seq)
@@ -150,13 +150,13 @@ def test_random_traffic_keeps_every_invariant_and_ends_with_all_blocks_free(conf
 @given(config=configs, lengths=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 6)), min_size=4, max_size=12))
 def test_preemption_never_changes_what_a_sequence_generates(config, lengths):
     """With tokens that depend only on the context, preempted work resumes with identical output."""
-    crowded = make_scheduler(config)
-    roomy = make_scheduler(SchedulerConfig(num_blocks=400, block_size=BLOCK, max_model_len=48, policy=config.policy))
+    crowded = Scheduler(config)
+    roomy = Scheduler(SchedulerConfig(num_blocks=400, block_size=BLOCK, max_model_len=48, policy=config.policy))
     outputs = []
     for sched in (crowded, roomy):
         seqs = [
             Sequence(f"r{i}", [(i * 13 + j) % 300 for j in range(n)], tier="premium" if i % 3 == 0 else "standard",
-                     max_tokens=m, arrival_time=i)
+                     max_tokens=m)
             for i, (n, m) in enumerate(lengths)
         ]
         for s in seqs:
