@@ -150,6 +150,18 @@ def test_length_limited_strings_never_hold_raw_control_characters(make_engine):
         assert all(len(s) <= 3 for s in json.loads(text)), text  # json.loads refuses raw control characters
 
 
+@pytest.mark.parametrize("text, accepted", [('"a"b"', False), ('"a\\"b"', True), ('"a\\\\b"', True),
+                                            ('"a\\q"', False), ('"abcd"', True), ('"abcde"', False)])
+def test_a_length_limited_string_holds_a_quote_or_backslash_only_escaped(text, accepted):
+    from engine.grammar import GrammarCompiler
+    from engine.loader import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    matcher = GrammarCompiler(tokenizer, 256, ()).matcher(
+        GrammarSpec("json_schema", json.dumps({"type": "string", "maxLength": 4})))
+    assert all(matcher.accept(t) for t in tokenizer.encode(text).ids) == accepted
+
+
 def test_free_whitespace_is_bounded_so_a_model_cannot_stall_in_it(make_engine):
     from engine.grammar import MAX_WHITESPACE_RUN
 
