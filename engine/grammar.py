@@ -97,12 +97,12 @@ class GrammarCompiler:
         )
 
 
-# One character of a JSON string as written (printable ASCII but the quote and backslash, which
-# only come escaped; or a well-formed UTF-8 character with no control characters), as a regex: the
-# pattern matches the string's raw text. Each class stays inside
-# one UTF-8 length because xgrammar's byte automaton accepts overlong and surrogate sequences for
-# classes that cross those boundaries. The 4-byte range is written as the characters themselves,
-# as its regex has no escape for them.
+# One character of a JSON string as written, as a regex (xgrammar matches a pattern against the
+# string's raw text): printable ASCII but the quote and backslash, which come only escaped, or a
+# well-formed UTF-8 character with no control characters. Each class stays inside one UTF-8 length
+# because xgrammar's byte automaton accepts overlong and surrogate sequences for classes that cross
+# those boundaries. The 4-byte range is written as the characters themselves, as its regex has no
+# escape for them.
 _JSON_STRING_CHAR = (
     '([ !#-\\[\\]-~]|\\\\["\\\\/bfnrt]|'
     "[\\u00a0-\\u07ff]|[\\u0800-\\ud7ff]|[\\ue000-\\uffff]|[" + chr(0x10000) + "-" + chr(0x10FFFF) + "])"
