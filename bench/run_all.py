@@ -81,7 +81,7 @@ def benches() -> list[Bench]:
               ["--flood", "4", "--alone-s", "3", "--warmup-s", "3", "--flood-s", "6"], timeout_s=1200),
         Bench("gateway_overhead", "Gateway overhead", json_flag="--out"),
         Bench("structured", "Structured outputs and n > 1: JSON-schema decoding vs free, compile time, n=4",
-              ["--concurrency", "32", "--max-tokens", "32", "--rounds", "3"],
+              ["--concurrency", "32", "--max-tokens", "32", "--rounds", "5"],
               ["--concurrency", "4", "--max-tokens", "8", "--rounds", "1"]),
         Bench("report_speed", "Billing report speed", json_flag=""),
         Bench("chaos", "Chaos: database cut, Redis restart, SIGKILL, dropped streams under load",

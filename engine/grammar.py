@@ -97,12 +97,15 @@ class GrammarCompiler:
         )
 
 
-# One well-formed UTF-8 character with no control characters, as a regex; each class stays inside
-# one UTF-8 length because xgrammar's byte automaton accepts overlong and surrogate sequences for
-# classes that cross those boundaries. The 4-byte range is written as the characters themselves,
-# as its regex has no escape for them.
+# One character of a JSON string as written, as a regex (xgrammar matches a pattern against the
+# string's raw text): printable ASCII but the quote and backslash, which come only escaped, or a
+# well-formed UTF-8 character with no control characters. Each class stays inside one UTF-8 length
+# because xgrammar's byte automaton accepts overlong and surrogate sequences for classes that cross
+# those boundaries. The 4-byte range is written as the characters themselves, as its regex has no
+# escape for them.
 _JSON_STRING_CHAR = (
-    "([ -~]|[\\u00a0-\\u07ff]|[\\u0800-\\ud7ff]|[\\ue000-\\uffff]|[" + chr(0x10000) + "-" + chr(0x10FFFF) + "])"
+    '([ !#-\\[\\]-~]|\\\\["\\\\/bfnrt]|'
+    "[\\u00a0-\\u07ff]|[\\u0800-\\ud7ff]|[\\ue000-\\uffff]|[" + chr(0x10000) + "-" + chr(0x10FFFF) + "])"
 )
 
 
@@ -160,11 +163,26 @@ class GrammarMatcher:
 
 
 def mask_logits(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
-    """Set, in place, the logits of tokens each row's grammar forbids to -inf; rows without one are untouched."""
+    """Set, in place, the logits of tokens each row's grammar forbids to -inf; rows without one are untouched.
+
+    The packed bitmask is widened through a byte lookup table (each byte -> 8 biases of 0 or -inf)
+    and added to the grammar rows in one batched op: xgrammar's CPU kernel walks the mask bit by
+    bit and cost more than filling it (bench/RESULTS.md, structured outputs).
+    """
     rows = [row for row, m in enumerate(matchers) if m is not None]
     if not rows:
         return
-    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
-    for row in rows:
-        matchers[row].fill_mask(bitmask, row)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    vocab = logits.shape[-1]
+    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
+    for i, row in enumerate(rows):
+        matchers[row].fill_mask(bitmask, i)
+    table = _BYTE_BIAS.to(device=logits.device, dtype=logits.dtype)
+    # Little-endian int32 words: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7, lowest bit first.
+    byte_ids = bitmask.view(torch.uint8).to(device=logits.device, dtype=torch.int32)
+    bias = torch.nn.functional.embedding(byte_ids, table).view(len(rows), -1)[:, :vocab]
+    with torch.inference_mode():  # the runner's logits are inference tensors
+        logits.index_add_(0, torch.tensor(rows, device=logits.device), bias)
+
+
+# Row v: the bias of the 8 tokens of a mask byte of value v (bit i set: token i allowed).
+_BYTE_BIAS = torch.tensor([[0.0 if value >> bit & 1 else float("-inf") for bit in range(8)] for value in range(256)])

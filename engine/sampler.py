@@ -14,6 +14,7 @@ request ends, not the batch around it.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -64,6 +65,24 @@ def _filtered_probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.T
     return probs
 
 
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn from ``probs`` by inverting its cumulative distribution with one uniform.
+
+    torch.multinomial draws one exponential per vocabulary entry to take a single sample, which
+    made sampling a large part of a step. The float64 running sum with ``right=True`` can never
+    land on a token of probability zero (one a grammar or top-k/top-p removed).
+    """
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+    total = float(cdf[-1])
+    if not math.isfinite(total) or total <= 0.0:
+        raise ValueError(f"probabilities sum to {total}")
+    u = torch.rand(1, dtype=torch.float64, generator=generator) * total
+    token = int(torch.searchsorted(cdf, u, right=True))
+    if token >= probs.numel():  # u rounded up to the total: the last token that has any mass
+        token = int(torch.nonzero(probs)[-1])
+    return token
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -76,8 +95,7 @@ def sample(
     for row, p in enumerate(params):
         if not is_greedy(p):
             try:
-                probs = _filtered_probs(logits[row], p)
-                token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
+                token_ids[row] = _draw(_filtered_probs(logits[row], p), generators[row])
             except Exception as exc:  # e.g. NaN logits: this request's problem, not its batch's
                 errors[row] = f"sampling failed: {exc}"
 

@@ -26,7 +26,7 @@ from gateway.errors import APIError
 from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
 from gateway.ratelimit.base import retry_headers
-from gateway.tools import ToolCallParser, split_tool_calls
+from gateway.tool_calls import ToolCallParser, split_tool_calls
 from gateway.usage_recorder import gateway_record
 
 log = logging.getLogger(__name__)
@@ -122,13 +122,15 @@ class Generation:
             text, reason, index = delta.text, delta.finish_reason, delta.index
             if request.parse_tool_calls:
                 parser = parsers.setdefault(index, ToolCallParser())
-                done = len(parser.calls)
-                text, calls = parser.feed(text)
+                pieces = parser.feed(text) + (parser.finish() if reason is not None else [])
+                for piece in pieces:  # content and calls in the order they were written
+                    if isinstance(piece, dict):
+                        yield writer.tool_call(piece, index)
+                    else:
+                        yield writer.delta(piece, (), False, index=index)
+                text = ""
                 if reason is not None:
-                    text += parser.finish()
                     reason = "tool_calls" if reason == "stop" and parser.calls else reason
-                if calls:
-                    yield writer.tool_calls(calls, done, index)
             if not delta.is_last:
                 chunk = writer.delta(text, delta.logprobs, request.want_logprobs, reason, index)
                 if chunk:

@@ -127,12 +127,10 @@ class ChunkWriter:
         self.text_offsets[index] = offset + len(text)
         return self._chunk(choice)
 
-    def tool_calls(self, calls: Sequence[dict], first_index: int, index: int = 0) -> bytes:
-        """Whole calls in one chunk; OpenAI's clients join a call's pieces by its ``index``."""
-        if not calls:
-            return b""
-        deltas = [{"index": first_index + i, **call} for i, call in enumerate(calls)]
-        return self._chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
+    def tool_call(self, item: dict, index: int = 0) -> bytes:
+        """One item of ``delta.tool_calls``: a call's id, type and name first, then pieces of its
+        arguments; OpenAI's clients join the pieces by the item's ``index``."""
+        return self._chunk({"index": index, "delta": {"tool_calls": [item]}, "logprobs": None,
                             "finish_reason": None})
 
     def usage(self, usage: Usage) -> bytes:

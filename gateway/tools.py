@@ -1,4 +1,4 @@
-"""Function calling: `tools` and `tool_choice` in, the prompt's tools and grammar, `tool_calls` out.
+"""Function calling: `tools` and `tool_choice` in, the prompt's tools and the call grammar.
 
 Calls are written in the Hermes form many open models are trained on, one
 block per call::
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.grammar import MAX_WHITESPACE_RUN, GrammarSpec, well_formed_strings
@@ -27,10 +26,12 @@ from gateway.errors import invalid_param
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-_CALL_BEGIN = CALL_OPEN + '\n{"name": "'
-_CALL_ARGUMENTS = '", "arguments": '
-_CALL_END = "}\n" + CALL_CLOSE
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# A call is written CALL_OPEN + CALL_NAMED + name + CALL_ARGUMENTS + arguments + CALL_END.
+CALL_NAMED = '\n{"name": "'
+CALL_ARGUMENTS = '", "arguments": '
+CALL_END = "}\n" + CALL_CLOSE
+CALL_NAME = "[A-Za-z0-9_-]{1,64}"
+_NAME = re.compile(f"^{CALL_NAME}$")
 FALLBACK_PROMPT = (
     "You can call functions. Their names and JSON Schemas:\n{tools}\n"
     "To call one, reply with a block like this, one block per call:\n"
@@ -62,7 +63,7 @@ class ToolRequest:
         if self.choice == "none":
             return None
         tools = [t for t in self.tools if self.choice != "named" or t.name == self.named]
-        tags = [{"type": "tag", "begin": _CALL_BEGIN + t.name + _CALL_ARGUMENTS, "end": _CALL_END,
+        tags = [{"type": "tag", "begin": CALL_OPEN + CALL_NAMED + t.name + CALL_ARGUMENTS, "end": CALL_END,
                  "content": {"type": "json_schema", "json_schema": well_formed_strings(t.parameters),
                              "max_whitespace_cnt": MAX_WHITESPACE_RUN}} for t in tools]
         if self.choice == "named":
@@ -177,80 +178,3 @@ def _as_object(call: dict) -> Any:
         return json.loads(call["function"]["arguments"])
     except (TypeError, ValueError):
         return call["function"]["arguments"]
-
-
-# ---- the answer ---------------------------------------------------------------
-
-
-def _call_dict(block: str) -> dict | None:
-    try:
-        obj = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
-        return None
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
-
-
-@dataclass
-class ToolCallParser:
-    """Splits generated text into content and calls as it streams in.
-
-    Text that could be the start of ``<tool_call>`` is held back until it is
-    known either way; a call is given out whole, once its block closes.
-    """
-
-    calls: list[dict] = field(default_factory=list)
-    _pending: str = ""
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        """(content to show, calls completed) for ``text``, the next piece of the output."""
-        self._pending += text
-        content, calls = "", []
-        while True:
-            start = self._pending.find(CALL_OPEN)
-            if start < 0:
-                keep = _partial_suffix(self._pending, CALL_OPEN)
-                content += self._pending[: len(self._pending) - keep]
-                self._pending = self._pending[len(self._pending) - keep:]
-                break
-            end = self._pending.find(CALL_CLOSE, start)
-            if end < 0:
-                content += self._pending[:start]
-                self._pending = self._pending[start:]
-                break
-            call = _call_dict(self._pending[start + len(CALL_OPEN): end])
-            if call is None:  # not a call after all: it stays text
-                content += self._pending[: end + len(CALL_CLOSE)]
-            else:
-                content += self._pending[:start]
-                calls.append(call)
-            self._pending = self._pending[end + len(CALL_CLOSE):]
-        if self.calls or calls:  # whitespace between calls is the grammar's separator, not an answer
-            content = content if content.strip() else ""
-        self.calls.extend(calls)
-        return content, calls
-
-    def finish(self) -> str:
-        """Whatever is held back (an unfinished call, cut by max_tokens), as content."""
-        rest, self._pending = self._pending, ""
-        return rest if not (self.calls and not rest.strip()) else ""
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``marker``."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
-def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """A whole answer as (content or None, calls)."""
-    parser = ToolCallParser()
-    content, _ = parser.feed(text)
-    content += parser.finish()
-    if parser.calls:
-        content = content.strip()
-    return (content if content or not parser.calls else None), parser.calls

@@ -103,19 +103,25 @@ def test_max_tokens_cutting_a_grammar_ends_with_length(make_engine):
 
 
 def test_a_preempted_grammar_request_resumes_where_its_grammar_was(make_engine):
-    # 30 blocks of 4 tokens cannot hold six ~96-token sequences at once: preemption must happen.
-    engine, events = make_engine(num_kv_blocks=30, block_size=4, policy="fcfs", max_model_len=128)
-    requests = [_request(f"p{i}", [3 + i] * 6, PERSON_GRAMMAR, max_tokens=90, temperature=1.0, seed=i)
+    # Seeded draws: a matcher that lost or repeated a token on recompute would mask differently and
+    # the text would part from the run that was never preempted.
+    requests = [_request(f"p{i}", [3 + i] * 6, PERSON_GRAMMAR, max_tokens=110, temperature=1.0, seed=i)
                 for i in range(6)]
-    results = _finals(engine, requests)
+    roomy, roomy_events = make_engine()
+    unpreempted = _finals(roomy, requests)
+    assert not any(e.preempted for e in roomy_events if isinstance(e, StepEvent))
+    # 30 blocks of 4 tokens cannot hold six ~116-token sequences at once: preemption must happen.
+    cramped, events = make_engine(num_kv_blocks=30, block_size=4, policy="fcfs", max_model_len=128)
+    results = _finals(cramped, requests)
     assert any(e.preempted for e in events if isinstance(e, StepEvent))
+    assert results == unpreempted
     for text, reason in results:
         if reason == "stop":
             json.loads(text)
         else:  # cut by max_tokens: still a prefix the grammar accepts
             assert reason == "length" and text.startswith("{")
     assert any(reason == "stop" for _, reason in results)
-    _wait_idle(engine)
+    _wait_idle(cramped)
 
 
 @pytest.mark.parametrize(
@@ -144,6 +150,18 @@ def test_length_limited_strings_never_hold_raw_control_characters(make_engine):
         assert all(len(s) <= 3 for s in json.loads(text)), text  # json.loads refuses raw control characters
 
 
+@pytest.mark.parametrize("text, accepted", [('"a"b"', False), ('"a\\"b"', True), ('"a\\\\b"', True),
+                                            ('"a\\q"', False), ('"abcd"', True), ('"abcde"', False)])
+def test_a_length_limited_string_holds_a_quote_or_backslash_only_escaped(text, accepted):
+    from engine.grammar import GrammarCompiler
+    from engine.loader import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    matcher = GrammarCompiler(tokenizer, 256, ()).matcher(
+        GrammarSpec("json_schema", json.dumps({"type": "string", "maxLength": 4})))
+    assert all(matcher.accept(t) for t in tokenizer.encode(text).ids) == accepted
+
+
 def test_free_whitespace_is_bounded_so_a_model_cannot_stall_in_it(make_engine):
     from engine.grammar import MAX_WHITESPACE_RUN
 
@@ -154,3 +172,27 @@ def test_free_whitespace_is_bounded_so_a_model_cannot_stall_in_it(make_engine):
     assert matcher.accept(brace)
     assert all(matcher.accept(space) for _ in range(MAX_WHITESPACE_RUN))
     assert not matcher.accept(space)
+
+
+def test_the_mask_forbids_exactly_what_the_matchers_bitmask_forbids_on_a_padded_vocabulary():
+    import torch
+    import xgrammar as xgr
+
+    from engine.grammar import GrammarCompiler, mask_logits
+    from engine.loader import byte_tokenizer
+
+    vocab = 300  # past the tokenizer's 256 ids and not a multiple of 32: the padding must be masked too
+    tokenizer = byte_tokenizer()
+    compiler = GrammarCompiler(tokenizer, vocab, ())
+    matchers = [compiler.matcher(PERSON_GRAMMAR), None, compiler.matcher(GrammarSpec("json_object")), None]
+    for token in tokenizer.encode('{"name": "a').ids:
+        assert matchers[0].accept(token)
+    logits = torch.randn(len(matchers), vocab, generator=torch.Generator().manual_seed(0))
+    expected = logits.clone()
+    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab)
+    for row in (0, 2):
+        matchers[row].fill_mask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(expected, bitmask, indices=[0, 2])
+    mask_logits(logits, matchers)
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[0, 256:]).all() and torch.isfinite(logits[1]).all()

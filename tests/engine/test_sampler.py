@@ -93,3 +93,14 @@ def test_a_row_whose_draw_fails_carries_the_error_and_the_other_rows_are_sampled
     assert out[1].error is not None
     assert out[0].error is None and out[2].error is None
     assert out[0].logprob is not None and len(out[2].top) == 2
+
+
+def test_draws_follow_the_probabilities_and_never_take_a_token_of_probability_zero():
+    logits = torch.full((1, 1000), float("-inf"))
+    logits[0, [3, 500, 999]] = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    params = SamplingParams(temperature=1.0, seed=5)
+    gen = make_generator(params)
+    drawn = [sample(logits, [params], [gen])[0].token_id for _ in range(4000)]
+    assert set(drawn) == {3, 500, 999}
+    shares = [drawn.count(t) / len(drawn) for t in (3, 500, 999)]
+    assert all(abs(share - want) < 0.03 for share, want in zip(shares, (0.5, 0.3, 0.2))), shares

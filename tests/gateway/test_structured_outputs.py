@@ -75,6 +75,14 @@ def client(live) -> openai.OpenAI:
     return openai.OpenAI(base_url=live.url + "/v1", api_key=live.keys["acme"], max_retries=0)
 
 
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
 def _chat(live, client, **kwargs):
     kwargs = {"model": live.engine.model_name, "messages": [{"role": "user", "content": "go"}],
               "max_tokens": 300, **kwargs}
@@ -123,12 +131,16 @@ def test_a_bad_response_format_is_a_400_saying_why(live, client, response_format
 
 def test_required_tool_choice_returns_valid_calls(live, client):
     # With parallel calls allowed, a model without a stop token goes on calling until max_tokens;
-    # the calls it closed are still returned.
+    # the calls it closed are returned whole, and the one max_tokens cut (as OpenAI does) with what it wrote.
     for seed in range(2):
         out = _chat(live, client, tools=[WEATHER, ADD], tool_choice="required", seed=seed, temperature=1.0)
         choice = out.choices[0]
-        assert choice.finish_reason in ("tool_calls", "length") and len(choice.message.tool_calls) >= 2
-        for call in choice.message.tool_calls:
+        calls = choice.message.tool_calls
+        assert choice.finish_reason in ("tool_calls", "length") and len(calls) >= 2
+        if choice.finish_reason == "length" and not _parses(calls[-1].function.arguments):
+            assert calls[-1].function.arguments.startswith("{")
+            calls = calls[:-1]
+        for call in calls:
             args = json.loads(call.function.arguments)
             assert call.id.startswith("call_") and call.function.name in ("get_weather", "add")
             assert set(args) == ({"city", "unit"} if call.function.name == "get_weather" else {"a", "b"})
@@ -140,16 +152,37 @@ def test_parallel_tool_calls_false_gives_one_call(live, client):
     assert out.choices[0].finish_reason == "tool_calls" and len(out.choices[0].message.tool_calls) == 1
 
 
-def test_a_named_tool_choice_streams_a_call_the_client_reassembles(live, client):
+def test_a_streamed_call_comes_as_a_header_then_pieces_of_arguments_the_client_reassembles(live, client):
     named = {"type": "function", "function": {"name": "add"}}
     with client.beta.chat.completions.stream(model=live.engine.model_name, messages=[{"role": "user", "content": "1+2"}],
                                              tools=[WEATHER, ADD], tool_choice=named, max_tokens=300,
                                              seed=3, temperature=1.0) as stream:
+        events = list(stream)
         final = stream.get_final_completion()
+    chunks = [e.chunk.choices[0].delta.tool_calls for e in events if e.type == "chunk" and e.chunk.choices
+              and e.chunk.choices[0].delta.tool_calls]
+    first = chunks[0][0]
+    assert first.id.startswith("call_") and first.type == "function" and first.function.name == "add"
+    assert first.function.arguments == "" and all(c[0].id is None and c[0].index == 0 for c in chunks[1:])
+    pieces = [e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert len(pieces) > 1
     choice = final.choices[0]
     assert choice.finish_reason == "tool_calls" and [c.function.name for c in choice.message.tool_calls] == ["add"]
+    assert "".join(pieces) == choice.message.tool_calls[0].function.arguments
     args = json.loads(choice.message.tool_calls[0].function.arguments)
-    assert 0 <= args["a"] <= 99 and 0 <= args["b"] <= 99
+    assert set(args) == {"a", "b"} and 0 <= args["a"] <= 99 and 0 <= args["b"] <= 99
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_named_tool_choice_makes_one_call_to_that_function(live, client, parallel):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = _chat(live, client, tools=[WEATHER, ADD], tool_choice=named, parallel_tool_calls=parallel, seed=7,
+                temperature=1.0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["unit"] in ("c", "f") and len(args["city"]) <= 8
 
 
 def test_auto_tool_choice_lets_the_model_answer_in_text(live, client):

@@ -1,4 +1,5 @@
-"""gateway/tools.py without a server: the call grammar, the streaming parser, and the prompt's tools."""
+"""gateway/tools.py and gateway/tool_calls.py without a server: the call grammar, the prompt's tools,
+and the parser that streams calls out of the answer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 from engine.grammar import GrammarCompiler
 from engine.loader import byte_tokenizer
 from gateway.schemas import Message
-from gateway.tools import Tool, ToolCallParser, ToolRequest, chat_messages, split_tool_calls
+from gateway.tool_calls import ToolCallParser, split_tool_calls
+from gateway.tools import Tool, ToolRequest, chat_messages
 
 ADD = Tool("add", "adds", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
                            "additionalProperties": False})
@@ -41,21 +43,39 @@ def test_required_and_named_choices_allow_only_calls(compiler):
     assert not _accepts(compiler, ToolRequest((ADD, ECHO), "named", "echo"), CALL)
 
 
-def test_the_streaming_parser_holds_back_a_possible_call_and_gives_calls_whole():
+def _stream(pieces: list[str]) -> list:
     parser = ToolCallParser()
-    pieces = ["Sure<tool", "_call>\n{\"name\": \"add\", ", '"arguments": {"a": 1}}\n</tool_', "call>"]
     out = [parser.feed(p) for p in pieces]
-    assert [c for c, _ in out] == ["Sure", "", "", ""]
-    assert [len(calls) for _, calls in out] == [0, 0, 0, 1]
-    assert json.loads(out[-1][1][0]["function"]["arguments"]) == {"a": 1}
-    assert parser.finish() == ""
+    return out + [parser.finish()]
 
 
-def test_a_block_that_is_not_a_call_stays_text_and_a_cut_call_is_returned_as_text():
+def test_the_streaming_parser_announces_a_call_then_streams_its_arguments_as_written():
+    out = _stream(["Sure<tool", "_call>\n{\"name\": \"add\", ", '"arguments": {"a"', ": 1", "}}\n</tool_", "call>"])
+    assert out[0] == ["Sure"] and out[1] == []
+    header = out[2][0]
+    assert header["id"].startswith("call_") and header["type"] == "function"
+    assert header["index"] == 0 and header["function"] == {"name": "add", "arguments": ""}
+    arguments = [[p["function"]["arguments"] for p in piece if "id" not in p] for piece in out[2:]]
+    assert arguments == [['{"a"'], [": 1"], ["}"], [], []]
+
+
+def test_a_call_piece_and_the_text_around_it_come_in_the_order_written():
+    text = "Hi " + CALL + "\n" + CALL.replace("add", "echo").replace('"a": 1', '"s": "}{\\"]"') + " bye"
+    pieces = _stream([text])[0]
+    assert pieces[0] == "Hi " and pieces[-1] == " bye"
+    calls = [p for p in pieces if isinstance(p, dict)]
+    assert [c["index"] for c in calls] == [0, 0, 1, 1]
+    assert json.loads(calls[3]["function"]["arguments"]) == {"s": '}{"]'}
+
+
+def test_a_block_that_is_not_a_call_stays_text_and_a_cut_call_keeps_what_was_generated():
     content, calls = split_tool_calls("<tool_call>not json</tool_call>")
     assert content == "<tool_call>not json</tool_call>" and calls == []
     content, calls = split_tool_calls(CALL + '\n<tool_call>\n{"name": "ad')
-    assert len(calls) == 1 and content.startswith("<tool_call>")
+    assert len(calls) == 1 and content == '<tool_call>\n{"name": "ad'
+    # Cut inside its arguments, as a stream would have sent it; finish_reason "length" says so.
+    content, calls = split_tool_calls(CALL + '\n<tool_call>\n{"name": "add", "arguments": {"a": 4')
+    assert content is None and [c["function"]["arguments"] for c in calls] == ['{"a": 1}', '{"a": 4']
 
 
 def test_without_template_support_tools_and_tool_turns_become_text():
