@@ -229,10 +229,12 @@ def _attend(
 ) -> torch.Tensor:
     """SDPA over ``q`` [..., heads, n, d] and ``k``, ``v`` [..., kv_heads, m, d]; with ``softcap``,
     the same eagerly with the scores passed through ``tanh(s / cap) * cap`` before the mask."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     *lead, heads, n, d = q.shape
     kv_heads, m = k.shape[-3], k.shape[-2]
+    if softcap is None:
+        # enable_gqa only where it is needed: it narrows the backends SDPA may pick on CUDA.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=heads != kv_heads)
     # Each KV head's query heads as one group dimension, so K and V are never repeated.
     qg = q.reshape(*lead, kv_heads, heads // kv_heads, n, d)
     scores = qg @ k.unsqueeze(-3).transpose(-1, -2) * scale

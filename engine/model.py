@@ -75,11 +75,11 @@ class DecoderLayer(nn.Module):
             "k_norm": (cfg.head_dim,), "o": (cfg.q_size, h), "attn_out_norm": (h,), "post_norm": (h,),
             "gate_up": (h, 2 * inter), "down": (inter, h), "mlp_out_norm": (h,),
         }  # fmt: skip
-        needed = {param for param, _ in cfg.family.weights.values()}
-        # In the order of `shapes`, which is the forward's: random init (init_random) draws in this order.
-        for name in (name for name in shapes if name in needed):
-            param = nn.Parameter(torch.empty(shapes[name], device=device, dtype=dtype), requires_grad=False)
-            self.register_parameter(name, param)
+        used = {param for param, _ in cfg.family.weights.values()}
+        # In the order of the forward: dummy weights (init_random) are drawn in this order.
+        for name, shape in shapes.items():
+            if name in used:
+                self.register_parameter(name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False))
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -106,7 +106,14 @@ def build_tiny_model(folder: Path, kind: str, seed: int = 0, num_layers: int = 3
         **overrides,
     )
     torch.manual_seed(seed)
-    model_cls(config).eval().save_pretrained(folder)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        # HF starts biases at zero and norms at one (Gemma's at zero): random ones show a bias
+        # dropped or a norm weight loaded into the wrong place.
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(folder)
     write_tiny_tokenizer(folder)
     return folder
 
