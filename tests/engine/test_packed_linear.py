@@ -67,7 +67,11 @@ def test_the_panel_kernel_reads_rows_with_a_stride_and_answers_an_empty_batch():
 
 def test_packing_is_off_for_cuda_other_dtypes_and_when_the_setting_says_so(monkeypatch):
     assert not packing_supported("cuda", torch.float32)
-    assert not packing_supported("cpu", torch.bfloat16)
+    assert not packing_supported("cpu", torch.float16)
+    assert weight_form("cpu", torch.bfloat16) == "panels"  # the bfloat16 opt-in: panels only
+    monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "onednn")
+    assert weight_form("cpu", torch.bfloat16) == "plain"
+    monkeypatch.delenv("TIERGATE_PACKED_WEIGHTS")
     monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "0")
     assert not packing_supported("cpu", torch.float32)
     monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "onednn")
