@@ -92,13 +92,17 @@ def _requests(engine: Engine, count: int, max_tokens: int | list[int], grammar: 
 
 def _throughput(engine: Engine, requests: list[EngineRequest], mask_timer: MaskTimer) -> dict:
     computed, busy = [], []
-    engine.add_listener(lambda e: (computed.append(sum(it.tokens for it in e.items)), busy.append(e.duration_s))
-                        if isinstance(e, StepEvent) else None)
+    def on_event(event) -> None:
+        if isinstance(event, StepEvent):
+            computed.append(sum(item.tokens for item in event.items))
+            busy.append(event.duration_s)
+
+    engine.add_listener(on_event)
     mask_timer.seconds, mask_timer.calls = 0.0, 0
     cpu_before, started = _cpu_seconds(), time.perf_counter()
     outputs = engine.generate_batch_sync(requests)
     wall, cpu = time.perf_counter() - started, _cpu_seconds() - cpu_before
-    engine._listeners.pop()
+    engine.remove_listener(on_event)
     tokens = sum(len(ids) for _, ids in outputs)
     params = requests[0].params
     valid = None

@@ -99,6 +99,10 @@ class Engine:
         """``listener`` gets every StepEvent and FinishEvent, on the engine thread; it must not block."""
         self._loop.listeners.append(listener)
 
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop sending events to ``listener`` (added by ``add_listener``)."""
+        self._loop.listeners.remove(listener)
+
     def submit(self, request: EngineRequest) -> RequestStream:
         """Validate and queue a request; iterate the stream for its deltas (needs a running event loop)."""
         stream = RequestStream(request.request_id, self.abort)
