@@ -55,9 +55,8 @@ LM_HEAD_TRANSPOSED_MAX_ROWS = 24
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
-# Projections are kept transposed, [in, out], because MKL's fp32 GEMM with a
-# pre-transposed weight measured 1.3-1.8x faster for 1-32 rows (decode) on the
-# 2-core CPU, and 5% slower only at 256 rows (prefill).
+# Projections are kept transposed, [in, out]: the plain path's torch.mm reads them faster so
+# at decode sizes (docs/performance.md), and packing starts from that layout.
 class DecoderLayer(nn.Module):
     """One decoder layer's weights: those its family's weight table names. Projections are
     stored ``[in, out]`` until ``DecoderModel.prepare_weights`` packs them into ``PackedWeight``s."""

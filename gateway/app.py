@@ -196,9 +196,9 @@ def create_app(
             asyncio.create_task(gw.usage.run_background(settings.ledger_checkpoint_s, settings.ledger_orphan_after_s)),
             asyncio.create_task(gw.auth.watch_revocations(lambda: revocation_mark(db), settings.auth_revocation_poll_s)),
         ]
-        # What startup built (torch, the model, tokenizers: ~300k objects) lives as long as the
-        # app; frozen out of the collector, it no longer makes each full collection a 100 ms
-        # pause of the event loop (measured under a 429 flood). Unfrozen at shutdown.
+        # What startup built (torch, the model, tokenizers) lives as long as the app; frozen out of
+        # the collector, it no longer makes each full collection a long pause of the event loop
+        # (docs/performance.md). Unfrozen at shutdown.
         gc.freeze()
         try:
             yield
