@@ -25,7 +25,7 @@ def fused_norms_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:
     """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dimension of ``x [rows, hidden]``."""
-    if fused and x.stride(-1) == 1:
+    if fused and x.dim() == 2 and x.stride(-1) == 1:
         return torch.ops.tiergate.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -33,7 +33,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> 
 def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                   fused: bool) -> torch.Tensor:
     """``residual += delta`` in place, then its RMSNorm."""
-    if fused and residual.stride(-1) == 1 and delta.stride(-1) == 1:
+    if fused and residual.dim() == 2 and residual.stride(-1) == 1 and delta.stride(-1) == 1:
         return torch.ops.tiergate.add_rms_norm_(residual, delta, weight, eps)
     residual.add_(delta)
     return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
