@@ -9,7 +9,7 @@ same files.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -204,16 +204,14 @@ def byte_adapter_dir(byte_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     return write_random_adapter(byte_model_dir, tmp_path_factory.mktemp("byte-adapter") / "a")
 
 
-@pytest.fixture
-def make_byte_engine(byte_model_dir: Path):
-    """Engines on a tiny random Llama with the 256-token byte tokenizer (any text spells) and no stop token."""
+def engines_on(defaults: dict) -> Iterator[Callable[..., tuple[Engine, list]]]:
+    """For an engine-factory fixture (``yield from``): ``make(**overrides)`` starts an engine on
+    ``defaults`` updated by ``overrides`` and returns it with the list its events land in; every
+    engine made is shut down when the test ends."""
     engines: list[Engine] = []
 
     def make(**overrides) -> tuple[Engine, list]:
-        settings = dict(model=f"dummy:{byte_model_dir}", num_kv_blocks=64, block_size=16, max_model_len=512,
-                        max_num_seqs=16, max_num_batched_tokens=256, max_loras=0)
-        settings.update(overrides)
-        engine = Engine(EngineConfig(**settings)).start()
+        engine = Engine(EngineConfig(**{**defaults, **overrides})).start()
         events: list = []
         engine.add_listener(events.append)
         engines.append(engine)
@@ -222,3 +220,10 @@ def make_byte_engine(byte_model_dir: Path):
     yield make
     for engine in engines:
         engine.shutdown()
+
+
+@pytest.fixture
+def make_byte_engine(byte_model_dir: Path):
+    """Engines on a tiny random Llama with the 256-token byte tokenizer (any text spells) and no stop token."""
+    yield from engines_on(dict(model=f"dummy:{byte_model_dir}", num_kv_blocks=64, block_size=16, max_model_len=512,
+                               max_num_seqs=16, max_num_batched_tokens=256, max_loras=0))

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import FinishEvent, StepEvent
 from engine.request import EngineRequest, SamplingParams
+from tests.engine.conftest import engines_on
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -49,23 +50,8 @@ def hf_greedy(model_dir: Path):
 
 @pytest.fixture
 def make_engine(model_dir: Path, engine_cache_dir: Path):
-    engines: list[Engine] = []
-
-    def make(**overrides) -> tuple[Engine, list]:
-        settings = dict(
-            model=str(model_dir), block_size=4, num_kv_blocks=256, max_num_seqs=16,
-            max_num_batched_tokens=64, max_loras=0, cache_dir=str(engine_cache_dir),
-        )
-        settings.update(overrides)
-        engine = Engine(EngineConfig(**settings)).start()
-        events: list = []
-        engine.add_listener(events.append)
-        engines.append(engine)
-        return engine, events
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
+    yield from engines_on(dict(model=str(model_dir), block_size=4, num_kv_blocks=256, max_num_seqs=16,
+                               max_num_batched_tokens=64, max_loras=0, cache_dir=str(engine_cache_dir)))
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
