@@ -1,140 +1,219 @@
 // Paged decode attention on the CPU: one query token per sequence attends to its
 // context read in place from the block pool, with no padded copy of the context.
 //
-// Registered as torch.ops.tiergate.paged_decode_attention. Work is split over
+// Registered as torch.ops.tiergate.paged_decode_attention, for float32 and bfloat16
+// caches (scores, softmax and sums in float32 either way). Work is split over
 // sequences (or (sequence, kv head) pairs when there are fewer sequences than
-// threads) with at::parallel_for, so it runs on the calling thread's torch
-// thread count. The query heads that share a KV head are handled together, so
-// each key and value row is read from memory once for all of them. One pass per
-// block with an online softmax; scores, softmax and the weighted sum of values
-// accumulate in float32. A sliding window (window > 0) starts the pass at the
-// first position the window keeps; soft-capping (softcap > 0) bends each score
-// through softcap * tanh(score / softcap) before the softmax. Written by hand
-// because no library op reads a paged pool in place on the CPU (torch's SDPA
-// needs the context contiguous).
+// threads) with at::parallel_for, so it runs on the calling thread's torch thread
+// count. One pass over the context a block at a time, blocks outermost, so each
+// block is read from memory once for every query head sharing its KV heads while
+// it is in cache; per block and query head: the scores, their exponentials (a
+// vectorised exp, 16 at a time), an online-softmax rescale, and the weighted sum of
+// the values with the head's running output held in registers. Head dims up to
+// MAX_VECS * 16 + 15. A sliding window (window > 0)
+// starts the pass at the first position the window keeps; soft-capping
+// (softcap > 0) bends each score through softcap * tanh(score / softcap) first.
+// Written by hand because no library op reads a paged pool in place on the CPU
+// (torch's SDPA needs the context contiguous).
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t PREFETCH_ROWS = 8;
+constexpr int64_t LANES = 16;
+constexpr int MAX_VECS = 16;  // head_dim <= 256
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-template <typename scalar_t>
+typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t int_lanes __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint16_t half_bits __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t word_lanes __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+inline lanes load(const float* p) {
+  lanes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// A bfloat16 is the top half of a float32: widen the 16 bit patterns and shift them up.
+inline lanes load(const c10::BFloat16* p) {
+  half_bits bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const word_lanes words = __builtin_convertvector(bits, word_lanes) << 16;
+  lanes v;
+  std::memcpy(&v, &words, sizeof(v));
+  return v;
+}
+
+inline float sum_lanes(lanes v) {
+  typedef float half_lanes __attribute__((vector_size(8 * sizeof(float))));
+  typedef float quarter_lanes __attribute__((vector_size(4 * sizeof(float))));
+  const half_lanes h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const quarter_lanes q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// e^x lane by lane, to within a few float32 ulps: x = n ln2 + r with |r| <= ln2 / 2, e^r by
+// Cephes' expf polynomial, 2^n built in the exponent bits. -inf and anything below the
+// smallest normal's log give 0 (masked positions must weigh nothing).
+inline lanes exp_lanes(lanes x) {
+  const int_lanes underflow = x < (lanes{} - 87.3f);
+  x = underflow ? lanes{} : x;  // keep the arithmetic finite; those lanes are zeroed below
+  const float round_magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const lanes n = (x * 1.44269504088896341f + round_magic) - round_magic;
+  const lanes r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int_lanes exponent = (__builtin_convertvector(n, int_lanes) + 127) << 23;
+  lanes two_n;
+  std::memcpy(&two_n, &exponent, sizeof(two_n));
+  return underflow ? lanes{} : p * two_n;
+}
+
+struct Shapes {
+  int64_t num_heads, head_dim, block_size, kv_heads, group, tail;
+  int64_t kv_stride, token_stride;  // elements from a token's keys to its values, and to the next token
+};
+
+// One work item: sequence `seq`, query heads [first_row, first_row + rows), which share
+// KV heads from first_kv_head on. State per query head: its scaled query, running max,
+// running sum and output, each head's output kept in registers while a block is summed.
+template <typename scalar_t, int VECS>
+void attend_item(const Shapes& s, const scalar_t* q_seq, int64_t q_head, const scalar_t* cache, const int64_t* table,
+                 int64_t ctx, int64_t window, float scale, float cap, int64_t first_kv_head, int64_t rows,
+                 scalar_t* dst, std::vector<float>& scratch) {
+  const int64_t padded_block = (s.block_size + LANES - 1) / LANES * LANES, padded_dim = VECS * LANES + s.tail;
+  scratch.resize(rows * (2 * padded_dim + 2) + padded_block);
+  float* query = scratch.data();                    // [rows, padded_dim]
+  float* acc = query + rows * padded_dim;           // [rows, padded_dim]
+  float* peak = acc + rows * padded_dim;            // [rows]
+  float* total = peak + rows;                       // [rows]
+  float* weights = total + rows;                    // [padded_block]: one head's scores, then e^(score - max)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < s.head_dim; ++d) query[r * padded_dim + d] = static_cast<float>(q_seq[r * q_head + d]) * scale;
+    peak[r] = NEG_INF;
+    total[r] = 0.f;
+  }
+  std::fill(acc, acc + rows * padded_dim, 0.f);
+  const int64_t row_bytes = s.token_stride * int64_t(sizeof(scalar_t));
+  // The window keeps positions [first, ctx): HF's kv_idx > q_idx - window with q_idx = ctx - 1.
+  const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+
+  for (int64_t start = first - first % s.block_size; start < ctx; start += s.block_size) {
+    const scalar_t* block = cache + table[start / s.block_size] * s.block_size * s.token_stride;
+    const int64_t n = std::min(s.block_size, ctx - start);
+    const int64_t skip = std::max<int64_t>(0, first - start);  // positions before the window
+    // The hardware prefetcher does not follow the block table: ask for the next block, a
+    // share of its token rows before each query head's turn, so the requests spread over the block.
+    const int64_t next = start + s.block_size, next_n = std::min(s.block_size, ctx - next);
+    const int64_t rows_per_turn = (next_n + rows - 1) / std::max<int64_t>(rows, 1);
+    const char* next_block = next_n > 0 ? reinterpret_cast<const char*>(
+        cache + table[next / s.block_size] * s.block_size * s.token_stride) : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = r * rows_per_turn; t < std::min(next_n, (r + 1) * rows_per_turn); ++t)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(next_block + t * row_bytes + byte);
+      const int64_t head_offset = (first_kv_head + r / s.group) * s.head_dim;
+      lanes qv[VECS];
+      for (int j = 0; j < VECS; ++j) qv[j] = load(query + r * padded_dim + j * LANES);
+      std::fill(weights, weights + padded_block, NEG_INF);
+      const float* q_tail = query + r * padded_dim + VECS * LANES;
+      for (int64_t t = skip; t < n; ++t) {
+        const scalar_t* key = block + t * s.token_stride + head_offset;
+        lanes dot = {};
+        for (int j = 0; j < VECS; ++j) dot += qv[j] * load(key + j * LANES);
+        float score = sum_lanes(dot);
+        for (int64_t d = 0; d < s.tail; ++d) score += q_tail[d] * static_cast<float>(key[VECS * LANES + d]);
+        weights[t] = cap > 0.f ? cap * std::tanh(score / cap) : score;
+      }
+      float block_peak = peak[r];
+      for (int64_t t = skip; t < n; ++t) block_peak = std::max(block_peak, weights[t]);
+      lanes sums = {};
+      for (int64_t t = 0; t < padded_block; t += LANES) {
+        const lanes e = exp_lanes(load(weights + t) - block_peak);
+        std::memcpy(weights + t, &e, sizeof(e));
+        sums += e;
+      }
+      const float rescale = std::exp(peak[r] - block_peak);  // 0 on the first block: peak was -inf
+      peak[r] = block_peak;
+      total[r] = total[r] * rescale + sum_lanes(sums);
+
+      float* out = acc + r * padded_dim;
+      lanes a[VECS];
+      for (int j = 0; j < VECS; ++j) a[j] = load(out + j * LANES) * rescale;
+      for (int64_t d = 0; d < s.tail; ++d) out[VECS * LANES + d] *= rescale;
+      for (int64_t t = skip; t < n; ++t) {
+        const scalar_t* value = block + t * s.token_stride + s.kv_stride + head_offset;
+        const float w = weights[t];
+        for (int j = 0; j < VECS; ++j) a[j] += w * load(value + j * LANES);
+        for (int64_t d = 0; d < s.tail; ++d) out[VECS * LANES + d] += w * static_cast<float>(value[VECS * LANES + d]);
+      }
+      for (int j = 0; j < VECS; ++j) std::memcpy(out + j * LANES, &a[j], sizeof(lanes));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float norm = 1.f / total[r];
+    for (int64_t d = 0; d < s.head_dim; ++d)
+      dst[r * s.head_dim + d] = static_cast<scalar_t>(acc[r * padded_dim + d] * norm);
+  }
+}
+
+template <typename scalar_t, int VECS>
 void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
             const at::Tensor& context_lens, double scale, int64_t window, double softcap, at::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = kv_cache.size(1), kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / kv_heads;
-  const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const int64_t table_row = block_tables.stride(0);
+  const int64_t kv_heads = kv_cache.size(3);
   // The cache is contiguous [blocks, block_size, 2, kv_heads, head_dim].
-  const int64_t kv_stride = kv_heads * head_dim, token_stride = 2 * kv_stride;
+  const Shapes s{num_heads, head_dim, kv_cache.size(1), kv_heads, num_heads / kv_heads, head_dim % LANES,
+                 kv_heads * head_dim, 2 * kv_heads * head_dim};
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
   const scalar_t* cache = kv_cache.const_data_ptr<scalar_t>();
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
-  const float softmax_scale = static_cast<float>(scale);
-  const float cap = static_cast<float>(softcap);
-  const int64_t row_bytes = token_stride * int64_t(sizeof(scalar_t));
-
   // A work item is one sequence with all its KV heads, so each block is read front
   // to back as the hardware prefetcher likes; with fewer sequences than threads, a
   // sequence is split by KV head instead so that every thread has work.
   const int64_t splits = batch >= at::get_num_threads() ? 1 : kv_heads;
-  const int64_t heads_per_item = kv_heads / splits, rows = heads_per_item * group;
-
+  const int64_t heads_per_item = kv_heads / splits, rows = heads_per_item * s.group;
   at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
-    // Per query head of the item: its scaled query, running max, running sum and output.
-    std::vector<float> query(rows * head_dim), acc(rows * head_dim), peak(rows), total(rows), rescale(rows);
-    std::vector<float> scores(rows * block_size);
+    std::vector<float> scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / splits, first_kv_head = (item % splits) * heads_per_item;
-      const int64_t ctx = lens[seq];
-      // The window keeps positions [first, ctx): HF's kv_idx > q_idx - window with q_idx = ctx - 1.
-      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      const int64_t* table = tables + seq * table_row;
-      const scalar_t* q_seq = q_data + seq * q_row + first_kv_head * group * q_head;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < head_dim; ++d)
-          query[r * head_dim + d] = static_cast<float>(q_seq[r * q_head + d]) * softmax_scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(peak.begin(), peak.end(), -std::numeric_limits<float>::infinity());
-      std::fill(total.begin(), total.end(), 0.f);
-
-      // One pass over the context, a block at a time (online softmax): the block's
-      // keys and values are read once, while they are in cache.
-      for (int64_t start = first - first % block_size; start < ctx; start += block_size) {
-        const scalar_t* block = cache + table[start / block_size] * block_size * token_stride + first_kv_head * head_dim;
-        const int64_t n = std::min(block_size, ctx - start);
-        // Positions of the first block before the window score -inf: their weight is zero.
-        const int64_t skip = std::max<int64_t>(0, first - start);
-        for (int64_t t = 0; t < skip; ++t)
-          for (int64_t r = 0; r < rows; ++r) scores[r * block_size + t] = -std::numeric_limits<float>::infinity();
-        for (int64_t t = skip; t < n; ++t) {
-          // The hardware prefetcher does not follow the block table, so ask for the token
-          // row PREFETCH_ROWS positions ahead (keys and values of all heads) ourselves.
-          const int64_t ahead = start + t + PREFETCH_ROWS;
-          if (ahead < ctx) {
-            const char* row = reinterpret_cast<const char*>(
-                cache + (table[ahead / block_size] * block_size + ahead % block_size) * token_stride);
-            for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte);
-          }
-          const scalar_t* keys = block + t * token_stride;
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* qr = query.data() + r * head_dim;
-            const scalar_t* key = keys + (r / group) * head_dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * static_cast<float>(key[d]);
-            scores[r * block_size + t] = cap > 0.f ? cap * std::tanh(dot / cap) : dot;
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          float* s = scores.data() + r * block_size;
-          float block_peak = peak[r];
-          for (int64_t t = 0; t < n; ++t) block_peak = std::max(block_peak, s[t]);
-          rescale[r] = std::exp(peak[r] - block_peak);
-          float sum = total[r] * rescale[r];
-          for (int64_t t = 0; t < n; ++t) {
-            s[t] = std::exp(s[t] - block_peak);
-            sum += s[t];
-          }
-          peak[r] = block_peak;
-          total[r] = sum;
-          if (rescale[r] != 1.f) {
-            float* a = acc.data() + r * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale[r];
-          }
-        }
-        for (int64_t t = skip; t < n; ++t) {
-          const scalar_t* values = block + kv_stride + t * token_stride;
-          for (int64_t r = 0; r < rows; ++r) {
-            const scalar_t* value = values + (r / group) * head_dim;
-            const float p = scores[r * block_size + t];
-            float* a = acc.data() + r * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(value[d]);
-          }
-        }
-      }
-      scalar_t* dst = out_data + (seq * num_heads + first_kv_head * group) * head_dim;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float norm = 1.f / total[r];
-        for (int64_t d = 0; d < head_dim; ++d) dst[r * head_dim + d] = static_cast<scalar_t>(acc[r * head_dim + d] * norm);
-      }
+      const int64_t first_row = first_kv_head * s.group;
+      attend_item<scalar_t, VECS>(s, q_data + seq * q.stride(0) + first_row * q.stride(1), q.stride(1), cache,
+                                  tables + seq * block_tables.stride(0), lens[seq], window, static_cast<float>(scale),
+                                  static_cast<float>(softcap), first_kv_head, rows,
+                                  out_data + (seq * num_heads + first_row) * head_dim, scratch);
     }
   });
+}
+
+// The head's count of whole vectors as a template argument, so its running output stays in
+// registers; the rest of a head whose size is not a multiple of 16 is summed one by one.
+template <typename scalar_t, int VECS = MAX_VECS>
+void attend_vecs(int64_t vecs, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                 const at::Tensor& context_lens, double scale, int64_t window, double softcap, at::Tensor& out) {
+  if constexpr (VECS > 0) {
+    if (vecs < VECS)
+      return attend_vecs<scalar_t, VECS - 1>(vecs, q, kv_cache, block_tables, context_lens, scale, window, softcap, out);
+  }
+  attend<scalar_t, VECS>(q, kv_cache, block_tables, context_lens, scale, window, softcap, out);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -144,7 +223,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(2) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [blocks, block_size, 2, kv_heads, head_dim]");
   TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type(), "q and kv_cache must have the same dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_decode_attention: float32 or bfloat16 only");
   TORCH_CHECK(kv_cache.size(4) == q.size(2), "q and kv_cache head_dim differ");
+  TORCH_CHECK(q.size(2) < (MAX_VECS + 1) * LANES, "paged_decode_attention: head_dim above ", (MAX_VECS + 1) * LANES - 1);
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.stride(1) == 1,
               "block_tables must be int64 [batch, max_blocks] with contiguous rows");
@@ -152,9 +234,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                   context_lens.numel() == q.size(0) && block_tables.size(0) == q.size(0),
               "block_tables and context_lens need one row per query");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    attend<scalar_t>(q, kv_cache, block_tables, context_lens, scale, window, softcap, out);
-  });
+  const int64_t vecs = q.size(2) / LANES;
+  if (q.scalar_type() == at::kFloat)
+    attend_vecs<float>(vecs, q, kv_cache, block_tables, context_lens, scale, window, softcap, out);
+  else
+    attend_vecs<c10::BFloat16>(vecs, q, kv_cache, block_tables, context_lens, scale, window, softcap, out);
   return out;
 }
 
