@@ -12,6 +12,9 @@
 // Decode steps (a few rows) are bound by how fast the weights stream from memory,
 // and this layout streams them at the machine's bandwidth; the same tile serves
 // prefill chunks. Threads split the panels, each a contiguous share of the weight.
+// Between those two, a column of a few row tiles reads its panels from memory in its
+// first tile and from cache in the others, so those later tiles prefetch the next
+// column and the whole call overlaps memory with arithmetic.
 // Written by hand because the libraries at hand either re-pack the weight per call
 // (MKL behind torch.mm) or read it slower than memory allows at decode sizes (oneDNN).
 
@@ -64,6 +67,10 @@ inline void store(c10::BFloat16* dst, const panel_vec& v, int64_t count) {
   for (int64_t l = 0; l < count; ++l) dst[l] = c10::BFloat16(v[l]);  // rounds to nearest even
 }
 
+// Columns of up to this many row tiles prefetch the next column while they work: such a
+// column's first tile would otherwise wait on memory for weights its later tiles read from cache.
+constexpr int64_t PREFETCH_MAX_TILES = 8;
+
 template <typename scalar_t>
 struct Operands {
   const scalar_t* panels;  // [num_panels, in, PANEL]
@@ -73,12 +80,15 @@ struct Operands {
 };
 
 // out[row0 + r][16 * (panel0 + p) + l] for r < ROWS, p < PANELS.
+// While it runs, the tile asks for `prefetch_per_k` bytes a k of the weights starting at
+// `prefetch` (null: none) to be brought into L2.
 template <typename scalar_t, int PANELS, int ROWS>
-void tile(const Operands<scalar_t>& o, int64_t panel0, int64_t row0) {
+void tile(const Operands<scalar_t>& o, int64_t panel0, int64_t row0, const char* prefetch, int64_t prefetch_per_k) {
   panel_vec acc[ROWS][PANELS] = {};
   const scalar_t* w = o.panels + panel0 * o.in * PANEL;
   const scalar_t* x = o.x + row0 * o.x_stride;
   for (int64_t k = 0; k < o.in; ++k) {
+    if (prefetch) __builtin_prefetch(prefetch + k * prefetch_per_k, 0, 2);
     panel_vec wk[PANELS];
     for (int p = 0; p < PANELS; ++p) wk[p] = load(w + (p * o.in + k) * PANEL);
     for (int r = 0; r < ROWS; ++r) {
@@ -95,18 +105,30 @@ void tile(const Operands<scalar_t>& o, int64_t panel0, int64_t row0) {
 
 // A tile of `rows` (1..ROWS) rows: the row count is a template argument so sums stay in registers.
 template <typename scalar_t, int PANELS, int ROWS>
-void tile_of(const Operands<scalar_t>& o, int64_t panel0, int64_t row0, int64_t rows) {
+void tile_of(const Operands<scalar_t>& o, int64_t panel0, int64_t row0, int64_t rows, const char* prefetch,
+             int64_t prefetch_per_k) {
   if constexpr (ROWS > 1) {
-    if (rows < ROWS) return tile_of<scalar_t, PANELS, ROWS - 1>(o, panel0, row0, rows);
+    if (rows < ROWS) return tile_of<scalar_t, PANELS, ROWS - 1>(o, panel0, row0, rows, prefetch, prefetch_per_k);
   }
-  tile<scalar_t, PANELS, ROWS>(o, panel0, row0);
+  tile<scalar_t, PANELS, ROWS>(o, panel0, row0, prefetch, prefetch_per_k);
 }
 
 // Every row against PANELS panels: the panels stay in cache while the rows pass over them.
+// Panels [panel0 + PANELS, next_end) follow in this thread's share: the first PANELS of them
+// are the next column, which a short column's tiles prefetch, each tile a part.
 template <typename scalar_t, int PANELS>
-void column(const Operands<scalar_t>& o, int64_t panel0) {
-  for (int64_t row0 = 0; row0 < o.rows; row0 += TILE_ROWS)
-    tile_of<scalar_t, PANELS, TILE_ROWS>(o, panel0, row0, std::min<int64_t>(TILE_ROWS, o.rows - row0));
+void column(const Operands<scalar_t>& o, int64_t panel0, int64_t next_end) {
+  const int64_t tiles = (o.rows + TILE_ROWS - 1) / TILE_ROWS;
+  const int64_t next_panels = std::min<int64_t>(PANELS, next_end - panel0 - PANELS);
+  const bool prefetching = tiles > 1 && tiles <= PREFETCH_MAX_TILES && next_panels > 0;
+  const int64_t next_bytes = next_panels * o.in * PANEL * int64_t(sizeof(scalar_t));
+  const char* next = reinterpret_cast<const char*>(o.panels + (panel0 + PANELS) * o.in * PANEL);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t row0 = t * TILE_ROWS;
+    const char* prefetch = prefetching ? next + t * next_bytes / tiles : nullptr;
+    tile_of<scalar_t, PANELS, TILE_ROWS>(o, panel0, row0, std::min<int64_t>(TILE_ROWS, o.rows - row0), prefetch,
+                                         next_bytes / tiles / o.in);
+  }
 }
 
 template <typename scalar_t>
@@ -115,9 +137,9 @@ void multiply(const at::Tensor& x, const at::Tensor& panels, at::Tensor& out) {
                              out.mutable_data_ptr<scalar_t>(), x.size(1), out.size(1), x.size(0), x.stride(0)};
   const int64_t num_panels = panels.size(0), tiles = num_panels / TILE_PANELS;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) column<scalar_t, TILE_PANELS>(o, t * TILE_PANELS);
+    for (int64_t t = begin; t < end; ++t) column<scalar_t, TILE_PANELS>(o, t * TILE_PANELS, end * TILE_PANELS);
   });
-  for (int64_t p = tiles * TILE_PANELS; p < num_panels; ++p) column<scalar_t, 1>(o, p);
+  for (int64_t p = tiles * TILE_PANELS; p < num_panels; ++p) column<scalar_t, 1>(o, p, num_panels);
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
