@@ -64,6 +64,8 @@ def benches() -> list[Bench]:
               ["--requests", "16", "--concurrency", "1,8", "--single-stream-requests", "2"], timeout_s=1200),
         Bench("bf16_quality", "The bfloat16 opt-in: logprob drift and decode speed against float32",
               quick_args=["--tokens", "32"]),
+        Bench("projections", "A decode step's projections: the panel kernel vs oneDNN and torch.mm",
+              quick_args=["--rows", "1,32", "--rounds", "2"]),
         Bench("lora_throughput", "Multi-LoRA throughput", quick_args=[]),
         # Reads the step-cost model engine_throughput just fitted (when it ran); SLOs scaled to it.
         Bench("slo_sim", "SLO simulation on this CPU's cost model: tiered vs fcfs on a virtual clock", step_cost),
