@@ -8,9 +8,10 @@ Decode rows (chunks of one token) go to the in-place paged kernel of
 engine/paged_attention.py when the runner has one; otherwise (the fallback)
 they share one batched SDPA call over their contexts gathered from the cache
 into ``[B, max_ctx]`` with a length mask.
-Each longer chunk gets its own SDPA: causal over its own keys when it starts at
-position 0, otherwise over the cached context plus itself with an offset
-causal mask (later chunks of a chunked prefill, prefix-cache hits, recompute).
+Each longer chunk gets its own attention: causal over its own keys when it starts
+at position 0 (the runner's prefill kernel when it has one, else SDPA), otherwise
+SDPA over the cached context plus itself with an offset causal mask (later chunks
+of a chunked prefill, prefix-cache hits, recompute).
 
 Layers with a sliding window read ``AttentionMetadata.windowed``, the same step's
 metadata with masks that also drop keys more than ``window - 1`` positions back
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.paged_attention import DecodeKernel
+from engine.paged_attention import DecodeKernel, PrefillKernel
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class PrefillChunk:
     # the chunk starts at 0 and attends only to its own keys.
     context_slots: torch.Tensor | None
     mask: torch.Tensor | None
+    # The chunk starts at position 0, so its own keys are all it attends to (with a
+    # window, SDPA still needs context_slots and mask; the prefill kernel does not).
+    starts_at_zero: bool = False
 
 
 @dataclass
@@ -68,6 +72,8 @@ class AttentionMetadata:
     num_tokens: int
     # The metadata of the layers with a sliding window, when the model has them.
     windowed: AttentionMetadata | None = None
+    # Causal attention for chunks that start at 0 (engine/paged_attention.py); None: SDPA.
+    prefill_kernel: PrefillKernel | None = None
 
     @property
     def single_group(self) -> bool:
@@ -85,13 +91,17 @@ class AttentionMetadata:
         device: torch.device | str,
         decode_kernel: DecodeKernel | None = None,
         sliding_window: int | None = None,
+        prefill_kernel: PrefillKernel | None = None,
     ) -> AttentionMetadata:
         """``chunks`` is ``(start, num_tokens, block_table)`` per chunk in row order; decode
-        rows run on ``decode_kernel`` when given, else over gathered contexts. With
-        ``sliding_window``, ``windowed`` holds the masks of the windowed layers."""
+        rows run on ``decode_kernel`` when given, else over gathered contexts, and chunks that
+        start at 0 on ``prefill_kernel`` when given. With ``sliding_window``, ``windowed``
+        holds the masks of the windowed layers."""
         meta = cls._build(chunks, block_size, device, decode_kernel, None)
+        meta.prefill_kernel = prefill_kernel
         if sliding_window is not None:
             meta.windowed = cls._build(chunks, block_size, device, decode_kernel, sliding_window)
+            meta.windowed.prefill_kernel = prefill_kernel
         return meta
 
     @classmethod
@@ -143,7 +153,7 @@ class AttentionMetadata:
         for row0, start, end, table in prefill_specs:
             rows = slice(row0, row0 + end - start)
             if start == 0 and (window is None or end <= window):
-                prefills.append(PrefillChunk(rows=rows, context_slots=None, mask=None))
+                prefills.append(PrefillChunk(rows=rows, context_slots=None, mask=None, starts_at_zero=True))
                 continue
             # A window lets the chunk skip the keys before its first query's window.
             first = 0 if window is None else max(0, start - window + 1)
@@ -153,7 +163,7 @@ class AttentionMetadata:
             if window is not None:
                 mask &= key_pos > q_pos - window
             context = [table[p // block_size] * block_size + p % block_size for p in range(first, end)]
-            prefills.append(PrefillChunk(rows=rows, context_slots=as_tensor(context), mask=mask))
+            prefills.append(PrefillChunk(rows=rows, context_slots=as_tensor(context), mask=mask, starts_at_zero=start == 0))
         return cls(slot_mapping=as_tensor(slots), decode=decode, prefills=prefills, num_tokens=row)
 
 
@@ -186,6 +196,12 @@ def paged_attention(
     for p in meta.prefills:
         # 4-D [1, heads, n, d] inputs: what the fused CUDA kernels expect.
         qp = q[p.rows].transpose(0, 1).unsqueeze(0)
+        if p.starts_at_zero and meta.prefill_kernel is not None and softcap is None:
+            o = meta.prefill_kernel(q[p.rows], kv[p.rows, 0], kv[p.rows, 1], scale, layer.window or 0)
+            if out is None:
+                return o
+            out[p.rows] = o
+            continue
         if p.context_slots is None:
             k, v = kv[p.rows, 0].transpose(0, 1), kv[p.rows, 1].transpose(0, 1)
             o = _attend(qp, k[None], v[None], None, scale, softcap, causal=True)

@@ -48,7 +48,7 @@ def cpu_kernels_loaded() -> bool:
 def _build_name(sources: list[str]) -> str:
     """The build's name carries the CPU's model and flags: torch reuses a cached build by source
     and flags only, and a -march=native build from another CPU sharing the cache could crash here.
-    It carries the sources too, so checkouts of different sources sharing the cache (worktrees,
+    It carries the sources and their headers too, so checkouts of different sources sharing the cache (worktrees,
     an upgrade beside a running server) each keep their build instead of rebuilding in turn."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -56,7 +56,7 @@ def _build_name(sources: list[str]) -> str:
     except OSError:
         lines = []
     digest = hashlib.sha1("".join(lines).encode())
-    for source in sources:
+    for source in [*sources, *sorted(str(path) for path in CSRC.glob("*.h"))]:
         digest.update(Path(source).read_bytes())
     return "tiergate_cpu_kernels_" + digest.hexdigest()[:10]
 

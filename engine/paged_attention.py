@@ -1,4 +1,6 @@
-"""Paged decode attention kernels: each decode row attends to its context read from the block pool in place.
+"""The attention kernels the runner picks: paged decode attention, and causal attention for prefill chunks.
+
+Decode: each decode row attends to its context read from the block pool in place.
 
 A kernel is called as ``kernel(q, kv_cache, block_tables, context_lens, scale,
 window, softcap)`` with ``q`` ``[B, heads, head_dim]`` (rows may be strided), one
@@ -11,7 +13,11 @@ into a padded copy and runs SDPA over it, which is the fallback.
   engine/cpu_build.py. When it cannot be built, the engine keeps the gathered path.
 - CUDA: the Triton kernel of engine/triton_paged_attention.py.
 
-``TIERGATE_PAGED_ATTENTION=off`` keeps the gathered path on every device.
+Prefill: a chunk that starts at position 0 attends causally to its own keys. On the CPU
+a C++ operator (csrc/prefill_attention.cpp) serves float32 with head dims that are a
+multiple of 16 (up to 256) and no soft-cap; everything else, and CUDA, runs torch's SDPA.
+
+``TIERGATE_PAGED_ATTENTION=off`` keeps the gathered path and SDPA for both on every device.
 """
 
 from __future__ import annotations
@@ -28,11 +34,18 @@ from engine.cpu_build import cpu_kernels_loaded
 log = logging.getLogger(__name__)
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, float], torch.Tensor]
+# (q [n, heads, d], k [n, kv_heads, d], v [n, kv_heads, d], scale, window) -> [n, heads * d]
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
+PREFILL_KERNEL_MAX_HEAD_DIM = 256
+
+
+def _kernels_off() -> bool:
+    return os.environ.get("TIERGATE_PAGED_ATTENTION", "auto").lower() in ("off", "0", "false")
 
 
 def decode_kernel_for(device: torch.device | str) -> DecodeKernel | None:
     """The in-place kernel for ``device``, or None where the gathered path must serve."""
-    if os.environ.get("TIERGATE_PAGED_ATTENTION", "auto").lower() in ("off", "0", "false"):
+    if _kernels_off():
         return None
     kind = torch.device(device).type
     if kind == "cpu":
@@ -40,6 +53,15 @@ def decode_kernel_for(device: torch.device | str) -> DecodeKernel | None:
     if kind == "cuda":
         return cuda_decode_kernel()
     return None
+
+
+def prefill_kernel_for(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> PrefillKernel | None:
+    """The causal prefill kernel for these shapes on ``device``, or None where SDPA must serve."""
+    if _kernels_off() or torch.device(device).type != "cpu" or dtype != torch.float32:
+        return None
+    if head_dim % 16 or head_dim > PREFILL_KERNEL_MAX_HEAD_DIM or not cpu_kernels_loaded():
+        return None
+    return torch.ops.tiergate.prefill_attention
 
 
 @functools.cache

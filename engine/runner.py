@@ -15,7 +15,7 @@ from engine.cpu_threads import ThreadTuner
 from engine.kv_cache import KVCache
 from engine.loader import LoadedModel
 from engine.lora_hook import LoraBatchLike
-from engine.paged_attention import DecodeKernel, decode_kernel_for
+from engine.paged_attention import DecodeKernel, PrefillKernel, decode_kernel_for, prefill_kernel_for
 from scheduler.plan import StepPlan
 
 
@@ -28,9 +28,11 @@ class ModelRunner:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         decode_kernel: DecodeKernel | None | str = "auto",
+        prefill_kernel: PrefillKernel | None | str = "auto",
     ) -> None:
         """``decode_kernel``: "auto" picks the device's in-place paged attention kernel
-        (engine/paged_attention.py); None keeps the gathered path."""
+        (engine/paged_attention.py); None keeps the gathered path. ``prefill_kernel``: "auto"
+        picks the causal prefill kernel where one serves these shapes; None keeps SDPA."""
         self.model = loaded.model
         self.config = loaded.model_config
         self.device = torch.device(device) if device is not None else self.model.device
@@ -42,6 +44,8 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache = KVCache.allocate(self.config, num_blocks, block_size, self.device, self.dtype)
         self.decode_kernel = decode_kernel_for(self.device) if decode_kernel == "auto" else decode_kernel
+        self.prefill_kernel = (prefill_kernel_for(self.device, self.dtype, self.config.head_dim)
+                               if prefill_kernel == "auto" else prefill_kernel)
         self.thread_tuner = ThreadTuner.from_env() if self.device.type == "cpu" else None
 
     def execute(self, plan: StepPlan, lora: LoraBatchLike | None = None) -> torch.Tensor:
@@ -76,7 +80,8 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
         as_tensor = lambda data: torch.tensor(data, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttentionMetadata.build(specs, self.block_size, self.device, self.decode_kernel, self.config.sliding_window)
+        meta = AttentionMetadata.build(specs, self.block_size, self.device, self.decode_kernel, self.config.sliding_window,
+                                       self.prefill_kernel)
         return self.model(
             as_tensor(token_ids), as_tensor(positions), meta, self.kv_cache, as_tensor(sample_rows), lora
         )

@@ -22,6 +22,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "simd_lanes.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,60 +33,9 @@
 
 namespace {
 
-constexpr int64_t LANES = 16;
+using namespace tiergate_simd;
+
 constexpr int MAX_VECS = 16;  // head_dim <= 256
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t int_lanes __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint16_t half_bits __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef uint32_t word_lanes __attribute__((vector_size(LANES * sizeof(uint32_t))));
-
-inline lanes load(const float* p) {
-  lanes v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// A bfloat16 is the top half of a float32: widen the 16 bit patterns and shift them up.
-inline lanes load(const c10::BFloat16* p) {
-  half_bits bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  const word_lanes words = __builtin_convertvector(bits, word_lanes) << 16;
-  lanes v;
-  std::memcpy(&v, &words, sizeof(v));
-  return v;
-}
-
-inline float sum_lanes(lanes v) {
-  typedef float half_lanes __attribute__((vector_size(8 * sizeof(float))));
-  typedef float quarter_lanes __attribute__((vector_size(4 * sizeof(float))));
-  const half_lanes h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const quarter_lanes q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
-
-// e^x lane by lane, to within a few float32 ulps: x = n ln2 + r with |r| <= ln2 / 2, e^r by
-// Cephes' expf polynomial, 2^n built in the exponent bits. -inf and anything below the
-// smallest normal's log give 0 (masked positions must weigh nothing).
-inline lanes exp_lanes(lanes x) {
-  const int_lanes underflow = x < (lanes{} - 87.3f);
-  x = underflow ? lanes{} : x;  // keep the arithmetic finite; those lanes are zeroed below
-  const float round_magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const lanes n = (x * 1.44269504088896341f + round_magic) - round_magic;
-  const lanes r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int_lanes exponent = (__builtin_convertvector(n, int_lanes) + 127) << 23;
-  lanes two_n;
-  std::memcpy(&two_n, &exponent, sizeof(two_n));
-  return underflow ? lanes{} : p * two_n;
-}
 
 struct Shapes {
   int64_t num_heads, head_dim, block_size, kv_heads, group, tail;

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.loader import load_model
-from engine.paged_attention import decode_kernel_for
+from engine.paged_attention import decode_kernel_for, prefill_kernel_for
 from engine.runner import ModelRunner
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.sequence import Sequence
@@ -21,21 +21,28 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(5, TINY_VOCAB, (length,), generator=g).tolist()
 
 
-@pytest.fixture(params=["kernel", "gathered"])
-def decode_kernel(request):
-    """Decode attention through the in-place paged kernel, or through the gathered fallback."""
-    if request.param == "gathered":
-        return None
-    kernel = decode_kernel_for("cpu")
-    assert kernel is not None, "the C++ paged attention kernel did not build on this machine (see the log)"
-    return kernel
+@pytest.fixture(params=["kernels", "torch"])
+def attention_kernels(request):
+    """Attention through the CPU kernels (paged decode, causal prefill where the shapes allow),
+    or through the fallbacks: gathered contexts for decodes, SDPA for prefills."""
+    if request.param == "torch":
+        return False
+    assert decode_kernel_for("cpu") is not None, "the C++ attention kernels did not build on this machine (see the log)"
+    return True
 
 
 @pytest.fixture(params=list(TINY_CONFIGS))
-def setup(request, tiny_model_dirs, decode_kernel, linear_path):
+def setup(request, tiny_model_dirs, attention_kernels, linear_path):
     path = tiny_model_dirs[request.param]
-    runner = ModelRunner(load_model(str(path)), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, decode_kernel=decode_kernel)
+    kernels = "auto" if attention_kernels else None
+    runner = ModelRunner(load_model(str(path)), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, decode_kernel=kernels,
+                         prefill_kernel=kernels)
     assert runner.model.weight_form == linear_path
+    head_dim = runner.config.head_dim
+    # The prefill kernel serves head dims that are multiples of 16; the tiny configs cover both kinds.
+    expected = attention_kernels and head_dim % 16 == 0
+    assert (runner.prefill_kernel is not None) == expected
+    assert (prefill_kernel_for("cpu", torch.float32, head_dim) is not None) == (head_dim % 16 == 0)
     return runner, HFReference(path), BlockPool(NUM_BLOCKS)
 
 
