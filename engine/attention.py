@@ -9,9 +9,10 @@ engine/paged_attention.py when the runner has one; otherwise (the fallback)
 they share one batched SDPA call over their contexts gathered from the cache
 into ``[B, max_ctx]`` with a length mask.
 Each longer chunk gets its own attention: causal over its own keys when it starts
-at position 0 (the runner's prefill kernel when it has one, else SDPA), otherwise
-SDPA over the cached context plus itself with an offset causal mask (later chunks
-of a chunked prefill, prefix-cache hits, recompute).
+at position 0, otherwise over the cached context plus itself with an offset causal
+mask (later chunks of a chunked prefill, prefix-cache hits, recompute). The runner's
+prefill kernel does both when it has one (the context gathered from the cache first);
+SDPA does them otherwise.
 
 Layers with a sliding window read ``AttentionMetadata.windowed``, the same step's
 metadata with masks that also drop keys more than ``window - 1`` positions back
@@ -61,6 +62,7 @@ class PrefillChunk:
     mask: torch.Tensor | None
     # The chunk starts at position 0, so its own keys are all it attends to (with a
     # window, SDPA still needs context_slots and mask; the prefill kernel does not).
+    # A windowed chunk's context_slots start at its first query's window, not at 0.
     starts_at_zero: bool = False
 
 
@@ -196,8 +198,13 @@ def paged_attention(
     for p in meta.prefills:
         # 4-D [1, heads, n, d] inputs: what the fused CUDA kernels expect.
         qp = q[p.rows].transpose(0, 1).unsqueeze(0)
-        if p.starts_at_zero and meta.prefill_kernel is not None and softcap is None:
-            o = meta.prefill_kernel(q[p.rows], kv[p.rows, 0], kv[p.rows, 1], scale, layer.window or 0)
+        if meta.prefill_kernel is not None and softcap is None:
+            if p.starts_at_zero:
+                o = meta.prefill_kernel(q[p.rows], kv[p.rows, 0], kv[p.rows, 1], scale, layer.window or 0, 0)
+            else:
+                context = slots.index_select(0, p.context_slots)
+                offset = context.shape[0] - (p.rows.stop - p.rows.start)
+                o = meta.prefill_kernel(q[p.rows], context[:, 0], context[:, 1], scale, layer.window or 0, offset)
             if out is None:
                 return o
             out[p.rows] = o

@@ -13,9 +13,9 @@ into a padded copy and runs SDPA over it, which is the fallback.
   engine/cpu_build.py. When it cannot be built, the engine keeps the gathered path.
 - CUDA: the Triton kernel of engine/triton_paged_attention.py.
 
-Prefill: a chunk that starts at position 0 attends causally to its own keys. On the CPU
-a C++ operator (csrc/prefill_attention.cpp) serves float32 with head dims that are a
-multiple of 16 (up to 256) and no soft-cap; everything else, and CUDA, runs torch's SDPA.
+Prefill: a chunk attends causally to its context and its own keys. On the CPU a C++
+operator (csrc/prefill_attention.cpp) serves float32 with head dims that are a multiple
+of 16 (up to 256) and no soft-cap; everything else, and CUDA, runs torch's SDPA.
 
 ``TIERGATE_PAGED_ATTENTION=off`` keeps the gathered path and SDPA for both on every device.
 """
@@ -34,8 +34,9 @@ from engine.cpu_build import cpu_kernels_loaded
 log = logging.getLogger(__name__)
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, float], torch.Tensor]
-# (q [n, heads, d], k [n, kv_heads, d], v [n, kv_heads, d], scale, window) -> [n, heads * d]
-PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
+# (q [n, heads, d], k [m, kv_heads, d], v [m, kv_heads, d], scale, window, query_offset = m - n)
+# -> [n, heads * d]: query i at key position query_offset + i.
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int, int], torch.Tensor]
 PREFILL_KERNEL_MAX_HEAD_DIM = 256
 
 

@@ -1,6 +1,8 @@
-// Causal attention of a prefill chunk over its own keys on the CPU: the chunk starts at
-// position 0, so query i attends to keys 0..i (and, with a sliding window, only to the
-// last `window` of them).
+// Causal attention of a prefill chunk on the CPU: query i of the chunk sits at position
+// query_offset + i of its keys and attends to keys 0..query_offset + i (with a sliding
+// window, only to the last `window` of them). A chunk that starts the prompt passes its
+// own keys and offset 0; a later chunk passes its context's keys and values, gathered
+// from the cache, followed by its own, and its start as the offset.
 //
 // Registered as torch.ops.tiergate.prefill_attention, float32, head dims that are a
 // multiple of 16 (attention.py sends anything else to SDPA). A work item is one KV head
@@ -39,7 +41,7 @@ struct Chunk {
   const float* k;  // [n, kv_heads, head_dim], row stride kv_row
   const float* v;
   float* out;  // [n, heads * head_dim]
-  int64_t n, heads, head_dim, group, q_row, kv_row, window;
+  int64_t n, heads, head_dim, group, q_row, kv_row, window, query_offset;
   float scale;
 };
 
@@ -63,8 +65,9 @@ void score_tail(int64_t rows, const float* query, const float* keys_t, int64_t h
   score_rows<ROWS>(query, keys_t, head_dim, scores);
 }
 
-// Query positions [q_begin, q_end) of KV head `kv_head`. Row r of the item is position
-// q_begin + r / group, query head kv_head * group + r % group.
+// Queries [q_begin, q_end) of the chunk for KV head `kv_head`. Row r of the item is query
+// q_begin + r / group (at key position query_offset + q_begin + r / group), query head
+// kv_head * group + r % group.
 template <int VECS>
 void attend_item(const Chunk& c, int64_t kv_head, int64_t q_begin, int64_t q_end, std::vector<float>& scratch) {
   const int64_t dim = VECS * LANES, rows = (q_end - q_begin) * c.group;
@@ -83,12 +86,13 @@ void attend_item(const Chunk& c, int64_t kv_head, int64_t q_begin, int64_t q_end
   }
   std::fill(acc, acc + rows * dim, 0.f);
   // Keys any row of the item sees: from the first query's window start to the last query.
-  const int64_t first_key = c.window > 0 ? std::max<int64_t>(0, q_begin - c.window + 1) : 0;
+  const int64_t first_pos = c.query_offset + q_begin, end_key = c.query_offset + q_end;
+  const int64_t first_key = c.window > 0 ? std::max<int64_t>(0, first_pos - c.window + 1) : 0;
   lanes lane_index;
   for (int64_t l = 0; l < LANES; ++l) lane_index[l] = static_cast<float>(l);
 
-  for (int64_t k0 = first_key - first_key % KEY_BLOCK; k0 < q_end; k0 += KEY_BLOCK) {
-    const int64_t nk = std::min(KEY_BLOCK, q_end - k0);
+  for (int64_t k0 = first_key - first_key % KEY_BLOCK; k0 < end_key; k0 += KEY_BLOCK) {
+    const int64_t nk = std::min(KEY_BLOCK, end_key - k0);
     for (int64_t d = 0; d < dim; ++d)
       for (int64_t j = 0; j < KEY_BLOCK; ++j)
         keys_t[d * KEY_BLOCK + j] = j < nk ? c.k[(k0 + j) * c.kv_row + kv_head * dim + d] : 0.f;
@@ -97,7 +101,7 @@ void attend_item(const Chunk& c, int64_t kv_head, int64_t q_begin, int64_t q_end
 
     for (int64_t r = 0; r < rows; ++r) {
       // Key k0 + j is seen by position `pos` when pos - window < k0 + j <= pos (and j < nk).
-      const float pos = static_cast<float>(q_begin + r / c.group - k0);
+      const float pos = static_cast<float>(first_pos + r / c.group - k0);
       const float lowest = c.window > 0 ? pos - static_cast<float>(c.window) : -1.f;
       const int_lanes seen = (lane_index <= lanes{} + pos) & (lane_index > lanes{} + lowest) &
                              (lane_index < lanes{} + static_cast<float>(nk));
@@ -155,7 +159,7 @@ void attend_vecs(int64_t vecs, const Chunk& c, int64_t kv_heads) {
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                             int64_t window) {
+                             int64_t window, int64_t query_offset) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "prefill_attention: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "prefill_attention: float32 only");
@@ -163,7 +167,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2) &&
                   v.stride(2) == 1 && v.stride(1) == v.size(2) && k.stride(0) == v.stride(0),
               "prefill_attention: each token's heads must be contiguous, k and v with one row stride");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2), "q, k and v disagree");
+  TORCH_CHECK(query_offset >= 0 && k.sizes() == v.sizes() && k.size(0) == query_offset + q.size(0) &&
+                  k.size(2) == q.size(2),
+              "q, k and v disagree: k and v need query_offset + len(q) positions");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of kv heads");
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(head_dim % LANES == 0 && head_dim <= MAX_VECS * LANES,
@@ -172,7 +178,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   if (q.size(0) == 0) return out;
   const Chunk c{q.const_data_ptr<float>(), k.const_data_ptr<float>(), v.const_data_ptr<float>(),
                 out.mutable_data_ptr<float>(), q.size(0), q.size(1), head_dim, q.size(1) / k.size(1),
-                q.stride(0), k.stride(0), window, static_cast<float>(scale)};
+                q.stride(0), k.stride(0), window, query_offset, static_cast<float>(scale)};
   attend_vecs(head_dim / LANES, c, k.size(1));
   return out;
 }
@@ -180,6 +186,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tiergate, m) {
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int window=0) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int window=0, int query_offset=0) -> Tensor");
   m.impl("prefill_attention", c10::DispatchKey::CPU, TORCH_FN(prefill_attention));
 }
