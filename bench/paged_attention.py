@@ -8,10 +8,12 @@ through the gathered path (order alternating, so both see the same load), both
 in this process on the same weights and KV cache. Then the same for one
 layer's attention call alone (cache flushed between calls, as the rest of a
 step flushes it). Prints median times and the gathered / kernel ratio; a ratio
-above 1 means the kernel is faster.
+above 1 means the kernel is faster. Last, one layer's causal attention of a
+whole prompt of each ``--prefill-lengths`` length, the prefill kernel
+(csrc/prefill_attention.cpp) against SDPA, alternating the same way.
 
     .venv/bin/python -m bench.paged_attention [--concurrency 1,8,32] [--prompt 250]
-        [--steps 30] [--threads N] [--json PATH]
+        [--prefill-lengths 64,250,1000] [--steps 30] [--threads N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from bench import machine
 from engine.attention import AttentionMetadata, LayerAttention, paged_attention
 from engine.cpu_threads import ThreadTuner
 from engine.loader import load_model
-from engine.paged_attention import cpu_decode_kernel
+from engine.paged_attention import cpu_decode_kernel, prefill_kernel_for
 from engine.runner import ModelRunner
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.sequence import Sequence
@@ -95,6 +97,25 @@ def _attention_alone(runner: ModelRunner, plan: StepPlan, kernel, rounds: int) -
     return _interleaved(calls, rounds, warmup=3, between=lambda: flush.add_(1.0))
 
 
+@torch.inference_mode()
+def _prefill_alone(runner: ModelRunner, length: int, rounds: int) -> dict[str, float]:
+    """One layer's causal attention over a ``length``-token prompt, prefill kernel against SDPA."""
+    cfg = runner.config
+    kernel = prefill_kernel_for("cpu", torch.float32, cfg.head_dim)
+    if kernel is None:
+        raise SystemExit("the C++ prefill attention kernel did not build here; see the warning above")
+    blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
+    specs = [(0, length, list(range(blocks)))]
+    q = torch.randn(length, cfg.num_heads, cfg.head_dim)
+    kv = torch.randn(length, 2, cfg.num_kv_heads, cfg.head_dim)
+    cache = torch.zeros(blocks, BLOCK_SIZE, 2, cfg.num_kv_heads, cfg.head_dim)
+    attention = LayerAttention(cfg.head_dim**-0.5)
+    metas = {name: AttentionMetadata.build(specs, BLOCK_SIZE, "cpu", None, None, k)
+             for name, k in (("kernel", kernel), ("sdpa", None))}
+    calls = {name: (lambda m=meta: paged_attention(q, kv, cache, m, attention)) for name, meta in metas.items()}
+    return _interleaved(calls, rounds, warmup=3)
+
+
 def run(args: argparse.Namespace) -> dict:
     kernel = cpu_decode_kernel()
     if kernel is None:
@@ -119,8 +140,15 @@ def run(args: argparse.Namespace) -> dict:
                      "ratio": step["gathered"] / step["kernel"],
                      "attention_kernel_ms": alone["kernel"] * 1e3, "attention_gathered_ms": alone["gathered"] * 1e3,
                      "attention_ratio": alone["gathered"] / alone["kernel"]})
+    prefill = []
+    for length in args.prefill_lengths:
+        alone = _prefill_alone(runner, length, rounds=args.steps)
+        flops = 4 * length * length / 2 * runner.config.num_heads * runner.config.head_dim
+        prefill.append({"tokens": length, "kernel_ms": alone["kernel"] * 1e3, "sdpa_ms": alone["sdpa"] * 1e3,
+                        "ratio": alone["sdpa"] / alone["kernel"], "kernel_gflop_per_s": flops / alone["kernel"] / 1e9,
+                        "sdpa_gflop_per_s": flops / alone["sdpa"] / 1e9})
     return {"machine": machine.describe(), "threads": args.threads, "prompt": args.prompt, "steps": args.steps,
-            "rows": rows}
+            "rows": rows, "prefill": prefill}
 
 
 def render(result: dict) -> str:
@@ -132,6 +160,12 @@ def render(result: dict) -> str:
         lines.append(f"{r['concurrency']:>11}  {r['kernel_ms']:>9.2f} {r['gathered_ms']:>9.2f} {r['ratio']:>14.2f}x"
                      f"  {r['attention_kernel_ms']:>9.3f} {r['attention_gathered_ms']:>9.3f} {r['attention_ratio']:>14.2f}x")
     lines.append("ratio = gathered / kernel: above 1, the in-place kernel is faster")
+    lines += ["", "one layer's causal attention over a whole prompt (ms; GFLOP/s of the causal half)",
+              f"{'tokens':>11}  {'kernel':>15} {'sdpa':>15} {'ratio':>9}"]
+    for r in result.get("prefill", []):
+        lines.append(f"{r['tokens']:>11}  {r['kernel_ms']:>7.3f} ({r['kernel_gflop_per_s']:>4.0f}) "
+                     f"{r['sdpa_ms']:>7.3f} ({r['sdpa_gflop_per_s']:>4.0f}) {r['ratio']:>8.2f}x")
+    lines.append("ratio = sdpa / kernel: above 1, the prefill kernel is faster")
     return "\n".join(lines)
 
 
@@ -139,6 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompt", type=int, default=250)
+    parser.add_argument("--prefill-lengths", default="64,250,1000", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
