@@ -9,6 +9,11 @@ if TYPE_CHECKING:
     from engine.grammar import GrammarSpec
 
 
+# Characters in one stop string. Matching costs each token the length of its own text, but a
+# request's stop strings are still copied and indexed on the step loop's thread.
+MAX_STOP_CHARS = 1000
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -38,6 +43,8 @@ class SamplingParams:
             raise ValueError("n must be at least 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.grammar import GrammarSpec
+from engine.request import MAX_STOP_CHARS
 from gateway.errors import APIError, invalid_param
 from gateway.response_format import parse_response_format
 from gateway.tools import ToolRequest, parse_tools
@@ -170,6 +171,9 @@ def _stop(body: dict) -> tuple[str, ...]:
                             "invalid_value")
     if any(s == "" for s in v):
         raise invalid_param("stop", "Invalid value for 'stop': stop sequences must not be empty.", "invalid_value")
+    if any(len(s) > MAX_STOP_CHARS for s in v):
+        raise invalid_param("stop", f"Invalid value for 'stop': a stop sequence may have at most {MAX_STOP_CHARS} "
+                            "characters.", "invalid_value")
     return tuple(v)
 
 

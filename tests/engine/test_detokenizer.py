@@ -1,9 +1,12 @@
 """Incremental detokenization: never half a character, stop strings cut and held back."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from engine.request import MAX_STOP_CHARS, SamplingParams
 
 CORPUS = ["hello world", "héllo wörld", "emoji 🙂 party 🎉", "stop here END more", "ünïcödé"] * 5
 
@@ -57,3 +60,26 @@ def test_text_that_may_start_a_stop_string_is_held_back(byte_level_tokenizer):
 def test_a_stop_string_split_across_tokens_is_found(byte_level_tokenizer):
     pieces, detok = _stream(byte_level_tokenizer, "héllo wörld", stop=("ö",))
     assert detok.stopped and "".join(pieces) == "héllo w"
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=40), stop=st.text(alphabet="abc", min_size=1, max_size=6))
+def test_the_stop_matcher_tracks_the_longest_prefix_of_the_stop_string_the_text_ends_with(text, stop):
+    matcher = StopMatcher(stop)
+    for i, char in enumerate(text):
+        whole = matcher.feed(char)
+        seen = text[: i + 1]
+        longest = max(k for k in range(len(stop) + 1) if seen.endswith(stop[:k]))
+        assert matcher.matched == longest
+        assert whole == seen.endswith(stop)
+
+
+def test_of_stop_strings_ending_on_the_same_character_the_longest_cuts(byte_level_tokenizer):
+    pieces, detok = _stream(byte_level_tokenizer, "stop here END more", stop=("D", "END"))
+    assert detok.stopped and "".join(pieces) == "stop here "
+
+
+def test_a_stop_string_longer_than_the_bound_is_refused():
+    SamplingParams(stop=("x" * MAX_STOP_CHARS,)).validate()
+    with pytest.raises(ValueError, match="at most"):
+        SamplingParams(stop=("ok", "x" * (MAX_STOP_CHARS + 1))).validate()

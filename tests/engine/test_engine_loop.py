@@ -71,17 +71,23 @@ def _wait_idle(engine: Engine, timeout: float = 5.0) -> None:
 def test_requests_joining_and_leaving_each_get_their_own_greedy_tokens(make_engine, hf_greedy):
     engine, events = make_engine()
     prompts = _prompts(8)
-    max_tokens = [5 + 3 * i for i in range(8)]
-
-    async def run_one(i: int) -> list[int]:
-        await asyncio.sleep(0.01 * i)  # staggered arrivals join a running batch
-        ids: list[int] = []
-        request = EngineRequest(f"r{i}", prompts[i], SamplingParams(max_tokens=max_tokens[i], **GREEDY))
-        async for delta in engine.generate(request):
-            ids.extend(delta.token_ids)
-        return ids
+    max_tokens = [30 - 3 * i for i in range(8)]
 
     async def main():
+        # Request i arrives once request i - 1 has its first token, so it joins a running batch
+        # however fast the steps are; the earlier requests run longer, so they are still there.
+        started = [asyncio.Event() for _ in range(8)]
+
+        async def run_one(i: int) -> list[int]:
+            if i:
+                await started[i - 1].wait()
+            ids: list[int] = []
+            request = EngineRequest(f"r{i}", prompts[i], SamplingParams(max_tokens=max_tokens[i], **GREEDY))
+            async for delta in engine.generate(request):
+                ids.extend(delta.token_ids)
+                started[i].set()
+            return ids
+
         return await asyncio.gather(*(run_one(i) for i in range(8)))
 
     outputs = asyncio.run(main())

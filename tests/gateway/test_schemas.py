@@ -55,6 +55,7 @@ def test_chat_logprobs_map_to_engine_logprobs():
         ({**CHAT, "seed": 2**64}, "seed"),
         ({**CHAT, "stop": 5}, "stop"),
         ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({**CHAT, "stop": ["x" * 1001]}, "stop"),
         ({**CHAT, "stream": "yes"}, "stream"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
