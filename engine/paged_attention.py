@@ -38,19 +38,21 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 # -> [n, heads * d]: query i at key position query_offset + i.
 PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int, int], torch.Tensor]
 PREFILL_KERNEL_MAX_HEAD_DIM = 256
+CPU_DECODE_MAX_HEAD_DIM = 271  # csrc/paged_attention.cpp: 16 vectors of 16 and a partial one
 
 
 def _kernels_off() -> bool:
     return os.environ.get("TIERGATE_PAGED_ATTENTION", "auto").lower() in ("off", "0", "false")
 
 
-def decode_kernel_for(device: torch.device | str) -> DecodeKernel | None:
-    """The in-place kernel for ``device``, or None where the gathered path must serve."""
+def decode_kernel_for(device: torch.device | str, head_dim: int = 0) -> DecodeKernel | None:
+    """The in-place kernel for ``device`` (and heads of ``head_dim``), or None where the gathered
+    path must serve."""
     if _kernels_off():
         return None
     kind = torch.device(device).type
     if kind == "cpu":
-        return cpu_decode_kernel()
+        return cpu_decode_kernel() if head_dim <= CPU_DECODE_MAX_HEAD_DIM else None
     if kind == "cuda":
         return cuda_decode_kernel()
     return None

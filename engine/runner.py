@@ -43,7 +43,8 @@ class ModelRunner:
         self.model.prepare_weights()
         self.block_size = block_size
         self.kv_cache = KVCache.allocate(self.config, num_blocks, block_size, self.device, self.dtype)
-        self.decode_kernel = decode_kernel_for(self.device) if decode_kernel == "auto" else decode_kernel
+        self.decode_kernel = (decode_kernel_for(self.device, self.config.head_dim)
+                              if decode_kernel == "auto" else decode_kernel)
         self.prefill_kernel = (prefill_kernel_for(self.device, self.dtype, self.config.head_dim)
                                if prefill_kernel == "auto" else prefill_kernel)
         self.thread_tuner = ThreadTuner.from_env() if self.device.type == "cpu" else None

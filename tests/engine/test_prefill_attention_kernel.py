@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, LayerAttention, paged_attention
-from engine.paged_attention import prefill_kernel_for
+from engine.paged_attention import decode_kernel_for, prefill_kernel_for
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,12 @@ def test_prefill_kernel_serves_only_the_shapes_it_was_written_for(kernel):
         kernel(q.double(), kv[:, 0].double(), kv[:, 1].double(), 0.25, 0, 0)
     with pytest.raises(RuntimeError, match="query_offset"):
         kernel(q, kv[:, 0], kv[:, 1], 0.25, 0, 3)
+
+
+def test_heads_larger_than_the_kernels_take_keep_the_torch_paths():
+    assert decode_kernel_for("cpu", 256) is not None
+    assert decode_kernel_for("cpu", 512) is None
+    assert prefill_kernel_for("cpu", torch.float32, 512) is None
 
 
 def test_prefill_kernel_is_off_with_the_attention_kernels_switch(monkeypatch):
