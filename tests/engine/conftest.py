@@ -108,8 +108,10 @@ def write_tiny_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def build_tiny_model(folder: Path, kind: str, seed: int = 0, num_layers: int = 3) -> Path:
+def build_tiny_model(folder: Path, kind: str, seed: int = 0, num_layers: int = 3, **changes) -> Path:
+    """The tiny ``kind`` checkpoint (with its config's ``changes``) saved in ``folder``."""
     config_cls, model_cls, overrides = TINY_CONFIGS[kind]
+    overrides = {**overrides, **changes}
     config = config_cls(
         vocab_size=TINY_VOCAB,
         hidden_size=64,
