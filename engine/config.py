@@ -43,14 +43,16 @@ class EngineConfig:
     cache_dir: str = field(default_factory=default_cache_dir)
     seed: int = 0  # for dummy weights
 
-    def scheduler_config(self, num_blocks: int, max_model_len: int) -> SchedulerConfig:
-        """The scheduler's part of this config, for a pool of ``num_blocks`` and the model's context."""
+    def scheduler_config(self, num_blocks: int, max_model_len: int, long_context_after: int | None = None
+                         ) -> SchedulerConfig:
+        """The scheduler's part of this config, for a pool of ``num_blocks`` and the model's context
+        (and its long-context regime, ``ModelConfig.long_context_after``)."""
         return SchedulerConfig(
             num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
             max_loras=self.max_loras, enable_prefix_caching=self.enable_prefix_caching,
             prefix_cache_scope=self.prefix_cache_scope, policy=self.policy, fair_share=self.fair_share,
-            tiers=self.tiers, standard_min_share=self.standard_min_share)
+            tiers=self.tiers, standard_min_share=self.standard_min_share, long_context_after=long_context_after)
 
     def torch_dtype(self):
         """The dtype to serve in. On CPU, float32 unless asked: it keeps exact parity with HF, and

@@ -58,7 +58,11 @@ class Engine:
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype)
         self.num_kv_blocks = num_blocks
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model_config.vocab_size, tuple(loaded.eos_token_ids))
-        self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.max_model_len))
+        # A regime no sequence can reach (the context stops short of it) is no regime.
+        long_after = loaded.model_config.long_context_after
+        if long_after is not None and long_after >= self.max_model_len:
+            long_after = None
+        self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.max_model_len, long_after))
         # Static per tier, computed once so checking a request need not touch the scheduler's state.
         self.limits = RequestLimits(self.max_model_len,
                                     {t.name: self.scheduler.max_sequence_tokens(t.name) for t in config.tiers},

@@ -12,8 +12,9 @@ from scheduler.plan import StepPlan
 class StepItem:
     request_id: str
     tokens: int  # tokens of this request computed in the step
-    is_recompute: bool  # recomputation after a preemption
-    # The tier whose request caused the preemption: it pays for recompute.
+    # Recomputation after a preemption, or of a sequence that crossed into its model's long-context regime.
+    is_recompute: bool
+    # The tier whose request caused the preemption (the request's own for a crossing): it pays for recompute.
     recompute_charged_tier: str | None = None
     tier: str = "standard"  # the request's own tier
 

@@ -52,6 +52,14 @@ class Family:
     window_layers: str = "all"
     # Whether ``use_sliding_window`` must be true for the window to apply (Qwen).
     window_flag: bool = False
+    # HF's model rotates only the first ``partial_rotary_factor`` of each head (Phi-3's does).
+    partial_rotary: bool = False
+    # LongRoPE scaling is served: HF's model recomputes a sequence that outgrows the original context
+    # (Phi-3's ``prepare_inputs_for_generation``), the rule engine/rope.py follows. Where a model keeps
+    # the keys cached under the short factors instead, serving it would need another rule.
+    longrope: bool = False
+    # Older names of rope types in this family's configs (Phi-3's "su" and "yarn" are LongRoPE).
+    rope_aliases: dict[str, str] = field(default_factory=dict)
 
 
 FAMILIES: dict[str, Family] = {
@@ -77,6 +85,7 @@ FAMILIES: dict[str, Family] = {
             "mlp.gate_up_proj.weight": ("gate_up", None),
             "mlp.down_proj.weight": ("down", None),
         },
+        partial_rotary=True, longrope=True, rope_aliases={"su": "longrope", "yarn": "longrope"},
     ),
     "gemma2": Family(
         "Gemma 2",

@@ -12,7 +12,6 @@ windows, weight names) comes from its ``engine.families.Family`` and ``ModelConf
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -26,27 +25,7 @@ from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
 from engine.norms import add_rms_norm_, fused_norms_available, rms_norm
 from engine.packed_linear import PackedWeight, Weight, linear, pack, release_freed_heap, weight_form
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies as HF computes them, including linear and llama3 scaling."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", "default")
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-        return torch.where(is_medium, smoothed, scaled)
-    return inv_freq
+from engine.rope import Rope, apply_rope_
 
 
 # Below this many sampled rows the unpacked CPU LM head uses its transposed copy (see prepare_weights).
@@ -100,7 +79,7 @@ class DecoderModel(nn.Module):
         self.head: Weight | None = None
         # Whether the forward's norms run on the fused CPU kernels (engine/norms.py); set with the weights' form.
         self.fused_norms = False
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        self.rope = Rope(cfg, device)
         q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self._slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
         scale = cfg.attn_scale or cfg.head_dim**-0.5
@@ -224,14 +203,18 @@ class DecoderModel(nn.Module):
         kv_cache: KVCache,
         sample_rows: torch.Tensor,
         lora: LoraBatchLike | None = None,
+        long_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states of the ``sample_rows`` through the LM head: float32 ``[len(sample_rows), vocab]``."""
+        """Hidden states of the ``sample_rows`` through the LM head: float32 ``[len(sample_rows), vocab]``.
+
+        ``long_rows`` (LongRoPE models only): bool ``[T]``, the rows of sequences in the long regime."""
         cfg = self.cfg
         tokens = input_ids.shape[0]
         eps, heads, kv_heads, head_dim = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
         inter = cfg.intermediate_size
-        cos, sin = self._rope_tables(positions)
+        cos, sin = self.rope.tables(positions, self.dtype, long_rows)
+        rotary_dim = self.rope.rotary_dim
 
         family, act_fn = self.family, self.activation
 
@@ -250,7 +233,7 @@ class DecoderModel(nn.Module):
             if family.qk_norm:
                 qk[:, :heads] = F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps)
                 qk[:, heads:] = F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)
-            _apply_rope_(qk, cos, sin)
+            apply_rope_(qk if rotary_dim is None else qk[..., :rotary_dim], cos, sin)
             q = qkv[:, :q_size].view(tokens, heads, head_dim)
             kv = qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim)
             attn = paged_attention(q, kv, kv_cache.layers[i], meta, self.attention[i])
@@ -282,19 +265,3 @@ class DecoderModel(nn.Module):
         if cfg.final_logit_softcap is not None:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
         return logits
-
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin ``[T, 1, head_dim]`` for this step, computed once for all layers."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): folding the sign saves a neg per layer.
-        cos = torch.cat((cos, cos), dim=-1).to(self.dtype)
-        sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
-        return cos[:, None, :], sin[:, None, :]
-
-
-def _apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place, so rotated keys stay next to the values in the fused qkv output."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    x.mul_(cos).addcmul_(swapped, sin)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.families import ACTIVATIONS, Family, family_for
+from engine.families import ACTIVATIONS, FAMILIES, Family, family_for
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     # The attention's softmax scale; None means head_dim ** -0.5.
     attn_scale: float | None = None
+    # The share of each head's dimensions that rotate (the first ones); the rest pass through.
+    partial_rotary_factor: float = 1.0
 
     @property
     def family(self) -> Family:
@@ -58,6 +60,18 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def long_context_after(self) -> int | None:
+        """With LongRoPE, the length past which a sequence runs on the long factors; else None."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling["rope_type"] != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "")
@@ -68,14 +82,14 @@ class ModelConfig:
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported {family.activation_key} {activation!r}; supported: {', '.join(ACTIVATIONS)}")
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         # transformers 5 keeps theta and scaling in ``rope_parameters``; older configs at top level.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
-            raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        rope_type = family.rope_aliases.get(rope_type, rope_type)
+        partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        _check_rope(cfg, family, rope_type, rope, head_dim, partial)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -85,7 +99,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rope_theta=theta,
             rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -99,6 +113,7 @@ class ModelConfig:
             attn_logit_softcap=cfg.get("attn_logit_softcapping"),
             final_logit_softcap=cfg.get("final_logit_softcapping"),
             attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
+            partial_rotary_factor=partial,
         )
 
     @classmethod
@@ -107,6 +122,37 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"model config not found: {path}")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _check_rope(cfg: dict[str, Any], family: Family, rope_type: str, rope: dict[str, Any], head_dim: int,
+                partial: float) -> None:
+    """Refuse a rotary embedding the family's HF model would compute otherwise than we do; complete
+    LongRoPE's parameters in ``rope`` with the original context length."""
+    if partial != 1.0:
+        if not family.partial_rotary:
+            served = ", ".join(f.name for f in FAMILIES.values() if f.partial_rotary)
+            raise ValueError(f"partial rotary embeddings (partial_rotary_factor < 1) are not supported for "
+                             f"{family.name}; served for: {served}")
+        if not 0 < partial < 1 or int(head_dim * partial) % 2:
+            raise ValueError(f"partial_rotary_factor {partial} must be in (0, 1] and rotate an even number of "
+                             f"dimensions of the head ({head_dim})")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type != "longrope":
+        return
+    if not family.longrope:
+        served = ", ".join(f.name for f in FAMILIES.values() if f.longrope)
+        raise ValueError(f"longrope scaling is not supported for {family.name}; served for: {served}")
+    # Phi-3 keeps the original length at the top level, which wins over a copy in the scaling dict (as in HF).
+    original = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("longrope scaling needs original_max_position_embeddings")
+    rope["original_max_position_embeddings"] = int(original)
+    pairs = int(head_dim * partial) // 2
+    for key in ("short_factor", "long_factor"):
+        factors = rope.get(key)
+        if not isinstance(factors, list) or len(factors) != pairs:
+            raise ValueError(f"longrope scaling needs a {key} list of {pairs} numbers (rotary dimensions / 2)")
 
 
 def _windows(cfg: dict[str, Any], family: Family) -> dict[str, Any]:

@@ -48,6 +48,8 @@ class ModelRunner:
         self.prefill_kernel = (prefill_kernel_for(self.device, self.dtype, self.config.head_dim)
                                if prefill_kernel == "auto" else prefill_kernel)
         self.thread_tuner = ThreadTuner.from_env() if self.device.type == "cpu" else None
+        # LongRoPE: sequences past this many tokens rotate with the long factors (engine/rope.py).
+        self.long_context_after = self.config.long_context_after
 
     def execute(self, plan: StepPlan, lora: LoraBatchLike | None = None) -> torch.Tensor:
         """Float32 logits ``[chunks that sample, vocab]``, in plan order."""
@@ -81,8 +83,17 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
         as_tensor = lambda data: torch.tensor(data, dtype=torch.long, device=self.device)  # noqa: E731
+        long_rows = self._long_rows(plan) if self.long_context_after is not None else None
         meta = AttentionMetadata.build(specs, self.block_size, self.device, self.decode_kernel, self.config.sliding_window,
                                        self.prefill_kernel)
         return self.model(
-            as_tensor(token_ids), as_tensor(positions), meta, self.kv_cache, as_tensor(sample_rows), lora
+            as_tensor(token_ids), as_tensor(positions), meta, self.kv_cache, as_tensor(sample_rows), lora, long_rows
         )
+
+    def _long_rows(self, plan: StepPlan) -> torch.Tensor | None:
+        """Bool ``[T]``: the rows of sequences in the model's long-context regime (LongRoPE); None if none."""
+        flags = [(c.seq.is_long_context(self.long_context_after), c.num_tokens) for c in plan.chunks]
+        if not any(long for long, _ in flags):
+            return None
+        rows = [long for long, n in flags for _ in range(n)]
+        return torch.tensor(rows, dtype=torch.bool, device=self.device)

@@ -7,7 +7,11 @@ token ids, the sequence's adapter): a LoRA adapter changes keys and values, so
 the same tokens under another adapter are another block. With
 ``scope_by_tenant`` the chain starts from the sequence's tenant, so one
 tenant never hits another's blocks: a hit shows in ``cached_tokens`` and in
-time to first token, which would tell a tenant what others have sent. Blocks with no
+time to first token, which would tell a tenant what others have sent. For a
+model with a long-context regime (``long_context_after``: Phi-3's LongRoPE
+rotates keys otherwise there) the chain of a sequence in that regime starts
+from another root, so a block is only ever hit in the regime that computed it.
+Blocks with no
 reference are free; a free block keeps its hash (and can be hit again) until it
 is reused, least recently freed first.
 
@@ -66,6 +70,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         caps: tuple[TierCap, ...] = (),
         scope_by_tenant: bool = True,
+        long_context_after: int | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -74,6 +79,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.caps = caps
         self.scope_by_tenant = scope_by_tenant
+        self.long_context_after = long_context_after
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # Insertion order is the reuse order: least recently freed first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -190,6 +196,16 @@ class BlockManager:
         self.free(seq)
         self._hashes.pop(seq.seq_id, None)
 
+    def restart(self, seq: Sequence) -> int:
+        """``seq`` crossed into the long-context regime: drop its blocks and its chain (rooted in the
+        short regime), take what the cache holds of it in the new one; returns the positions covered."""
+        self.forget(seq)
+        cached = self.match_prefix(seq)
+        if not cached or not self.can_allocate(seq, len(cached) * self.block_size, cached):
+            return 0
+        self.allocate(seq, len(cached) * self.block_size, cached)
+        return len(cached) * self.block_size
+
     def register_computed(self, seq: Sequence) -> None:
         """Enter ``seq``'s full, computed blocks into the prefix cache."""
         if not self.enable_prefix_caching:
@@ -232,9 +248,12 @@ class BlockManager:
         return hashes
 
     def _chain_root(self, seq: Sequence) -> bytes:
-        if not self.scope_by_tenant or seq.tenant is None:
-            return b""
-        return hashlib.sha256(b"tenant\x00" + seq.tenant.encode("utf-8", "surrogatepass")).digest()
+        root = b""
+        if self.scope_by_tenant and seq.tenant is not None:
+            root = hashlib.sha256(b"tenant\x00" + seq.tenant.encode("utf-8", "surrogatepass")).digest()
+        if seq.is_long_context(self.long_context_after):
+            root = hashlib.sha256(b"long-context\x00" + root).digest()
+        return root
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Raise AssertionError if the books do not balance against ``live`` sequences."""

@@ -42,6 +42,10 @@ class SchedulerConfig:
     # "tenant": a sequence hits only cached blocks of its own tenant; "shared": of anyone.
     prefix_cache_scope: str = "tenant"
     tiers: tuple[TierConfig, ...] = field(default_factory=default_tiers)
+    # Models with two position regimes (Phi-3's LongRoPE): a sequence longer than this many tokens
+    # is computed in the long one (``Sequence.is_long_context``). Its keys differ between regimes,
+    # so one that crosses is recomputed and the prefix cache keeps the regimes apart. None: one regime.
+    long_context_after: int | None = None
     # Under sustained premium load, standard still gets this share of each
     # step's token budget when it has work waiting.
     standard_min_share: float = 0.1

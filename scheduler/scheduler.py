@@ -51,6 +51,7 @@ class Scheduler:
             config.enable_prefix_caching,
             self.policy.caps(),
             scope_by_tenant=config.prefix_cache_scope == "tenant",
+            long_context_after=config.long_context_after,
         )
         self.load_estimator = LoadEstimator(config)
         self.waiting: dict[str, deque[Sequence]] = {q: deque() for q in self.policy.queue_names()}
@@ -339,13 +340,20 @@ class Scheduler:
                 raise ValueError(f"plan is stale for sequence {chunk.seq.seq_id}")
             if samples and chunk.seq.seq_id not in sampled:
                 raise ValueError(f"no sampled token for sequence {chunk.seq.seq_id}")
+        after = self.config.long_context_after
         for chunk, samples in live:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
+            # Before the token is appended: the blocks are registered under the regime that computed them.
+            self.block_manager.register_computed(seq)
             if samples:
                 seq.output_token_ids.append(sampled[seq.seq_id])
                 self.policy.charge_decode(seq)
-            self.block_manager.register_computed(seq)
+                if after is not None and seq.num_tokens == after + 1:  # tokens come one at a time
+                    # Its cached keys are the short regime's: it is computed again in the long one, as
+                    # HF's Phi-3 does, and keeps running (no preemption); it pays its own recompute.
+                    seq.recompute_until, seq.recompute_charged_tier = seq.num_computed_tokens, seq.tier
+                    seq.num_computed_tokens = self.block_manager.restart(seq)
 
     # -- load and accounting -------------------------------------------------
 

@@ -65,6 +65,12 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def is_long_context(self, after: int | None) -> bool:
+        """Whether the model computes this sequence in its long-context regime: it holds more than
+        ``after`` tokens (None: the model has one regime). The one rule the scheduler's recompute at
+        the crossing, the prefix cache's chain and the model's rotary tables all follow."""
+        return after is not None and self.num_tokens > after
+
     @property
     def is_prefilling(self) -> bool:
         """True while more than the one newest token is left to compute."""

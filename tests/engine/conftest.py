@@ -69,6 +69,24 @@ TINY_CONFIGS = {
     ),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
     "phi3": (Phi3Config, Phi3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=7, pad_token_id=0)),
+    # LongRoPE over a 64-token original context (the tiny models' max_position_embeddings is 512, so
+    # the default attention factor applies); head_dim 16: eight rotary pairs.
+    "phi3_longrope": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, original_max_position_embeddings=64,
+             rope_scaling=dict(type="longrope", short_factor=[1.0 + 0.15 * i for i in range(8)],
+                               long_factor=[1.5 + 0.9 * i for i in range(8)])),
+    ),
+    # Phi-4-mini's shape: LongRoPE over three quarters of each head (six of eight pairs rotate).
+    "phi4_mini": (
+        Phi3Config,
+        Phi3ForCausalLM,
+        dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, partial_rotary_factor=0.75,
+             original_max_position_embeddings=64, tie_word_embeddings=True,
+             rope_scaling=dict(type="longrope", short_factor=[1.0 + 0.2 * i for i in range(6)],
+                               long_factor=[2.0 + 1.1 * i for i in range(6)])),
+    ),
     "gemma2": (
         Gemma2Config,
         Gemma2ForCausalLM,
@@ -90,8 +108,10 @@ def write_tiny_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def build_tiny_model(folder: Path, kind: str, seed: int = 0, num_layers: int = 3) -> Path:
+def build_tiny_model(folder: Path, kind: str, seed: int = 0, num_layers: int = 3, **changes) -> Path:
+    """The tiny ``kind`` checkpoint (with its config's ``changes``) saved in ``folder``."""
     config_cls, model_cls, overrides = TINY_CONFIGS[kind]
+    overrides = {**overrides, **changes}
     config = config_cls(
         vocab_size=TINY_VOCAB,
         hidden_size=64,

@@ -21,13 +21,14 @@ from tests.engine.conftest import TINY_VOCAB, BlockPool, build_tiny_model, chunk
 from tests.lora_pool.conftest import ALL_TARGETS, save_random_lora
 
 BLOCK_SIZE = 4
-FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma2"]
+# phi4_mini: Phi-3's architecture with partial rotary and LongRoPE (engine/rope.py), here in its short regime.
+FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2"]
 # Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters target the fused modules.
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
 def _targets(kind: str, attention_only: bool) -> list[str]:
-    if kind == "phi3":
+    if kind.startswith("phi"):
         return ["qkv_proj"] if attention_only else PHI3_TARGETS
     return ["q_proj", "v_proj"] if attention_only else ALL_TARGETS
 
@@ -126,15 +127,24 @@ def test_the_reference_changes_without_the_window_so_the_parity_test_can_fail(ki
     assert (_last_logits(windowed, tokens) - _last_logits(unwindowed, tokens)).abs().max() > 1e-2
 
 
+# head_dim 8: four rotary pairs.
+LONGROPE = {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"]), "model family 'gpt_neox'.*not served.*gemma2"),
-        (dict(model_type="phi3", partial_rotary_factor=0.75), "partial rotary"),
+        (dict(model_type="qwen2", partial_rotary_factor=0.75), "partial rotary.*not supported for Qwen2.*Phi-3"),
+        (dict(model_type="phi3", partial_rotary_factor=0.7), "rotate an even number"),
         (dict(model_type="qwen3", attention_bias=True), "Qwen3 configs with attention_bias"),
         (dict(model_type="gemma2", hidden_activation="gelu"), "unsupported hidden_activation 'gelu'"),
-        (dict(model_type="phi3", rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
-         "unsupported rope scaling 'longrope'"),
+        (dict(model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope scaling 'yarn'"),
+        # Llama's HF model keeps the keys it cached under the short factors: not the rule we serve.
+        (dict(model_type="llama", rope_scaling=LONGROPE), "longrope scaling is not supported for Llama.*Phi-3"),
+        (dict(model_type="phi3", rope_scaling=LONGROPE), "needs original_max_position_embeddings"),
+        (dict(model_type="phi3", original_max_position_embeddings=64, rope_scaling={**LONGROPE, "long_factor": [1.0]}),
+         "long_factor list of 4 numbers"),
     ],
 )
 def test_what_a_family_cannot_serve_is_refused_by_name(overrides, message):

@@ -1,0 +1,67 @@
+"""LongRoPE and partial rotary as HF computes them: the frequencies of both factor sets, the default
+attention factor, and which configs turn them on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Phi3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.model_config import ModelConfig
+from engine.rope import rope_attention_factor, rope_inv_freq
+
+SHORT = [1.0 + 0.1 * i for i in range(6)]
+LONG = [2.0 + 0.7 * i for i in range(6)]
+
+
+def _configs(partial: float = 0.75, **scaling) -> tuple[Phi3Config, ModelConfig]:
+    """A Phi-4-mini-like config (head_dim 16, three quarters rotate) in HF's form and in ours."""
+    hf = Phi3Config(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                    max_position_embeddings=4096, original_max_position_embeddings=256, partial_rotary_factor=partial,
+                    rope_scaling=dict(type="longrope", short_factor=SHORT, long_factor=LONG, **scaling))
+    return hf, ModelConfig.from_dict(hf.to_dict())
+
+
+@pytest.mark.parametrize("scaling", [{}, {"factor": 3.0}, {"attention_factor": 1.25}, {"factor": 0.5}])
+def test_longrope_frequencies_and_attention_factor_match_hf(scaling):
+    hf, ours = _configs(**scaling)
+    init = ROPE_INIT_FUNCTIONS["longrope"]
+    short, hf_factor = init(hf, "cpu")
+    long, _ = init(hf, "cpu", seq_len=257)
+    assert torch.equal(rope_inv_freq(ours), short) and torch.equal(rope_inv_freq(ours, long=True), long)
+    assert not torch.equal(short, long)
+    assert rope_attention_factor(ours) == pytest.approx(hf_factor, rel=1e-12)
+
+
+def test_the_default_attention_factor_comes_from_the_context_ratio():
+    _, ours = _configs()
+    # max_position_embeddings / original = 16 when no factor is given.
+    assert rope_attention_factor(ours) == pytest.approx(math.sqrt(1 + math.log(16) / math.log(256)))
+
+
+def test_a_phi3_128k_style_config_is_read_with_its_original_context_and_legacy_type():
+    config = ModelConfig.from_dict(dict(
+        model_type="phi3", vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=131072, original_max_position_embeddings=4096,
+        sliding_window=262144, rope_scaling=dict(type="su", short_factor=[1.0] * 8, long_factor=[4.0] * 8)))
+    assert config.rope_scaling["rope_type"] == "longrope"
+    assert config.long_context_after == 4096
+    assert (config.rotary_dim, config.sliding_window) == (16, None)
+
+
+def test_partial_rotary_without_scaling_rotates_only_the_leading_dimensions():
+    hf, ours = _configs()
+    hf_plain = Phi3Config(**{**hf.to_dict(), "rope_scaling": None, "rope_parameters": None})
+    ours = ModelConfig.from_dict(hf_plain.to_dict())
+    assert ours.rope_scaling is None and ours.long_context_after is None and ours.rotary_dim == 12
+    expected = 1.0 / (10000.0 ** (torch.arange(0, 12, 2).float() / 12))
+    assert torch.equal(rope_inv_freq(ours), expected)
+
+
+def test_models_without_longrope_have_one_regime():
+    config = ModelConfig.from_dict(dict(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4))
+    assert config.long_context_after is None and config.rotary_dim == config.head_dim
