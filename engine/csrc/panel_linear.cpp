@@ -136,6 +136,14 @@ void multiply(const at::Tensor& x, const at::Tensor& panels, at::Tensor& out) {
   const Operands<scalar_t> o{panels.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                              out.mutable_data_ptr<scalar_t>(), x.size(1), out.size(1), x.size(0), x.stride(0)};
   const int64_t num_panels = panels.size(0), tiles = num_panels / TILE_PANELS;
+  if (o.rows == 1) {
+    // One row does a single FMA per weight loaded: the call is a pure read of the weight, and a
+    // thread reads its share fastest as one stream, panel after panel, not two panels abreast.
+    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) column<scalar_t, 1>(o, p, end);
+    });
+    return;
+  }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) column<scalar_t, TILE_PANELS>(o, t * TILE_PANELS, end * TILE_PANELS);
   });
