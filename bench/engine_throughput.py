@@ -53,6 +53,7 @@ def _make_runner(engine: str, requests: list[BenchRequest], max_concurrency: int
         plain = engine == "tiergate-plain"
         os.environ["TIERGATE_PACKED_WEIGHTS"] = {"tiergate-plain": "0", "tiergate-onednn": "onednn"}.get(engine, "auto")
         os.environ["TIERGATE_PAGED_ATTENTION"] = "off" if plain else "auto"
+        os.environ["TIERGATE_FUSED_NORMS"] = "0" if plain else "1"
 
         # As `tiergate serve` runs: its tuner picks 1..N threads for each step size by timing steps
         # (engine/cpu_threads.py).
@@ -253,8 +254,10 @@ def render_markdown(result: dict) -> str:
         "its own tokens. llama.cpp: F32 GGUF of the same weights (Q4_1 for reference), driven as llama-server's "
         "slots are at every level: `llama_decode` with one sequence and KV stream per slot, lowest free id first, "
         "tokens in ascending id order, continuous joining, and 1 or more threads per step size picked by timing "
-        "its steps (bench/peers/llama_cpp_runner.py). tiergate-plain: tiergate with TIERGATE_PACKED_WEIGHTS=0 "
-        "and TIERGATE_PAGED_ATTENTION=off (projections on torch.mm, decode attention over a gathered copy); "
+        "its steps (bench/peers/llama_cpp_runner.py). tiergate-plain: tiergate with TIERGATE_PACKED_WEIGHTS=0, "
+        "TIERGATE_PAGED_ATTENTION=off and TIERGATE_FUSED_NORMS=0 (projections on torch.mm, attention through "
+        "SDPA with decodes over a gathered copy, norms, rope and the SiLU gate as torch ops: the engine before "
+        "issue 16); "
         "tiergate-onednn: tiergate with its projections packed for oneDNN instead of its own panel kernel.",
         "",
         "| engine | concurrency | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | peak RSS (MB) | KV peak use | KV waste |",

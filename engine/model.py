@@ -218,7 +218,9 @@ class DecoderModel(nn.Module):
 
         family, act_fn = self.family, self.activation
 
+        # The fused CPU kernels (norms, rope, the SiLU gate) or torch's ops, all together.
         fused, last = self.fused_norms, len(self.layers) - 1
+        fused_silu = fused and cfg.activation == "silu"
         h = F.embedding(input_ids, self.embed)
         if family.embed_scale:
             h = h * torch.tensor(cfg.hidden_size**0.5, dtype=h.dtype)
@@ -233,7 +235,7 @@ class DecoderModel(nn.Module):
             if family.qk_norm:
                 qk[:, :heads] = F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps)
                 qk[:, heads:] = F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)
-            apply_rope_(qk if rotary_dim is None else qk[..., :rotary_dim], cos, sin)
+            apply_rope_(qk if rotary_dim is None else qk[..., :rotary_dim], cos, sin, fused)
             q = qkv[:, :q_size].view(tokens, heads, head_dim)
             kv = qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim)
             attn = paged_attention(q, kv, kv_cache.layers[i], meta, self.attention[i])
@@ -246,7 +248,10 @@ class DecoderModel(nn.Module):
             gate_up = linear(x, layer.gate_up)
             if lora is not None:
                 lora.apply(i, "gate_up", x, gate_up)
-            act = act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
+            if fused_silu:
+                act = torch.ops.tiergate.silu_mul(gate_up, inter)
+            else:
+                act = act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
             down = linear(act, layer.down)
             if lora is not None:
                 lora.apply(i, "down", act, down)

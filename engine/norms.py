@@ -4,6 +4,8 @@
 result in one pass, as the forward does before each norm. The kernels take
 float32 CPU rows; anything else (CUDA, other dtypes, a CPU without the built
 kernels, ``TIERGATE_FUSED_NORMS=0``) goes through ``torch.nn.functional.rms_norm``.
+The same switch turns the forward's other fused CPU kernels (rope, the SiLU gate:
+csrc/pointwise.cpp) on and off with these.
 """
 
 from __future__ import annotations

@@ -100,9 +100,13 @@ class Rope(nn.Module):
         return cos[:, None, :], sin[:, None, :]
 
 
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> None:
     """Rotate ``x`` ``[T, heads, dim]`` by the tables in place (a view: rotated keys stay next to the
-    values in the fused qkv output). With partial rotary ``x`` is the rotary slice of each head."""
+    values in the fused qkv output). With partial rotary ``x`` is the rotary slice of each head.
+    ``fused``: one call of the CPU kernel (csrc/pointwise.cpp) instead of torch's five ops."""
+    if fused and x.stride(-1) == 1:
+        torch.ops.tiergate.rope_(x, cos, sin)
+        return
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     x.mul_(cos).addcmul_(swapped, sin)

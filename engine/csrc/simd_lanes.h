@@ -53,8 +53,10 @@ inline void store(float* p, const lanes& v) { std::memcpy(p, &v, sizeof(v)); }
 
 // e^x lane by lane, to within a few float32 ulps: x = n ln2 + r with |r| <= ln2 / 2, e^r by
 // Cephes' expf polynomial, 2^n built in the exponent bits. -inf and anything below the
-// smallest normal's log give 0 (masked positions must weigh nothing).
+// smallest normal's log give 0 (masked positions must weigh nothing); anything above 88
+// gives e^88, near the largest float, rather than overflowing the exponent bits.
 inline lanes exp_lanes(lanes x) {
+  x = x > (lanes{} + 88.f) ? lanes{} + 88.f : x;
   const int_lanes underflow = x < (lanes{} - 87.3f);
   x = underflow ? lanes{} : x;  // keep the arithmetic finite; those lanes are zeroed below
   const float round_magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
