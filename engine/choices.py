@@ -5,6 +5,8 @@ prompt is computed, so their full prompt blocks come from the prefix cache
 (reference-counted, shared) and only the last, partial block is each sibling's
 own: copy-on-write done by recomputing those few tokens rather than copying the
 block, so the scheduler's one-owner-or-refcounted invariant holds unchanged.
+They join their admitted request (``Scheduler.add(..., sibling_of=...)``): first
+in their queue, in its place in arrival order, admitted before anything queued.
 The group is one request to everything outside the engine: one id, one finish
 event with the sum of its tokens, and its step items under that id.
 """

@@ -53,8 +53,9 @@ class InFlight:
 
     def release_siblings(self, group: ChoiceGroup) -> None:
         """The first choice's prompt is computed and cached: its siblings can share it now."""
+        first = group.states[0].seq.seq_id
         for sibling in group.waiting:
-            self.scheduler.add(sibling.seq)
+            self.scheduler.add(sibling.seq, sibling_of=first)
             self._states[sibling.seq.seq_id] = sibling
         group.waiting.clear()
 

@@ -153,8 +153,9 @@ class TieredPolicy(Policy):
         return (self.priority[seq.tier], self.fair.counter(seq), self.arrival[seq.seq_id])
 
     def next_to_admit(self, queue: Iterable[Sequence], skipped: set[str]) -> Sequence | None:
-        if self.fair is None:
-            return super().next_to_admit(queue, skipped)
+        first = super().next_to_admit(queue, skipped)
+        if self.fair is None or (first is not None and first.joins_group):
+            return first  # a choice joining its admitted request is not a new turn of its tenant
         return self.fair.pick(queue, skipped)
 
     def goes_before(self, waiting: Sequence, running: Sequence) -> bool:

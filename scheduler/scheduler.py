@@ -67,8 +67,11 @@ class Scheduler:
         fits = self.block_manager.cap_for(tier) * self.config.block_size + 1
         return min(fits, self.config.max_model_len)
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; ValueError (and nothing changed) if it can never run."""
+    def add(self, seq: Sequence, sibling_of: str | None = None) -> None:
+        """Queue a new sequence; ValueError (and nothing changed) if it can never run. A choice of an
+        n > 1 request whose first choice (``sibling_of``) is live joins it: it takes that one's place
+        in arrival order and goes to the front of its queue, to be admitted next, as part of a
+        request already admitted rather than a new one."""
         cfg = self.config
         if seq.seq_id in self._live:
             raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
@@ -88,9 +91,11 @@ class Scheduler:
             raise ValueError("only a fresh waiting sequence can be added")
         if not 0 < seq.weight < float("inf"):
             raise ValueError(f"a tenant's weight must be positive and finite, not {seq.weight!r}")
+        group_arrival = self._arrival.get(sibling_of) if sibling_of is not None else None
         self._live[seq.seq_id] = seq
-        self._arrival[seq.seq_id] = next(self._arrivals)
-        self._enqueue(seq, arriving=True)
+        self._arrival[seq.seq_id] = next(self._arrivals) if group_arrival is None else group_arrival
+        seq.joins_group = group_arrival is not None
+        self._enqueue(seq, arriving=not seq.joins_group)
         self.load_estimator.observe_prompt(seq.tier, seq.num_prompt_tokens)
 
     def abort(self, seq_id: str) -> Sequence | None:
@@ -284,6 +289,7 @@ class Scheduler:
         if seq.num_preemptions == 0:  # its first admission: what the prefix cache saved it is billed
             seq.num_cached_tokens = min(start, seq.num_prompt_tokens)
         seq.status = SequenceStatus.RUNNING
+        seq.joins_group = False
         self._dequeue(seq)
         self.running.append(seq)
         step.add(seq, n)

@@ -33,6 +33,8 @@ class Sequence:
     weight: float = 1.0  # the tenant's share of its tier relative to others (fair share)
     # The request whose n > 1 choices this is one of (opaque): the choices are preempted together.
     group: str | None = None
+    # A later choice queued to join its running first choice: admitted before anything else queued.
+    joins_group: bool = False
     max_tokens: int = 16
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

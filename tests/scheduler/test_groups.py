@@ -30,7 +30,7 @@ def running_group(sched: Scheduler) -> list[Sequence]:
     sched.add(group[0])
     engine_step(sched)  # the first choice's prompt is computed and cached, as the engine does it
     for sibling in group[1:]:
-        sched.add(sibling)
+        sched.add(sibling, sibling_of=group[0].seq_id)
     engine_step(sched)
     assert all(s.status is SequenceStatus.RUNNING for s in group)
     return group
@@ -99,3 +99,22 @@ def test_no_choice_runs_in_a_step_that_preempted_its_sibling(arrivals, seqs):
         assert t < 2000, "no progress"
     assert sched.num_used_blocks == 0 and all(s.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
                                               for s in live)
+
+
+def test_later_choices_join_their_admitted_request_ahead_of_everything_queued():
+    """Once the first choice's prompt is computed, its siblings are part of an admitted request: they
+    are admitted in the next step, before requests that queued earlier, whatever their tenant's
+    fair-share counter (the flood's tenant here has been served nothing yet)."""
+    for fair in (True, False):
+        sched = Scheduler(config(num_blocks=40, max_num_seqs=6, fair_share=fair))
+        group = choices("req", 3)
+        sched.add(group[0])
+        engine_step(sched)
+        for i in range(6):  # another tenant's backlog, queued before the siblings
+            sched.add(Sequence(f"other{i}", list(range(30, 42)), max_tokens=8, tenant="flood"))
+        for sibling in group[1:]:
+            sched.add(sibling, sibling_of=group[0].seq_id)
+        engine_step(sched)
+        assert all(s.status is SequenceStatus.RUNNING for s in group), f"fair_share={fair}"
+        assert not any(s.joins_group for s in group)
+        sched.check_invariants()
