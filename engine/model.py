@@ -24,7 +24,7 @@ from engine.kv_cache import KVCache
 from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
 from engine.norms import add_rms_norm_, fused_norms_available, rms_norm
-from engine.packed_linear import PackedWeight, Weight, linear, pack, release_freed_heap, weight_form
+from engine.packed_linear import PackedWeight, Weight, linear, pack, panel_storage, release_freed_heap, weight_form
 from engine.rope import Rope, apply_rope_
 
 
@@ -172,10 +172,14 @@ class DecoderModel(nn.Module):
             self.head = self.lm_head.detach().t().contiguous() if self.device.type == "cpu" else None
             return
         for layer in self.layers:
-            for name in PROJECTIONS:
-                packed = pack(getattr(layer, name).detach(), form)
+            weights = [getattr(layer, name).detach() for name in PROJECTIONS]
+            # A layer's panels side by side, so huge pages cover them all (packed_linear.panel_storage).
+            storage = panel_storage([w.shape for w in weights], self.dtype) if form == "panels" else [None] * 4
+            for name, weight, out in zip(PROJECTIONS, weights, storage):
+                packed = pack(weight, form, out)
                 delattr(layer, name)  # drops the Parameter, and with it the plain copy
                 setattr(layer, name, packed)
+            del weights
         self.head = pack(self.lm_head.detach().t(), form)
         if not self.cfg.tie_word_embeddings:
             del self.lm_head
