@@ -59,7 +59,7 @@ def benches() -> list[Bench]:
     return [
         Bench("engine_throughput", "Engine throughput: tiergate vs HF transformers and llama.cpp",
               ["--requests", "48", "--output-len", "16:128", "--concurrency", "1,8,32",
-               "--single-stream-requests", "6", "--engines",
+               "--single-stream-requests", "6", "--single-stream-rounds", "5", "--engines",
                "tiergate,llama.cpp-F32,hf-transformers,tiergate-plain,tiergate-onednn"],
               ["--requests", "16", "--concurrency", "1,8", "--single-stream-requests", "2"], timeout_s=1200),
         Bench("bf16_quality", "The bfloat16 opt-in: logprob drift and decode speed against float32",
