@@ -25,14 +25,18 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "simd_lanes.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-constexpr int64_t PANEL = 16;
-typedef float panel_vec __attribute__((vector_size(PANEL * sizeof(float))));
+using namespace tiergate_simd;
+
+constexpr int64_t PANEL = LANES;
+typedef lanes panel_vec;
 
 // The register budget sets the tile: 32 vector registers with AVX-512, 16 with AVX2
 // (where a 16-float vector takes two).
@@ -41,25 +45,6 @@ constexpr int TILE_PANELS = 2, TILE_ROWS = 12;
 #else
 constexpr int TILE_PANELS = 1, TILE_ROWS = 6;
 #endif
-
-typedef uint16_t half_bits_vec __attribute__((vector_size(PANEL * sizeof(uint16_t))));
-typedef uint32_t word_vec __attribute__((vector_size(PANEL * sizeof(uint32_t))));
-
-inline panel_vec load(const float* p) {
-  panel_vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// A bfloat16 is the top half of a float32: widen the 16 bit patterns and shift them up.
-inline panel_vec load(const c10::BFloat16* p) {
-  half_bits_vec bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  const word_vec words = __builtin_convertvector(bits, word_vec) << 16;
-  panel_vec v;
-  std::memcpy(&v, &words, sizeof(v));
-  return v;
-}
 
 inline void store(float* dst, const panel_vec& v, int64_t count) { std::memcpy(dst, &v, count * sizeof(float)); }
 
