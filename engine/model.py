@@ -174,7 +174,7 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             weights = [getattr(layer, name).detach() for name in PROJECTIONS]
             # A layer's panels side by side, so huge pages cover them all (packed_linear.panel_storage).
-            storage = panel_storage([w.shape for w in weights], self.dtype) if form == "panels" else [None] * 4
+            storage = panel_storage([w.shape for w in weights], self.dtype) if form == "panels" else [None] * len(PROJECTIONS)
             for name, weight, out in zip(PROJECTIONS, weights, storage):
                 packed = pack(weight, form, out)
                 delattr(layer, name)  # drops the Parameter, and with it the plain copy
