@@ -196,8 +196,6 @@ def paged_attention(
             return o
         out[d.rows] = o
     for p in meta.prefills:
-        # 4-D [1, heads, n, d] inputs: what the fused CUDA kernels expect.
-        qp = q[p.rows].transpose(0, 1).unsqueeze(0)
         if meta.prefill_kernel is not None and softcap is None:
             if p.starts_at_zero:
                 o = meta.prefill_kernel(q[p.rows], kv[p.rows, 0], kv[p.rows, 1], scale, layer.window or 0, 0)
@@ -209,6 +207,8 @@ def paged_attention(
                 return o
             out[p.rows] = o
             continue
+        # 4-D [1, heads, n, d] inputs: what the fused CUDA kernels expect.
+        qp = q[p.rows].transpose(0, 1).unsqueeze(0)
         if p.context_slots is None:
             k, v = kv[p.rows, 0].transpose(0, 1), kv[p.rows, 1].transpose(0, 1)
             o = _attend(qp, k[None], v[None], None, scale, softcap, causal=True)
