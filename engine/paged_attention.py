@@ -38,7 +38,7 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 # -> [n, heads * d]: query i at key position query_offset + i.
 PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int, int], torch.Tensor]
 PREFILL_KERNEL_MAX_HEAD_DIM = 256
-CPU_DECODE_MAX_HEAD_DIM = 271  # csrc/paged_attention.cpp: 16 vectors of 16 and a partial one
+CPU_DECODE_MAX_HEAD_DIM = 263  # csrc/paged_attention.cpp: 256 in whole vectors and a partial one (of 8 on AVX2)
 
 
 def _kernels_off() -> bool:

@@ -8,9 +8,9 @@
 // count. One pass over the context a block at a time, blocks outermost, so each
 // block is read from memory once for every query head sharing its KV heads while
 // it is in cache; per block and query head: the scores, their exponentials (a
-// vectorised exp, 16 at a time), an online-softmax rescale, and the weighted sum of
+// vectorised exp, a vector at a time), an online-softmax rescale, and the weighted sum of
 // the values with the head's running output held in registers. Head dims up to
-// MAX_VECS * 16 + 15. A sliding window (window > 0)
+// 256 plus a partial vector (263 with AVX2). A sliding window (window > 0)
 // starts the pass at the first position the window keeps; soft-capping
 // (softcap > 0) bends each score through softcap * tanh(score / softcap) first.
 // Written by hand because no library op reads a paged pool in place on the CPU
@@ -35,7 +35,7 @@ namespace {
 
 using namespace tiergate_simd;
 
-constexpr int MAX_VECS = 16;  // head_dim <= 256
+constexpr int MAX_VECS = MAX_HEAD_VECS;
 
 struct Shapes {
   int64_t num_heads, head_dim, block_size, kv_heads, group, tail;

@@ -35,20 +35,21 @@ namespace {
 
 using namespace tiergate_simd;
 
-constexpr int64_t PANEL = LANES;
-typedef lanes panel_vec;
+// A panel is 16 outputs wide whatever the vector width (packed_linear.py packs them so): one
+// register with AVX-512, two with AVX2.
+constexpr int64_t PANEL = 16;
+constexpr int SPLIT = PANEL / LANES;
 
-// The register budget sets the tile: 32 vector registers with AVX-512, 16 with AVX2
-// (where a 16-float vector takes two).
+// The register budget sets the tile: 32 vector registers with AVX-512, 16 with AVX2.
 #if defined(__AVX512F__)
 constexpr int TILE_PANELS = 2, TILE_ROWS = 12;
 #else
 constexpr int TILE_PANELS = 1, TILE_ROWS = 6;
 #endif
 
-inline void store(float* dst, const panel_vec& v, int64_t count) { std::memcpy(dst, &v, count * sizeof(float)); }
+inline void store(float* dst, const lanes& v, int64_t count) { std::memcpy(dst, &v, count * sizeof(float)); }
 
-inline void store(c10::BFloat16* dst, const panel_vec& v, int64_t count) {
+inline void store(c10::BFloat16* dst, const lanes& v, int64_t count) {
   for (int64_t l = 0; l < count; ++l) dst[l] = c10::BFloat16(v[l]);  // rounds to nearest even
 }
 
@@ -69,22 +70,24 @@ struct Operands {
 // `prefetch` (null: none) to be brought into L2.
 template <typename scalar_t, int PANELS, int ROWS>
 void tile(const Operands<scalar_t>& o, int64_t panel0, int64_t row0, const char* prefetch, int64_t prefetch_per_k) {
-  panel_vec acc[ROWS][PANELS] = {};
+  constexpr int VECS = PANELS * SPLIT;  // vector v is lanes [v % SPLIT * LANES, ...) of panel v / SPLIT
+  lanes acc[ROWS][VECS] = {};
   const scalar_t* w = o.panels + panel0 * o.in * PANEL;
   const scalar_t* x = o.x + row0 * o.x_stride;
   for (int64_t k = 0; k < o.in; ++k) {
     if (prefetch) __builtin_prefetch(prefetch + k * prefetch_per_k, 0, 2);
-    panel_vec wk[PANELS];
-    for (int p = 0; p < PANELS; ++p) wk[p] = load(w + (p * o.in + k) * PANEL);
+    lanes wk[VECS];
+    for (int v = 0; v < VECS; ++v) wk[v] = load(w + (v / SPLIT * o.in + k) * PANEL + v % SPLIT * LANES);
     for (int r = 0; r < ROWS; ++r) {
       const float xk = static_cast<float>(x[r * o.x_stride + k]);
-      for (int p = 0; p < PANELS; ++p) acc[r][p] += wk[p] * xk;
+      for (int v = 0; v < VECS; ++v) acc[r][v] += wk[v] * xk;
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int p = 0; p < PANELS; ++p) {
-      const int64_t first = (panel0 + p) * PANEL;
-      store(o.out + (row0 + r) * o.out_features + first, acc[r][p], std::min(PANEL, o.out_features - first));
+    for (int v = 0; v < VECS; ++v) {
+      const int64_t first = (panel0 + v / SPLIT) * PANEL + v % SPLIT * LANES;
+      const int64_t count = std::min(LANES, o.out_features - first);
+      if (count > 0) store(o.out + (row0 + r) * o.out_features + first, acc[r][v], count);
     }
 }
 

@@ -31,7 +31,7 @@ namespace {
 
 using namespace tiergate_simd;
 
-constexpr int MAX_VECS = 16;  // head_dim <= 256
+constexpr int MAX_VECS = MAX_HEAD_VECS;
 constexpr int64_t KEY_BLOCK = LANES;  // a key block's scores fill one vector per row
 constexpr int64_t QUERY_BLOCK = 16;
 constexpr int ROW_TILE = 8;
@@ -172,7 +172,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "q, k and v disagree: k and v need query_offset + len(q) positions");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of kv heads");
   const int64_t head_dim = q.size(2);
-  TORCH_CHECK(head_dim % LANES == 0 && head_dim <= MAX_VECS * LANES,
+  // Multiples of 16 on every CPU (a vector is 16 or 8 lanes), as prefill_kernel_for promises.
+  TORCH_CHECK(head_dim % 16 == 0 && head_dim <= MAX_VECS * LANES,
               "prefill_attention: head_dim must be a multiple of 16, at most ", MAX_VECS * LANES);
   at::Tensor out = at::empty({q.size(0), q.size(1) * head_dim}, q.options());
   if (q.size(0) == 0) return out;

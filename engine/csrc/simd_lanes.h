@@ -1,5 +1,7 @@
-// Sixteen float32 lanes and what the attention kernels do with them, written with GCC's
-// vector extensions so one source serves AVX-512 (one register) and AVX2 (two).
+// One vector register of float32 lanes and what the kernels do with them, written with GCC's
+// vector extensions: sixteen lanes with AVX-512, eight with AVX2. A wider vector type than
+// the hardware's has no machine mode, and GCC keeps it in memory, every operation a store
+// and a load, which made the kernels several times slower than torch on AVX2.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -10,7 +12,14 @@
 
 namespace tiergate_simd {
 
-constexpr int64_t LANES = 16;
+#if defined(__AVX512F__)
+#define TIERGATE_LANES 16
+#else
+#define TIERGATE_LANES 8
+#endif
+constexpr int64_t LANES = TIERGATE_LANES;
+// Heads of up to 256 dimensions in whole vectors (the attention kernels' template range).
+constexpr int MAX_HEAD_VECS = 256 / LANES;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));
@@ -37,8 +46,12 @@ inline lanes load(const c10::BFloat16* p) {
 inline float sum_lanes(lanes v) {
   typedef float half_lanes __attribute__((vector_size(8 * sizeof(float))));
   typedef float quarter_lanes __attribute__((vector_size(4 * sizeof(float))));
+#if TIERGATE_LANES == 16
   const half_lanes h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                        __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const half_lanes h = v;
+#endif
   const quarter_lanes q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
