@@ -112,13 +112,14 @@ def run_worker(engine: str, requests: list[BenchRequest], concurrencies: list[in
         "rss_at_end_mb": psutil.Process().memory_info().rss / 2**20,
         "runs": runs,
     }
-    if engine.startswith("tiergate"):
-        runner.close()
     if engine == "tiergate":
         from bench.step_cost import fit_step_cost
 
         out["step_cost"] = fit_step_cost(runner.steps)
+        out["step_cost"]["num_layers"] = runner.engine.model_config.num_layers
         out["step_cost"]["source"] = "tiergate engine steps of this run (bundled model, this CPU)"
+    if engine.startswith("tiergate"):
+        runner.close()
     return out
 
 

@@ -1,5 +1,9 @@
 """Fair share through the real gateway: a light standard tenant's TTFT beside a flooding one, tiered vs fcfs.
 
+Policies: ``tiered`` (fair share with express steps between a step's layers, the
+default), ``tiered-step-end`` (fair share, express steps off:
+``TIERGATE_EXPRESS_STEPS=0``) and ``fcfs``.
+
 For each policy a `tiergate serve` (bundled model, this CPU, a throwaway
 SQLite database), all up at once and measured in turns (``--rounds``, in the
 order ABBA...), with two standard tenants: "flood" keeps 30
@@ -11,7 +15,7 @@ window, compared round by round. Both policies run with no
 premium KV reserve (`TIERGATE_PREMIUM_KV_RESERVE=0`), so they have the same
 pool for standard and the comparison is of ordering alone.
 
-    .venv/bin/python -m bench.fair_share_gateway [--policies tiered,fcfs] [--flood-s 45] [--rounds 2] [--json PATH]
+    .venv/bin/python -m bench.fair_share_gateway [--policies tiered,tiered-step-end,fcfs] [--flood-s 45] [--rounds 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,6 +43,13 @@ ROOT = Path(__file__).parent.parent
 PLOT = Path(__file__).parent / "out" / "fair_share" / "fair_share_light_ttft.png"
 PASSAGES = (Path(__file__).parent / "data" / "passages.txt").read_text().split("\n\n")
 LIMITS = ["--rpm", "100000", "--tpm", "100000000", "--max-concurrent", "1000"]
+WARM_UP_REQUESTS = 5
+# The policies this bench can run: the server's --policy and its extra environment.
+VARIANTS = {
+    "tiered": ("tiered", {}),
+    "tiered-step-end": ("tiered", {"TIERGATE_EXPRESS_STEPS": "0"}),  # fair share without express steps
+    "fcfs": ("fcfs", {}),
+}
 
 
 def flood_prompt(n: int, chars: int) -> str:
@@ -111,7 +122,9 @@ async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> d
     timeout = httpx.Timeout(600, connect=10)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=100)) as client:
         streamed = Streamed()
-        alone = await asyncio.gather(*await light_loop(client, url, keys["light"], args.light_every, args.alone_s,
+        for n in range(WARM_UP_REQUESTS):  # not measured: a fresh server's first steps try thread counts
+            await ttft(client, url, keys["light"], light_prompt(10**6 + n), 8, streamed)
+        alone = await asyncio.gather(*await light_loop(client, url, keys["light"], args.alone_every, args.alone_s,
                                                        streamed))
         stop = asyncio.Event()
         ids = itertools.count()
@@ -175,10 +188,11 @@ def run(args: argparse.Namespace) -> dict:
         try:
             for policy in policies:  # each its own copy of the database (same tenants and keys): no shared writer
                 shutil.copy(f"{tmp}/tiergate.db", f"{tmp}/{policy}.db")
+                server_policy, extra_env = VARIANTS[policy]
                 own = {**env, "TIERGATE_DATABASE_URL": f"sqlite:///{tmp}/{policy}.db",
-                       "TIERGATE_SPOOL_PATH": f"{tmp}/{policy}-spool.jsonl"}
+                       "TIERGATE_SPOOL_PATH": f"{tmp}/{policy}-spool.jsonl", **extra_env}
                 port = _free_port()
-                servers[policy] = (start_server(own, policy, port, premium_slo_s=2.0), port)
+                servers[policy] = (start_server(own, server_policy, port, premium_slo_s=2.0), port)
             for i in range(args.rounds):
                 rounds.append({})
                 for policy in policies if i % 2 == 0 else policies[::-1]:
@@ -249,7 +263,7 @@ def plot(by_policy: dict) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("light tenant's TTFT (s, log scale)")
     ax.set_ylabel("share of its requests")
-    ax.set_title("Light standard tenant beside a 30-stream flood: tiered (fair share) vs fcfs")
+    ax.set_title("Light standard tenant beside a 30-stream flood, by policy")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -271,7 +285,8 @@ def render_markdown(result: dict) -> str:
     lines = [
         f"`tiergate serve`, bundled model on this CPU, no premium KV reserve. Flood: {s['flood']} streams, "
         f"prompts of {s['flood_prompt_chars']} characters, {s['flood_max_tokens']} output tokens; light: one "
-        f"request every {s['light_every']:g} s, about 40 prompt tokens, 8 output tokens; {s['alone_s']:g} s alone, "
+        f"request every {s['light_every']:g} s, about 40 prompt tokens, 8 output tokens; {s['alone_s']:g} s alone "
+        f"(a request every {s.get('alone_every', s['light_every']):g} s), "
         f"then {s['warmup_s']:g} s of flood warm-up and {s['flood_s']:g} s measured beside it; "
         f"{s.get('rounds', 1)} round(s) per policy, the servers up together and measured in turns.",
         "",
@@ -299,14 +314,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--flood-max-tokens", type=int, default=128)
     p.add_argument("--light-every", type=float, default=1.5, help="seconds between light requests")
     p.add_argument("--alone-s", type=float, default=15.0)
+    p.add_argument("--alone-every", type=float, default=0.5,
+                   help="seconds between light requests while it is alone (more samples for its p99)")
     p.add_argument("--warmup-s", type=float, default=60.0, help="the flood reaches its steady state first")
     p.add_argument("--flood-s", type=float, default=60.0)
     p.add_argument("--rounds", type=int, default=1, help="turns per policy, interleaved ABBA")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if min(args.flood, args.flood_prompt_chars, args.flood_max_tokens, args.rounds) < 1 or min(
-            args.light_every, args.alone_s, args.flood_s) <= 0 or args.warmup_s < 0:
+            args.light_every, args.alone_every, args.alone_s, args.flood_s) <= 0 or args.warmup_s < 0:
         p.error("counts and durations must be positive")
+    unknown = set(args.policies.split(",")) - VARIANTS.keys()
+    if unknown:
+        p.error(f"unknown policies {sorted(unknown)}: choose from {', '.join(VARIANTS)}")
     return args
 
 

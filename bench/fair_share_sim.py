@@ -9,8 +9,10 @@ way when it arrives counts) and from the first step boundary after it (the
 part that scheduling decides); the flood run's
 throughput (prompt tokens prefilled for the first time plus tokens generated,
 per second) is compared with fcfs's. Policies: ``tiered`` (fair share inside
-the tier, the default), ``tiered-nofair`` (FCFS inside the tier, as before fair
-share) and ``fcfs``. The KV pool is sized so the flood alone overfills the
+the tier with express steps between a step's layers, the engine's default),
+``tiered-step-end`` (fair share, the light request planned only at step
+boundaries), ``tiered-nofair`` (FCFS inside the tier, as before fair share) and
+``fcfs``. The KV pool is sized so the flood alone overfills the
 standard tier's share: that backlog is what a light tenant waits behind.
 
     .venv/bin/python -m bench.fair_share_sim [--cost-model PATH] [--json PATH]
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 
@@ -28,7 +31,9 @@ from bench.slo_sim import CostModel, SimSettings, scheduler_config
 from bench.stats import percentile
 from scheduler import Scheduler, Sequence
 
-POLICIES = (("tiered", True), ("tiered-nofair", False), ("fcfs", True))
+# (name, scheduler policy, fair share, express steps between layers)
+POLICIES = (("tiered", "tiered", True, True), ("tiered-step-end", "tiered", True, False),
+            ("tiered-nofair", "tiered", False, False), ("fcfs", "fcfs", True, False))
 
 
 @dataclass(frozen=True)
@@ -46,70 +51,115 @@ class Scenario:
     premium_kv_reserve: float = 0.3  # kept free of standard even with no premium traffic (tiered only)
 
 
-def run_policy(sc: Scenario, cost: CostModel, policy: str, fair: bool, flood: bool) -> dict:
-    """One virtual run; light TTFTs (a request still without a token at the end counts its wait so far)."""
-    now = 0.0
-    settings = SimSettings(num_blocks=sc.num_blocks, max_num_seqs=sc.max_num_seqs,
-                           max_num_batched_tokens=sc.max_num_batched_tokens, standard_min_share=0.1,
-                           premium_kv_reserve=sc.premium_kv_reserve)
-    sched = Scheduler(scheduler_config(settings, "fcfs" if policy == "fcfs" else "tiered", fair),
-                           clock=lambda: now)
-    ids = itertools.count()
-    arrived: dict[str, float] = {}
-    seen: dict[str, float] = {}  # the step boundary at which the scheduler first saw it
-    first: dict[str, float] = {}
-    useful_tokens = 0
+class _Run:
+    """One virtual run's clock, scheduler and records."""
 
-    def submit(tenant: str, prompt: int, max_tokens: int, at: float) -> None:
-        n = next(ids)
+    def __init__(self, sc: Scenario, policy: str, fair: bool) -> None:
+        self.now = 0.0
+        settings = SimSettings(num_blocks=sc.num_blocks, max_num_seqs=sc.max_num_seqs,
+                               max_num_batched_tokens=sc.max_num_batched_tokens, standard_min_share=0.1,
+                               premium_kv_reserve=sc.premium_kv_reserve)
+        self.sched = Scheduler(scheduler_config(settings, policy, fair), clock=lambda: self.now)
+        self.sc = sc
+        self.ids = itertools.count()
+        self.arrived: dict[str, float] = {}
+        self.seen: dict[str, float] = {}  # when the scheduler could first plan it: a step boundary, or a layer's
+        self.first: dict[str, float] = {}
+        self.useful_tokens = 0
+
+    def submit(self, tenant: str, prompt: int, max_tokens: int, at: float) -> str:
+        n = next(self.ids)
         seq_id = f"{tenant}-{n}"
         base = 10**6 * (n + 1)  # unique tokens: no prefix-cache hits between requests
-        sched.add(Sequence(seq_id, list(range(base, base + prompt)), tier="standard", tenant=tenant,
-                           max_tokens=max_tokens))
-        arrived[seq_id] = at
-        seen[seq_id] = now
+        self.sched.add(Sequence(seq_id, list(range(base, base + prompt)), tier="standard", tenant=tenant,
+                                max_tokens=max_tokens))
+        self.arrived[seq_id] = at
+        self.seen[seq_id] = max(at, self.now)
+        return seq_id
 
-    if flood:
-        for _ in range(sc.flood_concurrency):
-            submit("flood", sc.flood_prompt, sc.flood_max_tokens, now)
-    next_light = 0.5
-    while now < sc.duration_s:
-        while next_light <= now:
-            submit("light", sc.light_prompt, sc.light_max_tokens, next_light)
-            next_light += sc.light_every_s
-        plan = sched.schedule()
-        if plan.is_empty:
-            now = next_light
-            continue
-        duration, prefill = cost.step_time(plan)
-        now += duration
+    def finish_step(self, plan, duration: float, prefill: int, ends_at: float) -> None:
+        """Apply a step that ends at ``ends_at``: tokens, first-token times, finishes (the flood resubmits)."""
+        sched = self.sched
         for c in plan.chunks:
-            useful_tokens += max(0, min(c.end, c.seq.num_prompt_tokens) - max(c.start, c.seq.recompute_until))
+            self.useful_tokens += max(0, min(c.end, c.seq.num_prompt_tokens) - max(c.start, c.seq.recompute_until))
         sampling = [c.seq for c in plan.chunks if c.samples]
         sched.update(plan, {s.seq_id: 1 + s.num_tokens % 30000 for s in sampling})
         sched.observe_step(duration, plan.num_tokens, prefill)
-        useful_tokens += len(sampling)
+        self.useful_tokens += len(sampling)
         for seq in sampling:
-            first.setdefault(seq.seq_id, now)
+            self.first.setdefault(seq.seq_id, ends_at)
             if len(seq.output_token_ids) >= seq.max_tokens:
                 sched.finish(seq.seq_id)
                 if seq.tenant == "flood":
-                    submit("flood", sc.flood_prompt, sc.flood_max_tokens, now)
-    light = [first.get(i, now) - t for i, t in arrived.items() if i.startswith("light")]
-    scheduled = [first.get(i, now) - t for i, t in seen.items() if i.startswith("light")]
+                    self.submit("flood", self.sc.flood_prompt, self.sc.flood_max_tokens, ends_at)
+
+
+def run_policy(sc: Scenario, cost: CostModel, policy: str, fair: bool, flood: bool, express: bool = False) -> dict:
+    """One virtual run; light TTFTs (a request still without a token at the end counts its wait so far).
+
+    With ``express``, as the engine's step loop does: a light request that arrives during a step
+    is offered to ``Scheduler.schedule_express`` at once; if planned, it runs at the step's next
+    layer boundary (the step's time over ``cost.num_layers``) and the step ends that much later
+    (at most one such step per step); at a step boundary, one that qualifies gets a step of its
+    own before the next (never two in a row).
+    """
+    r = _Run(sc, policy, fair)
+    if flood:
+        for _ in range(sc.flood_concurrency):
+            r.submit("flood", sc.flood_prompt, sc.flood_max_tokens, 0.0)
+    next_light, express_ran = 0.5, False
+    while r.now < sc.duration_s:
+        while next_light <= r.now:
+            r.submit("light", sc.light_prompt, sc.light_max_tokens, next_light)
+            next_light += sc.light_every_s
+        if express and not express_ran:  # at a step boundary: a step of its own first, never two in a row
+            own = r.sched.schedule_express()
+            if not own.is_empty:
+                duration, prefill = cost.step_time(own)
+                r.now += duration
+                r.finish_step(own, duration, prefill, r.now)
+                express_ran = True
+                continue
+        express_ran = False
+        plan = r.sched.schedule()
+        if plan.is_empty:
+            r.now = next_light
+            continue
+        duration, prefill = cost.step_time(plan)
+        started, ends_at, expressed, waits = r.now, r.now + duration, False, []
+        while express and not expressed and next_light < ends_at:
+            waits.append(r.submit("light", sc.light_prompt, sc.light_max_tokens, next_light))
+            arrival, next_light = next_light, next_light + sc.light_every_s
+            between = r.sched.schedule_express(frozenset())
+            if between.is_empty:
+                continue
+            layer_s = duration / cost.num_layers
+            boundary = started + math.ceil((arrival - started) / layer_s) * layer_s
+            express_s, express_prefill = cost.step_time(between)
+            for c in between.chunks:
+                r.seen[c.seq.seq_id] = boundary
+                waits.remove(c.seq.seq_id)
+            r.finish_step(between, express_s, express_prefill, boundary + express_s)
+            ends_at, expressed = ends_at + express_s, True
+        for seq_id in waits:  # arrived during the step, planned at its end
+            r.seen[seq_id] = ends_at
+        r.now = ends_at
+        r.finish_step(plan, duration, prefill, ends_at)
+    light = [r.first.get(i, r.now) - t for i, t in r.arrived.items() if i.startswith("light")]
+    scheduled = [r.first.get(i, r.now) - t for i, t in r.seen.items() if i.startswith("light")]
     return {"light_ttft_p50_s": percentile(light, 50), "light_ttft_p99_s": percentile(light, 99),
             "light_from_step_p99_s": percentile(scheduled, 99),
-            "light_requests": len(light), "light_without_token": sum(1 for i in arrived if i.startswith("light")
-                                                                      and i not in first),
-            "tokens_per_s": useful_tokens / now}
+            "light_requests": len(light), "light_without_token": sum(1 for i in r.arrived if i.startswith("light")
+                                                                      and i not in r.first),
+            "tokens_per_s": r.useful_tokens / r.now}
 
 
 def run(sc: Scenario, cost: CostModel) -> dict:
     rows = {}
-    for policy, fair in POLICIES:
-        alone = run_policy(sc, cost, policy, fair, flood=False)
-        flooded = run_policy(sc, cost, policy, fair, flood=True)
-        rows[policy] = {"alone": alone, "flood": flooded,
+    for name, policy, fair, express in POLICIES:
+        alone = run_policy(sc, cost, policy, fair, flood=False, express=express)
+        flooded = run_policy(sc, cost, policy, fair, flood=True, express=express)
+        rows[name] = {"alone": alone, "flood": flooded,
                         "p99_ratio": flooded["light_ttft_p99_s"] / alone["light_ttft_p99_s"],
                         "from_step_p99_ratio": flooded["light_from_step_p99_s"] / alone["light_from_step_p99_s"]}
     throughput = rows["tiered"]["flood"]["tokens_per_s"] / rows["fcfs"]["flood"]["tokens_per_s"]

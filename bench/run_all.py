@@ -78,8 +78,8 @@ def benches() -> list[Bench]:
               ["--premium-reserve", "0"]),
         # Two rounds each, interleaved, so the shared machine's load falls on both policies alike.
         Bench("fair_share_gateway", "Fair share through the real gateway: a light tenant beside a 30-stream flood",
-              ["--flood-max-tokens", "32", "--light-every", "3", "--alone-s", "10", "--warmup-s", "40",
-               "--flood-s", "40", "--rounds", "2"],
+              ["--policies", "tiered,tiered-step-end,fcfs", "--flood-max-tokens", "32", "--light-every", "3",
+               "--alone-s", "10", "--warmup-s", "40", "--flood-s", "40", "--rounds", "2"],
               ["--flood", "4", "--alone-s", "3", "--warmup-s", "3", "--flood-s", "6"], timeout_s=1200),
         Bench("gateway_overhead", "Gateway overhead", json_flag="--out"),
         Bench("structured", "Structured outputs and n > 1: JSON-schema decoding vs free, compile time, n=4",

@@ -11,10 +11,10 @@ measured here): each step reads 16 GB of weights at ~3 TB/s, so a = 6 ms with
 launch overhead; a prefill token costs 2 * 8e9 FLOP at ~400 TFLOP/s sustained,
 so b = 40 us; a decode row adds sampling and under-utilised matmul work,
 c = 20 us; a context token is 128 KiB of keys and values read per step at
-~3 TB/s, d = 44 ns. The KV pool is kept tight (64k tokens) so that memory,
+~3 TB/s, d = 44 ns; 32 layers. The KV pool is kept tight (64k tokens) so that memory,
 not only compute, is contended. ``--cost-model PATH`` loads coefficients
 fitted to the real engine from JSON: {"base_s", "per_prefill_token_s",
-"per_decode_seq_s", "per_context_token_s"}.
+"per_decode_seq_s", "per_context_token_s", "num_layers"}.
 
 The SLOs (premium 0.5 s, standard's 5 s yardstick) are stated for the GPU
 coefficients. With a fitted cost model they are scaled by how much slower that
@@ -46,11 +46,14 @@ class CostModel:
     per_prefill_token_s: float = 40e-6
     per_decode_seq_s: float = 20e-6
     per_context_token_s: float = 44e-9
+    # Layer boundaries, where an express step may run inside a step (bench/fair_share_sim.py).
+    num_layers: int = 32
 
     @classmethod
     def load(cls, path: str) -> CostModel:
         with open(path) as f:
-            return cls(**{k: float(v) for k, v in json.load(f).items() if k in cls.__dataclass_fields__})
+            fields = json.load(f)
+        return cls(**{k: type(getattr(cls, k))(v) for k, v in fields.items() if k in cls.__dataclass_fields__})
 
     def step_time(self, plan: StepPlan) -> tuple[float, int]:
         """(seconds, prefill tokens) of one planned step."""

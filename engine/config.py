@@ -35,6 +35,10 @@ class EngineConfig:
     tiers: tuple[TierConfig, ...] = field(default_factory=default_tiers)
     standard_min_share: float = 0.1
     fair_share: bool = True  # tiered policy: tenants of one tier take turns by virtual token counter
+    # Fair share: a light tenant's short request runs between two layers of a long step under way
+    # rather than after it (engine/step_loop.py).
+    express_between_layers: bool = True
+    express_spare_blocks: int = 4  # left free for them by other admissions (scheduler/config.py)
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "tenant"  # "tenant" or "shared" (see scheduler/block_manager.py)
     max_loras: int = 4
@@ -52,7 +56,13 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
             max_loras=self.max_loras, enable_prefix_caching=self.enable_prefix_caching,
             prefix_cache_scope=self.prefix_cache_scope, policy=self.policy, fair_share=self.fair_share,
-            tiers=self.tiers, standard_min_share=self.standard_min_share, long_context_after=long_context_after)
+            tiers=self.tiers, standard_min_share=self.standard_min_share, long_context_after=long_context_after,
+            express_spare_blocks=self.express_spare_blocks if self.express_steps_on else 0)
+
+    @property
+    def express_steps_on(self) -> bool:
+        """Whether light tenants' requests may run between a step's layers: fair share is what picks them."""
+        return self.express_between_layers and self.policy == "tiered" and self.fair_share
 
     def torch_dtype(self):
         """The dtype to serve in. On CPU, float32 unless asked: it keeps exact parity with HF, and

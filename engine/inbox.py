@@ -44,6 +44,10 @@ class Inbox:
     def wake(self) -> None:
         self._wakeup.set()
 
+    def has_messages(self) -> bool:
+        """Whether anything is waiting (cheap: the engine asks between a step's layers)."""
+        return not self._queue.empty()
+
     def take_all(self) -> list[Message]:
         messages = []
         while True:

@@ -12,7 +12,7 @@ windows, weight names) comes from its ``engine.families.Family`` and ``ModelConf
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -208,10 +208,13 @@ class DecoderModel(nn.Module):
         sample_rows: torch.Tensor,
         lora: LoraBatchLike | None = None,
         long_rows: torch.Tensor | None = None,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states of the ``sample_rows`` through the LM head: float32 ``[len(sample_rows), vocab]``.
 
-        ``long_rows`` (LongRoPE models only): bool ``[T]``, the rows of sequences in the long regime."""
+        ``long_rows`` (LongRoPE models only): bool ``[T]``, the rows of sequences in the long regime.
+        ``between_layers`` is called after every layer but the last; it may run a whole forward
+        of its own (an express step, engine/step_loop.py), since this one's state is all local."""
         cfg = self.cfg
         tokens = input_ids.shape[0]
         eps, heads, kv_heads, head_dim = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -265,6 +268,8 @@ class DecoderModel(nn.Module):
                 x = add_rms_norm_(h, down, self.layers[i + 1].input_norm, eps, fused)
             else:
                 h.add_(down)
+            if between_layers is not None and i < last:
+                between_layers()
 
         h = rms_norm(h[sample_rows], self.norm, eps, fused)
         if isinstance(self.head, PackedWeight) or (self.head is not None and h.shape[0] < LM_HEAD_TRANSPOSED_MAX_ROWS):

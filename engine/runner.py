@@ -7,6 +7,7 @@ block tables) built from ``StepPlan.chunks``; knows nothing of sampling.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,18 +52,39 @@ class ModelRunner:
         # LongRoPE: sequences past this many tokens rotate with the long factors (engine/rope.py).
         self.long_context_after = self.config.long_context_after
 
-    def execute(self, plan: StepPlan, lora: LoraBatchLike | None = None) -> torch.Tensor:
-        """Float32 logits ``[chunks that sample, vocab]``, in plan order."""
-        if self.thread_tuner is None:
-            return self._execute(plan, lora)
+    def execute(
+        self,
+        plan: StepPlan,
+        lora: LoraBatchLike | None = None,
+        between_layers: Callable[[], None] | None = None,
+        nested: bool = False,
+    ) -> torch.Tensor:
+        """Float32 logits ``[chunks that sample, vocab]``, in plan order.
+
+        ``between_layers``: called between the model's layers (``DecoderModel.forward``).
+        ``nested``: this step runs inside another's ``between_layers``; it keeps that step's
+        thread count and is left out of the thread tuner's trials, as its time is of that step's.
+        """
+        if self.thread_tuner is None or nested:
+            return self._execute(plan, lora, between_layers)
+        paused = 0.0
+
+        def timed_pause() -> None:
+            nonlocal paused
+            began = time.perf_counter()
+            between_layers()
+            paused += time.perf_counter() - began
+
         self.thread_tuner.before_step(plan.num_tokens)
         started = time.perf_counter()
-        logits = self._execute(plan, lora)
-        self.thread_tuner.after_step(time.perf_counter() - started)
+        logits = self._execute(plan, lora, timed_pause if between_layers is not None else None)
+        self.thread_tuner.after_step(time.perf_counter() - started - paused)
         return logits
 
     @torch.inference_mode()
-    def _execute(self, plan: StepPlan, lora: LoraBatchLike | None) -> torch.Tensor:
+    def _execute(
+        self, plan: StepPlan, lora: LoraBatchLike | None, between_layers: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         if plan.is_empty:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
         token_ids: list[int] = []
@@ -87,7 +109,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(specs, self.block_size, self.device, self.decode_kernel, self.config.sliding_window,
                                        self.prefill_kernel)
         return self.model(
-            as_tensor(token_ids), as_tensor(positions), meta, self.kv_cache, as_tensor(sample_rows), lora, long_rows
+            as_tensor(token_ids), as_tensor(positions), meta, self.kv_cache, as_tensor(sample_rows), lora, long_rows,
+            between_layers,
         )
 
     def _long_rows(self, plan: StepPlan) -> torch.Tensor | None:

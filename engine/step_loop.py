@@ -1,5 +1,12 @@
 """The engine thread: take in what callers sent, ask the scheduler for a plan, run it, hand out tokens.
 
+A light tenant's short request (the policy's ``express``) does not wait for other tenants'
+work: between two layers of a step under way the loop asks the scheduler for an express step
+(``Scheduler.schedule_express``), runs it whole, hands out its first token, and then
+finishes the step under way (at most one such step inside a step, so that one is delayed by at
+most one short prefill); at a step boundary, such a request gets a step of its own before the
+next (never two in a row).
+
 An exception inside a step's forward pass fails that step's requests and the loop keeps
 serving; a failure confined to one request's sampling or detokenizing ends that request
 alone. What callers on other threads read of the engine's state (load, KV usage, ...) is
@@ -19,7 +26,7 @@ import torch
 from engine.events import EngineEvent, Listener, step_event
 from engine.grammar import mask_logits
 from engine.in_flight import InFlight, Outgoing
-from engine.inbox import AbortRequest, AddRequest, Inbox, UnregisterAdapter
+from engine.inbox import AbortRequest, AddRequest, Inbox, Message, UnregisterAdapter
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.step_timer import StepTimer
@@ -29,6 +36,14 @@ from scheduler import Scheduler, StepPlan, TierLoad
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # an idle loop still looks at its stop flag this often
+
+
+@dataclass
+class _StepUnderWay:
+    """What an express step run between its layers must know of the step under way."""
+
+    adapters: frozenset[str]  # an express request may use only these (a slot load could evict one)
+    express_s: float | None = None  # the express step's metered seconds, once one ran
 
 
 @dataclass(frozen=True)
@@ -43,7 +58,7 @@ class Snapshot:
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, lora_pool, tokenizer: TextTokenizer,
-                 max_model_len: int, timer: StepTimer, inbox: Inbox) -> None:
+                 max_model_len: int, timer: StepTimer, inbox: Inbox, express_between_layers: bool = True) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.lora_pool = lora_pool
@@ -55,12 +70,24 @@ class StepLoop:
         self.requests = InFlight(scheduler, self.emit, self.publish)
         self.snapshot = Snapshot(scheduler.load(), {}, {}, (frozenset(), frozenset()))
         self.busy_seconds = 0.0  # sum of step durations, for metering checks
+        self.express_between_layers = express_between_layers
+        self._express_timer = StepTimer(timer.device)
+        self._deferred: list[Message] = []  # taken between layers, handled after the step
+        self._between: _StepUnderWay | None = None
+        self._express_ran = False  # the last step was an express step of its own
 
     def run(self, stopping: threading.Event) -> None:
         torch.set_grad_enabled(False)
         while not stopping.is_set():
             try:
                 changed = self._take_inbox()
+                if self.express_between_layers and not self._express_ran:
+                    express = self.scheduler.schedule_express()  # its own step first, never two in a row
+                    if not express.is_empty:
+                        self._express_ran = True
+                        self._run_step(express)
+                        continue
+                self._express_ran = False
                 plan = self.scheduler.schedule()
                 if plan.is_empty:
                     if changed:  # else the last step or finish already published this state
@@ -76,7 +103,8 @@ class StepLoop:
 
     def _take_inbox(self) -> bool:
         """Take in what callers sent; whether there was anything."""
-        messages = self._inbox.take_all()
+        messages = self._deferred + self._inbox.take_all()
+        self._deferred = []
         for message in messages:
             if isinstance(message, AddRequest):
                 self._add(message)
@@ -112,27 +140,59 @@ class StepLoop:
         else:
             done.set_result(None)
 
-    def _run_step(self, plan: StepPlan) -> None:
+    def _between_layers(self) -> None:
+        """Between two layers of the step under way: take in new requests; run an express step if one qualifies."""
+        under_way = self._between
+        if under_way is None or under_way.express_s is not None or not self._inbox.has_messages():
+            return
+        for i, message in enumerate(messages := self._inbox.take_all()):
+            if not isinstance(message, AddRequest):  # aborts and unloads touch the step under way: after it
+                self._deferred.extend(messages[i:])
+                break
+            self._add(message)
+        plan = self.scheduler.schedule_express(under_way.adapters)
+        if plan.is_empty:
+            return
+        try:
+            self._run_step(plan, nested=True)
+        except Exception:  # a bug after its forward pass: end the express step's requests, not the step under way's
+            log.exception("express step failed")
+            for chunk in plan.chunks:
+                self.requests.end(chunk.seq.seq_id, "error", "error", error="internal engine error")
+        finally:
+            if under_way.express_s is None:  # one express step per step, even one that failed
+                under_way.express_s = 0.0
+
+    def _run_step(self, plan: StepPlan, nested: bool = False) -> float:
+        """Run, sample and hand out one step; its metered seconds (without an express step run inside it)."""
         sampling = [c for c in plan.chunks if c.samples]
         started_at = time.time()
-        self._timer.start()
+        timer = self._express_timer if nested else self._timer
+        adapters = frozenset(c.seq.adapter for c in plan.chunks if c.seq.adapter is not None)
+        under_way = None if nested else _StepUnderWay(adapters)
+        between = self._between_layers if self.express_between_layers and not nested else None
+        if not nested:
+            self._between = under_way
+        timer.start()
         try:
             lora_batch = None
             if self.lora_pool is not None:
                 lora_batch = self.lora_pool.batch_for([(c.seq.adapter, c.num_tokens) for c in plan.chunks])
-            logits = self.runner.execute(plan, lora_batch)
+            logits = self.runner.execute(plan, lora_batch, between, nested)
             states = [self.requests.get(c.seq.seq_id) for c in sampling]
             mask_logits(logits, [s.grammar for s in states])
             sampled = sample(logits, [s.request.params for s in states], [s.generator for s in states])
         except Exception as exc:  # a bad step must not take the loop down
             log.exception("engine step failed")
-            self._account_step(plan, started_at, self._timer.stop())
+            duration = self._stop(timer, under_way)
+            self._account_step(plan, started_at, duration)
             for chunk in plan.chunks:
                 self.requests.end(chunk.seq.seq_id, "error", "error", error=str(exc))
-            return
+            return duration
         # The step is accounted before any request of it ends, so billing sees its share of the
         # step before its finish event.
-        self._account_step(plan, started_at, self._timer.stop())
+        duration = self._stop(timer, under_way)
+        self._account_step(plan, started_at, duration)
 
         # Deltas go out after all of the step's bookkeeping: a caller woken by one needs the GIL,
         # which this thread would otherwise hold through that bookkeeping.
@@ -170,6 +230,17 @@ class StepLoop:
         self.publish()
         for sink, delta in outgoing:
             sink(delta)
+        return duration
+
+    def _stop(self, timer: StepTimer, under_way: _StepUnderWay | None) -> float:
+        """The step's metered seconds: an express step run inside it is metered (and billed) as its own."""
+        elapsed = timer.stop()
+        if under_way is None:  # an express step: the step it ran inside leaves these seconds to it
+            if self._between is not None:
+                self._between.express_s = elapsed
+            return elapsed
+        self._between = None
+        return max(0.0, elapsed - (under_way.express_s or 0.0))
 
     def _account_step(self, plan: StepPlan, started_at: float, duration: float) -> None:
         self.busy_seconds += duration

@@ -9,6 +9,7 @@ import torch
 
 class StepTimer:
     def __init__(self, device: str) -> None:
+        self.device = device
         self._cuda = device.startswith("cuda")
         self._t0 = 0.0
         if self._cuda:

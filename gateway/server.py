@@ -58,7 +58,7 @@ def build(settings: Settings, migrate: bool = True,
 
     db = create_engine_for(settings.database_url)
     engine = Engine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
-                                 policy=settings.scheduler_policy,
+                                 policy=settings.scheduler_policy, express_between_layers=settings.express_steps,
                                  prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
                                  max_loras=settings.max_loras, tiers=tiers(settings)))
     ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))

@@ -29,6 +29,9 @@ class Settings:
     dtype: str | None = None
     admin_token: str | None = None  # None: the /admin API is closed
     scheduler_policy: str = "tiered"
+    # Fair share: a light tenant's short request runs between two layers of a long step under
+    # way instead of after it (engine/step_loop.py). Off: it waits for the step's end.
+    express_steps: bool = True
     # "tenant": a request hits only its own tenant's cached prefixes; "shared": anyone's (see README).
     prefix_cache_scope: str = "tenant"
     # The premium tier's TTFT SLO (admission sheds over it) and its KV reserve. None: 0.5 s on a

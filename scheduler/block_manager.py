@@ -136,14 +136,15 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> bool:
-        """Could ``seq`` take ``cached`` and then cover positions ``[0, num_tokens)``?"""
+    def can_allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = (), spare: int = 0) -> bool:
+        """Could ``seq`` take ``cached`` and then cover positions ``[0, num_tokens)``, leaving ``spare``
+        blocks free?"""
         new = self.blocks_for(num_tokens) - len(seq.block_table) - len(cached)
         if new <= 0 and not cached:
             return True
         new = max(new, 0)
         revived = sum(1 for b in cached if self._blocks[b].ref_count == 0)
-        if new + revived > len(self._free):
+        if new + revived + spare > len(self._free):
             return False
         added = new + sum(1 for b in cached if self._blocks[b].tier_refs[seq.tier] == 0)
         for cap in self.caps:

@@ -39,6 +39,10 @@ class SchedulerConfig:
     fair_share: bool = True
     fair_prefill_weight: float = 1.0
     fair_decode_weight: float = 2.0
+    # Blocks that admissions in arrival or fair order leave free, for express requests (a light
+    # tenant's, ``Policy.express``): with the pool full, one that arrives during a step could not
+    # run between its layers, where nobody can be preempted (Scheduler.schedule_express).
+    express_spare_blocks: int = 0
     # "tenant": a sequence hits only cached blocks of its own tenant; "shared": of anyone.
     prefix_cache_scope: str = "tenant"
     tiers: tuple[TierConfig, ...] = field(default_factory=default_tiers)

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 
 from scheduler.block_manager import BlockManager
+from scheduler.checks import check_config, check_new_sequence
 from scheduler.config import SchedulerConfig, TierLoad
 from scheduler.load import LoadEstimator, tier_loads
 from scheduler.plan import StepBuilder, StepPlan
@@ -31,14 +32,7 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1 or config.max_loras < 0:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive, max_loras >= 0")
-        if not 0 <= config.standard_min_share < 1:
-            raise ValueError("standard_min_share must be in [0, 1)")
-        if sum(t.kv_reserve_fraction for t in config.tiers) >= 1:
-            raise ValueError("the tiers' KV reserves must add up to less than the whole pool")
-        if config.prefix_cache_scope not in ("tenant", "shared"):
-            raise ValueError(f"prefix_cache_scope must be tenant or shared, not {config.prefix_cache_scope!r}")
+        check_config(config)
         self.config = config
         self.clock = clock
         self._priority = {t.name: t.priority for t in config.tiers}
@@ -72,25 +66,9 @@ class Scheduler:
         n > 1 request whose first choice (``sibling_of``) is live joins it: it takes that one's place
         in arrival order and goes to the front of its queue, to be admitted next, as part of a
         request already admitted rather than a new one."""
-        cfg = self.config
         if seq.seq_id in self._live:
             raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
-        if seq.tier not in self._priority:
-            raise ValueError(f"unknown tier {seq.tier!r}")
-        if not seq.prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if seq.max_tokens < 1 or seq.num_prompt_tokens + seq.max_tokens > cfg.max_model_len:
-            raise ValueError(
-                f"prompt ({seq.num_prompt_tokens}) + max_tokens ({seq.max_tokens}) "
-                f"exceeds max_model_len ({cfg.max_model_len})"
-            )
-        if seq.num_prompt_tokens + seq.max_tokens > self.max_sequence_tokens(seq.tier):
-            needed = self.block_manager.blocks_for(seq.num_prompt_tokens + seq.max_tokens - 1)
-            raise ValueError(f"a {seq.tier} sequence of {needed} blocks can never fit its share of the KV pool")
-        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
-            raise ValueError("only a fresh waiting sequence can be added")
-        if not 0 < seq.weight < float("inf"):
-            raise ValueError(f"a tenant's weight must be positive and finite, not {seq.weight!r}")
+        check_new_sequence(seq, self.config, self.max_sequence_tokens, self.block_manager.blocks_for)
         group_arrival = self._arrival.get(sibling_of) if sibling_of is not None else None
         self._live[seq.seq_id] = seq
         self._arrival[seq.seq_id] = next(self._arrivals) if group_arrival is None else group_arrival
@@ -177,6 +155,25 @@ class Scheduler:
                 self._schedule_prefills(queue, prefilling[queue], step, 0, False)
         return step.plan
 
+    def schedule_express(self, step_adapters: frozenset[str] | None = None) -> StepPlan:
+        """A step of the policy's express requests alone, each whole; empty when nobody qualifies.
+
+        A light tenant's short request does not wait for a long step: the engine runs this step
+        between two layers of the step under way (``step_adapters``: the adapters that step
+        holds), or, with no step under way (None), before the next one. Nothing that a step
+        under way reads may change: no running sequence gets a chunk, nobody is preempted, and
+        a request with an adapter that step does not hold waits (loading it into a slot could
+        evict one it is reading).
+        """
+        step = StepBuilder(StepPlan(), self.config.max_num_batched_tokens, self.policy.charge_prefill)
+        for queue in self.policy.queue_names():
+            for seq in self.policy.express(self.waiting[queue], self.running, step.budget):
+                if seq.adapter is not None and step_adapters is not None and seq.adapter not in step_adapters:
+                    continue
+                if self._admit(seq, step, 0, may_preempt=False) in (NO_SLOT, NO_BLOCKS):
+                    return step.plan
+        return step.plan
+
     def _kept_for_worse(self, worse: list[str], prefilling: dict[str, list[Sequence]], step: StepBuilder) -> int:
         if not any(self.waiting[q] or prefilling[q] for q in worse):
             return 0
@@ -251,14 +248,19 @@ class Scheduler:
                 return  # a sequence preempted this step stays next in line: nobody overtakes it
             if before is not None and not self.policy.goes_before(seq, before):
                 return
-            reason = self._admit(seq, step, keep, may_preempt)
+            # The spare is kept only beside running sequences: alone, a request that needs the whole
+            # pool must still start.
+            spare = self.config.express_spare_blocks if self.running else 0
+            reason = self._admit(seq, step, keep, may_preempt, spare)
             if reason in (NO_SLOT, NO_BLOCKS):
                 step.admission_closed = True  # the policy's order holds: nobody overtakes
             elif reason == NO_ADAPTER:
                 skipped.add(seq.seq_id)  # it waits for a slot; later requests with resident adapters may go
 
-    def _admission_need(self, seq: Sequence, step: StepBuilder, keep: int) -> tuple[str | None, list[int], int]:
-        """(why ``seq`` cannot start now or None, its cached prefix blocks, its chunk)."""
+    def _admission_need(
+        self, seq: Sequence, step: StepBuilder, keep: int, spare: int
+    ) -> tuple[str | None, list[int], int]:
+        """(why ``seq`` cannot start now, leaving ``spare`` blocks free, or None; its cached prefix blocks; its chunk)."""
         cached = self.block_manager.match_prefix(seq)
         n = min(seq.num_tokens - len(cached) * self.config.block_size, step.budget - keep)
         if len(self.running) >= self.config.max_num_seqs:
@@ -266,19 +268,21 @@ class Scheduler:
         adapters = {s.adapter for s in self.running if s.adapter is not None}
         if seq.adapter is not None and seq.adapter not in adapters and len(adapters) >= self.config.max_loras:
             return NO_ADAPTER, cached, n
-        if not self.block_manager.can_allocate(seq, len(cached) * self.config.block_size + n, cached):
+        if not self.block_manager.can_allocate(seq, len(cached) * self.config.block_size + n, cached, spare):
             return NO_BLOCKS, cached, n
         return None, cached, n
 
-    def _admit(self, seq: Sequence, step: StepBuilder, keep: int, may_preempt: bool) -> str | None:
+    def _admit(self, seq: Sequence, step: StepBuilder, keep: int, may_preempt: bool, spare: int = 0) -> str | None:
+        """Start ``seq`` (preempting as the policy says if ``may_preempt``) with ``spare`` blocks left free;
+        None, or why it cannot start."""
         while True:
-            reason, cached, n = self._admission_need(seq, step, keep)
+            reason, cached, n = self._admission_need(seq, step, keep, spare)
             if reason is None:
                 break
             if not may_preempt:
                 return reason
             victim = self.policy.victim_for_waiting(
-                seq, reason, self.running, lambda seqs: self._frees_enough(seq, step, keep, seqs)
+                seq, reason, self.running, lambda seqs: self._frees_enough(seq, step, keep, seqs, spare)
             )
             if victim is None:
                 return reason
@@ -295,7 +299,7 @@ class Scheduler:
         step.add(seq, n)
         return None
 
-    def _frees_enough(self, seq: Sequence, step: StepBuilder, keep: int, victims: list[Sequence]) -> bool:
+    def _frees_enough(self, seq: Sequence, step: StepBuilder, keep: int, victims: list[Sequence], spare: int) -> bool:
         bm = self.block_manager
         cached = bm.match_prefix(seq)
         tokens = len(cached) * self.config.block_size + min(
@@ -303,7 +307,7 @@ class Scheduler:
             step.budget + sum(step.chunks[v.seq_id].num_tokens for v in victims if v.seq_id in step.chunks) - keep,
         )
         need = bm.blocks_for(tokens) - len(cached) + sum(1 for b in cached if bm.ref_count(b) == 0)
-        return need <= bm.num_free_blocks + bm.reclaimable(victims)
+        return need + spare <= bm.num_free_blocks + bm.reclaimable(victims)
 
     def _grow_running(self, seq: Sequence, num_tokens: int, step: StepBuilder) -> bool:
         """Blocks for ``seq`` up to ``num_tokens`` positions, preempting as the policy says."""

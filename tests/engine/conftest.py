@@ -16,6 +16,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    AutoModelForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     LlamaConfig,
@@ -191,8 +192,6 @@ class HFReference:
     """Last-position logits of HF's own model for a token prefix, in float32."""
 
     def __init__(self, path: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
     @torch.no_grad()
@@ -247,3 +246,34 @@ def make_byte_engine(byte_model_dir: Path):
     """Engines on a tiny random Llama with the 256-token byte tokenizer (any text spells) and no stop token."""
     yield from engines_on(dict(model=f"dummy:{byte_model_dir}", num_kv_blocks=64, block_size=16, max_model_len=512,
                                max_num_seqs=16, max_num_batched_tokens=256, max_loras=0))
+
+
+# The engine-loop tests' model: a tiny GQA Llama with an untied head, and HF's greedy tokens on it.
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
+    return tiny_model_dirs["gqa_untied"]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model_dir: Path):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                    eos_token_id=None, pad_token_id=0,
+                )
+            cache[key] = out[0, len(prompt):].tolist()
+        return cache[key]
+
+    return generate
+
+
+@pytest.fixture
+def make_engine(model_dir: Path, engine_cache_dir: Path):
+    yield from engines_on(dict(model=str(model_dir), block_size=4, num_kv_blocks=256, max_num_seqs=16,
+                               max_num_batched_tokens=64, max_loras=0, cache_dir=str(engine_cache_dir)))

@@ -9,49 +9,15 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import FinishEvent, StepEvent
 from engine.request import EngineRequest, SamplingParams
-from tests.engine.conftest import engines_on
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
-    return tiny_model_dirs["gqa_untied"]
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(model_dir: Path):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cache: dict[tuple, list[int]] = {}
-
-    def generate(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in cache:
-            with torch.no_grad():
-                out = model.generate(
-                    torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                    eos_token_id=None, pad_token_id=0,
-                )
-            cache[key] = out[0, len(prompt):].tolist()
-        return cache[key]
-
-    return generate
-
-
-@pytest.fixture
-def make_engine(model_dir: Path, engine_cache_dir: Path):
-    yield from engines_on(dict(model=str(model_dir), block_size=4, num_kv_blocks=256, max_num_seqs=16,
-                               max_num_batched_tokens=64, max_loras=0, cache_dir=str(engine_cache_dir)))
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
@@ -150,11 +116,11 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(make_engin
     real_execute = engine.runner.execute
     calls = {"n": 0}
 
-    def flaky_execute(plan, lora=None):
+    def flaky_execute(plan, *args):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected kernel failure")
-        return real_execute(plan, lora)
+        return real_execute(plan, *args)
 
     monkeypatch.setattr(engine.runner, "execute", flaky_execute)
     collector_prompt = _prompts(1, seed=4)[0]

@@ -1,0 +1,48 @@
+"""What the scheduler refuses up front: a configuration it cannot run, a sequence that could never run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scheduler.config import SchedulerConfig
+from scheduler.sequence import Sequence, SequenceStatus
+
+
+def check_config(config: SchedulerConfig) -> None:
+    """ValueError naming the first setting the scheduler cannot run with."""
+    if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1 or config.max_loras < 0:
+        raise ValueError("max_num_seqs and max_num_batched_tokens must be positive, max_loras >= 0")
+    if not 0 <= config.express_spare_blocks < config.num_blocks:
+        raise ValueError("express_spare_blocks must be at least 0 and less than the pool")
+    if not 0 <= config.standard_min_share < 1:
+        raise ValueError("standard_min_share must be in [0, 1)")
+    if sum(t.kv_reserve_fraction for t in config.tiers) >= 1:
+        raise ValueError("the tiers' KV reserves must add up to less than the whole pool")
+    if config.prefix_cache_scope not in ("tenant", "shared"):
+        raise ValueError(f"prefix_cache_scope must be tenant or shared, not {config.prefix_cache_scope!r}")
+
+
+def check_new_sequence(
+    seq: Sequence,
+    config: SchedulerConfig,
+    max_sequence_tokens: Callable[[str], int],
+    blocks_for: Callable[[int], int],
+) -> None:
+    """ValueError if ``seq`` can never run: unknown tier, empty prompt, too long for the context or for
+    its tier's share of the pool (``max_sequence_tokens(tier)``), not fresh, or a bad tenant weight."""
+    if seq.tier not in {t.name for t in config.tiers}:
+        raise ValueError(f"unknown tier {seq.tier!r}")
+    if not seq.prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    if seq.max_tokens < 1 or seq.num_prompt_tokens + seq.max_tokens > config.max_model_len:
+        raise ValueError(
+            f"prompt ({seq.num_prompt_tokens}) + max_tokens ({seq.max_tokens}) "
+            f"exceeds max_model_len ({config.max_model_len})"
+        )
+    if seq.num_prompt_tokens + seq.max_tokens > max_sequence_tokens(seq.tier):
+        needed = blocks_for(seq.num_prompt_tokens + seq.max_tokens - 1)
+        raise ValueError(f"a {seq.tier} sequence of {needed} blocks can never fit its share of the KV pool")
+    if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+        raise ValueError("only a fresh waiting sequence can be added")
+    if not 0 < seq.weight < float("inf"):
+        raise ValueError(f"a tenant's weight must be positive and finite, not {seq.weight!r}")

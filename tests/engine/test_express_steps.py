@@ -1,0 +1,142 @@
+"""Express steps: a light tenant's short request that arrives during a flood's step runs between its layers.
+
+The light request is handed to the engine right after the flood's step is planned
+(from inside ``Scheduler.schedule``), so it is in the inbox when that step's forward
+reaches its first layer boundary: deterministic, whatever the machine's speed.
+Every request's tokens are checked against HF's greedy ones, so an express step
+that disturbed the step under way (its KV, its LoRA slots, its plan) would show.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.events import StepEvent
+from engine.request import EngineRequest, SamplingParams
+from engine.stream import BlockingCollector
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+FLOOD_PROMPT = 60  # a few 64-token steps each: a light request can arrive while one is under way
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 300) for _ in range(length)]
+
+
+def _collect(collector: BlockingCollector) -> tuple[list[int], str | None]:
+    ids, error = [], None
+    for delta in collector:
+        ids.extend(delta.token_ids)
+        error = error or delta.error
+    return ids, error
+
+
+def _run_with_arrival(engine, light: EngineRequest, flood: list[EngineRequest], arrive_during: int = 2,
+                      then=lambda: None):
+    """Run ``flood``; hand ``light`` to the engine (and call ``then``) as the flood's ``arrive_during``-th
+    prefill step is planned.
+
+    Returns the collectors by request id and the id of that step's plan (``id(plan)``)."""
+    collectors = {r.request_id: BlockingCollector() for r in [*flood, light]}
+    schedule, seen, arrival_plan = engine.scheduler.schedule, [0], []
+
+    def schedule_and_maybe_send():
+        plan = schedule()
+        prefilling = {c.seq.seq_id for c in plan.chunks if c.num_tokens > 1}
+        if not arrival_plan and len(prefilling) >= 1:
+            seen[0] += 1
+            if seen[0] == arrive_during:
+                arrival_plan.append(plan)
+                engine._admit(light, collectors[light.request_id].push)
+                then()
+        return plan
+
+    engine.scheduler.schedule = schedule_and_maybe_send
+    for request in flood:
+        engine._admit(request, collectors[request.request_id].push)
+    results = {rid: _collect(c) for rid, c in collectors.items()}
+    assert arrival_plan, "the flood never had a second prefill step"
+    return results, arrival_plan[0]
+
+
+def _flood(n: int = 4, max_tokens: int = 8) -> list[EngineRequest]:
+    return [EngineRequest(f"flood-{i}", _prompt(i, FLOOD_PROMPT), SamplingParams(max_tokens=max_tokens, **GREEDY),
+                          tenant="flood") for i in range(n)]
+
+
+def _light(max_tokens: int = 4) -> EngineRequest:
+    return EngineRequest("light", _prompt(99, 7), SamplingParams(max_tokens=max_tokens, **GREEDY), tenant="light")
+
+
+def _steps(events: list) -> list[StepEvent]:
+    return [e for e in events if isinstance(e, StepEvent)]
+
+
+def _request_ids(step: StepEvent) -> set[str]:
+    return {item.request_id for item in step.items}
+
+
+def test_a_light_request_gets_its_first_token_from_a_step_between_the_floods_layers(make_engine, hf_greedy):
+    engine, events = make_engine()
+    flood, light = _flood(), _light()
+    results, _ = _run_with_arrival(engine, light, flood)
+
+    for request in [*flood, light]:
+        ids, error = results[request.request_id]
+        assert error is None and ids == hf_greedy(request.prompt_token_ids, request.params.max_tokens)
+    steps = _steps(events)
+    first_light = next(i for i, s in enumerate(steps) if "light" in _request_ids(s))
+    # The express step is the light request's alone, and it is accounted before the step it ran inside,
+    # which holds the flood's prefill.
+    assert _request_ids(steps[first_light]) == {"light"}
+    under_way = steps[first_light + 1]
+    assert "light" not in _request_ids(under_way) and any(item.tokens > 1 for item in under_way.items)
+    assert sum(s.duration_s for s in steps) == pytest.approx(engine.busy_seconds)
+    assert not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0
+
+
+def test_with_express_steps_off_the_light_request_waits_for_the_step_under_way(make_engine, hf_greedy):
+    engine, events = make_engine(express_between_layers=False)
+    flood, light = _flood(), _light()
+    results, _ = _run_with_arrival(engine, light, flood)
+
+    assert results["light"] == (hf_greedy(light.prompt_token_ids, 4), None)
+    steps = _steps(events)
+    first_light = next(i for i, s in enumerate(steps) if "light" in _request_ids(s))
+    assert _request_ids(steps[first_light]) != {"light"}  # it shared a later step with the flood
+
+
+def test_an_abort_taken_between_layers_waits_for_the_step_end_and_frees_everything(make_engine, hf_greedy):
+    engine, _ = make_engine()
+    flood, light = _flood(), _light()
+    # The abort reaches the inbox just after the light request, so the first layer boundary takes both.
+    results, _ = _run_with_arrival(engine, light, flood, then=lambda: engine.abort("flood-0"))
+
+    ids, error = results["flood-0"]
+    assert error is None and ids == hf_greedy(flood[0].prompt_token_ids, 8)[:len(ids)] and len(ids) < 8
+    for request in [*flood[1:], light]:
+        assert results[request.request_id] == (hf_greedy(request.prompt_token_ids, request.params.max_tokens), None)
+    assert not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0
+    assert engine.is_running
+
+
+def test_a_failing_express_step_ends_the_light_request_alone(make_engine, hf_greedy, monkeypatch):
+    engine, _ = make_engine()
+    flood, light = _flood(), _light()
+    update = engine.scheduler.update
+
+    def update_failing_for_the_light_request(plan, sampled):
+        if any(c.seq.tenant == "light" for c in plan.chunks):
+            raise ValueError("a bug after the express step's forward")
+        return update(plan, sampled)
+
+    monkeypatch.setattr(engine.scheduler, "update", update_failing_for_the_light_request)
+    results, _ = _run_with_arrival(engine, light, flood)
+
+    assert results["light"][1] == "internal engine error"
+    for request in flood:
+        assert results[request.request_id] == (hf_greedy(request.prompt_token_ids, 8), None)
+    assert not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0

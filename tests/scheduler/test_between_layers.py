@@ -1,0 +1,150 @@
+"""Express steps between layers: a light tenant's short request planned while another step is under way.
+
+``Scheduler.schedule_express`` runs while the plan of the step under way is
+being computed, so it may admit only what leaves that plan intact: no chunk for a
+running sequence, no preemption, no adapter the step does not already hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
+
+from scheduler_driver import engine_step, fake_token
+
+
+def config(**kw) -> SchedulerConfig:
+    base = dict(num_blocks=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
+                standard_min_share=0.0)
+    return SchedulerConfig(**{**base, **kw})
+
+
+def make(tenant: str, n: int, prompt: int, max_tokens: int, adapter: str | None = None) -> Sequence:
+    return Sequence(f"{tenant}-{n}", [(n * 31 + i) % 500 for i in range(prompt)], tier="standard", tenant=tenant,
+                    max_tokens=max_tokens, adapter=adapter)
+
+
+def flood_under_way(sched: Scheduler, requests: int = 6, prompt: int = 40, steps: int = 3) -> StepPlan:
+    """A flood of long prompts, ``steps`` steps in; returns the plan of the step now under way (not applied yet)."""
+    for n in range(requests):
+        sched.add(make("flood", n, prompt=prompt, max_tokens=20))
+    for _ in range(steps):
+        engine_step(sched)
+    return sched.schedule()
+
+
+def snapshot(plan: StepPlan) -> list[tuple]:
+    return [(c.seq.seq_id, c.start, c.num_tokens, tuple(c.seq.block_table), c.seq.status) for c in plan.chunks]
+
+
+def apply(sched: Scheduler, plan: StepPlan) -> None:
+    sched.update(plan, {c.seq.seq_id: fake_token(c.seq) for c in plan.chunks if c.samples})
+
+
+def test_a_light_request_is_planned_whole_and_the_step_under_way_is_left_as_it_was():
+    sched = Scheduler(config())
+    under_way = flood_under_way(sched)
+    before = snapshot(under_way)
+    light = make("light", 99, prompt=6, max_tokens=3)
+    sched.add(light)
+
+    express = sched.schedule_express(frozenset())
+
+    assert [(c.seq, c.start, c.num_tokens, c.samples) for c in express.chunks] == [(light, 0, 6, True)]
+    assert not express.preempted
+    assert snapshot(under_way) == before
+    held = {b for c in under_way.chunks for b in c.seq.block_table}
+    assert held.isdisjoint(light.block_table)
+    # Both apply, the express step first (it ends first), and the books stay straight.
+    apply(sched, express)
+    apply(sched, under_way)
+    sched.check_invariants()
+    assert len(light.output_token_ids) == 1
+
+
+def test_nobody_is_preempted_to_make_room_between_layers():
+    # 30 blocks: standard's 70% (21, 84 tokens) is all held by the flood after three steps of 32 tokens,
+    # so the light request would need a preemption.
+    sched = Scheduler(config(num_blocks=30))
+    under_way = flood_under_way(sched)
+    before = snapshot(under_way)
+    sched.add(make("light", 99, prompt=6, max_tokens=3))
+
+    express = sched.schedule_express(frozenset())
+
+    assert express.is_empty and snapshot(under_way) == before
+
+
+def test_an_adapter_the_step_under_way_does_not_hold_waits_for_its_end():
+    sched = Scheduler(config())
+    flood_under_way(sched)
+    light = make("light", 99, prompt=6, max_tokens=3, adapter="sql")
+    sched.add(light)
+
+    assert sched.schedule_express(frozenset({"chat"})).is_empty
+    assert [c.seq for c in sched.schedule_express(frozenset({"chat", "sql"})).chunks] == [light]
+
+
+@pytest.mark.parametrize("who", ["flood", "burst"])
+def test_a_backlog_never_goes_between_layers(who):
+    sched = Scheduler(config())
+    flood_under_way(sched)
+    for n in range(2):  # the flood's own new requests, or a second tenant's burst of two
+        sched.add(make(who, 90 + n, prompt=6, max_tokens=3))
+
+    assert sched.schedule_express(frozenset()).is_empty
+
+
+@pytest.mark.parametrize("policy, fair", [("fcfs", True), ("tiered", False)])
+def test_without_fair_share_nothing_goes_between_layers(policy, fair):
+    sched = Scheduler(config(policy=policy, fair_share=fair))
+    flood_under_way(sched)
+    sched.add(make("light", 99, prompt=6, max_tokens=3))
+
+    assert sched.schedule_express(frozenset()).is_empty
+
+
+def test_a_prompt_longer_than_a_step_waits_for_the_step_end():
+    sched = Scheduler(config())
+    flood_under_way(sched)
+    sched.add(make("light", 99, prompt=33, max_tokens=3))  # the budget is 32 tokens
+
+    assert sched.schedule_express(frozenset()).is_empty
+
+
+@pytest.mark.parametrize("spare", [0, 3])
+def test_admissions_beside_running_sequences_leave_the_spare_blocks_free(spare):
+    # 20 blocks of 4 tokens, no premium reserve. Two running requests hold 12 of them once their
+    # first decodes are planned; the next one needs 7, which would leave 1: with 3 spare it waits,
+    # and the spare is there for a light request arriving during the step.
+    sched = Scheduler(config(num_blocks=20, max_num_batched_tokens=64, express_spare_blocks=spare,
+                             tiers=standard_only()))
+    running = [make("flood", n, prompt=20, max_tokens=20) for n in (1, 2)]
+    for seq in running:
+        sched.add(seq)
+    engine_step(sched)
+    next_one = make("flood", 3, prompt=28, max_tokens=4)
+    sched.add(next_one)
+    under_way = sched.schedule()
+
+    assert [len(seq.block_table) for seq in running] == [6, 6]
+    assert (next_one in [c.seq for c in under_way.chunks]) == (spare == 0)
+    light = make("light", 99, prompt=5, max_tokens=2)  # 2 blocks
+    sched.add(light)
+    assert [c.seq for c in sched.schedule_express(frozenset()).chunks] == ([light] if spare else [])
+
+
+def test_a_request_that_needs_the_whole_pool_starts_when_nothing_else_runs():
+    sched = Scheduler(config(num_blocks=16, max_model_len=64, express_spare_blocks=4, tiers=standard_only()))
+    whole = make("big", 1, prompt=60, max_tokens=4)  # 64 tokens: all 16 blocks
+    sched.add(whole)
+    for _ in range(8):
+        engine_step(sched)
+    assert whole.output_token_ids
+
+
+def standard_only():
+    from scheduler.config import TierConfig
+
+    return (TierConfig("premium", priority=0, ttft_slo_s=None), TierConfig("standard", priority=1, ttft_slo_s=None))
