@@ -70,7 +70,7 @@ class Engine:
         self.lora_pool = self._make_lora_pool(config)
         self._inbox = Inbox()
         self._loop = StepLoop(self.scheduler, self.runner, self.lora_pool, self.tokenizer, self.max_model_len,
-                              StepTimer(config.device), self._inbox, config.express_between_layers)
+                              StepTimer(config.device), self._inbox, config.express_steps_on)
         self._adapter_loader = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="adapter-load", initializer=run_torch_serially_here)
         self._stopping = threading.Event()
