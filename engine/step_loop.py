@@ -58,7 +58,7 @@ class Snapshot:
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, lora_pool, tokenizer: TextTokenizer,
-                 max_model_len: int, timer: StepTimer, inbox: Inbox, express_between_layers: bool = True) -> None:
+                 max_model_len: int, timer: StepTimer, inbox: Inbox, express_steps: bool = True) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.lora_pool = lora_pool
@@ -70,7 +70,7 @@ class StepLoop:
         self.requests = InFlight(scheduler, self.emit, self.publish)
         self.snapshot = Snapshot(scheduler.load(), {}, {}, (frozenset(), frozenset()))
         self.busy_seconds = 0.0  # sum of step durations, for metering checks
-        self.express_between_layers = express_between_layers
+        self.express_steps = express_steps  # the policy picks express requests (tiered with fair share)
         self._express_timer = StepTimer(timer.device)
         self._deferred: list[Message] = []  # taken between layers, handled after the step
         self._between: _StepUnderWay | None = None
@@ -81,7 +81,7 @@ class StepLoop:
         while not stopping.is_set():
             try:
                 changed = self._take_inbox()
-                if self.express_between_layers and not self._express_ran:
+                if self.express_steps and not self._express_ran:
                     express = self.scheduler.schedule_express()  # its own step first, never two in a row
                     if not express.is_empty:
                         self._express_ran = True
@@ -163,16 +163,16 @@ class StepLoop:
             if under_way.express_s is None:  # one express step per step, even one that failed
                 under_way.express_s = 0.0
 
-    def _run_step(self, plan: StepPlan, nested: bool = False) -> float:
-        """Run, sample and hand out one step; its metered seconds (without an express step run inside it)."""
+    def _run_step(self, plan: StepPlan, nested: bool = False) -> None:
+        """Run, sample and hand out one step (``nested``: an express step between another's layers)."""
         sampling = [c for c in plan.chunks if c.samples]
         started_at = time.time()
         timer = self._express_timer if nested else self._timer
-        adapters = frozenset(c.seq.adapter for c in plan.chunks if c.seq.adapter is not None)
-        under_way = None if nested else _StepUnderWay(adapters)
-        between = self._between_layers if self.express_between_layers and not nested else None
+        under_way = None
         if not nested:
+            under_way = _StepUnderWay(frozenset(c.seq.adapter for c in plan.chunks if c.seq.adapter is not None))
             self._between = under_way
+        between = self._between_layers if self.express_steps and not nested else None
         timer.start()
         try:
             lora_batch = None
@@ -184,15 +184,13 @@ class StepLoop:
             sampled = sample(logits, [s.request.params for s in states], [s.generator for s in states])
         except Exception as exc:  # a bad step must not take the loop down
             log.exception("engine step failed")
-            duration = self._stop(timer, under_way)
-            self._account_step(plan, started_at, duration)
+            self._account_step(plan, started_at, self._stop(timer, under_way))
             for chunk in plan.chunks:
                 self.requests.end(chunk.seq.seq_id, "error", "error", error=str(exc))
-            return duration
+            return
         # The step is accounted before any request of it ends, so billing sees its share of the
         # step before its finish event.
-        duration = self._stop(timer, under_way)
-        self._account_step(plan, started_at, duration)
+        self._account_step(plan, started_at, self._stop(timer, under_way))
 
         # Deltas go out after all of the step's bookkeeping: a caller woken by one needs the GIL,
         # which this thread would otherwise hold through that bookkeeping.
@@ -230,7 +228,6 @@ class StepLoop:
         self.publish()
         for sink, delta in outgoing:
             sink(delta)
-        return duration
 
     def _stop(self, timer: StepTimer, under_way: _StepUnderWay | None) -> float:
         """The step's metered seconds: an express step run inside it is metered (and billed) as its own."""

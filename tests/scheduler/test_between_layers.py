@@ -10,8 +10,14 @@ from __future__ import annotations
 import pytest
 
 from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
+from scheduler.config import TierConfig
 
 from scheduler_driver import engine_step, fake_token
+
+
+def standard_only() -> tuple[TierConfig, ...]:
+    """The two tiers with no premium KV reserve: standard may fill the pool."""
+    return (TierConfig("premium", priority=0, ttft_slo_s=None), TierConfig("standard", priority=1, ttft_slo_s=None))
 
 
 def config(**kw) -> SchedulerConfig:
@@ -142,9 +148,3 @@ def test_a_request_that_needs_the_whole_pool_starts_when_nothing_else_runs():
     for _ in range(8):
         engine_step(sched)
     assert whole.output_token_ids
-
-
-def standard_only():
-    from scheduler.config import TierConfig
-
-    return (TierConfig("premium", priority=0, ttft_slo_s=None), TierConfig("standard", priority=1, ttft_slo_s=None))
