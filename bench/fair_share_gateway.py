@@ -28,14 +28,17 @@ import os
 import shutil
 import sys
 import tempfile
+import sqlite3
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import machine
 from bench.slo_sweep import _free_port, _tiergate, start_server, stop_server
 from bench.stats import percentile
 
@@ -70,13 +73,21 @@ class Streamed:
     refused: int = 0  # requests answered 429
 
 
+@dataclass
+class Light:
+    """One light request as the client saw it; its ledger row adds the server's side."""
+
+    request_id: str
+    ttft_s: float
+
+
 async def ttft(client: httpx.AsyncClient, url: str, key: str, prompt: str, max_tokens: int,
-               streamed: Streamed) -> float | None:
-    """Seconds to the first streamed text of one completion; None if it failed."""
+               streamed: Streamed) -> Light | None:
+    """Seconds to the first streamed text of one completion, with its id; None if it failed."""
     body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     start = time.perf_counter()
-    first = None
+    first, request_id = None, ""
     async with client.stream("POST", url + "/v1/completions", json=body,
                              headers={"authorization": f"Bearer {key}"}) as response:
         if response.status_code != 200:  # a 429: counted as not ok
@@ -84,17 +95,15 @@ async def ttft(client: httpx.AsyncClient, url: str, key: str, prompt: str, max_t
             await response.aread()
             return None
         async for line in response.aiter_lines():
-            if line.startswith("data:") and _has_text(line[5:].strip()):
+            if not line.startswith("data:") or (data := line[5:].strip()) == "[DONE]":
+                continue
+            chunk = json.loads(data)
+            request_id = request_id or chunk.get("id", "")
+            if any(choice.get("text") for choice in chunk.get("choices") or ()):
                 streamed.chunks += 1
                 if first is None:
                     first = time.perf_counter() - start
-    return first
-
-
-def _has_text(data: str) -> bool:
-    if data == "[DONE]":
-        return False
-    return any(choice.get("text") for choice in json.loads(data).get("choices") or ())
+    return None if first is None else Light(request_id, first)
 
 
 async def light_loop(client, url, key, every_s: float, duration_s: float, streamed: Streamed) -> list[asyncio.Task]:
@@ -144,7 +153,7 @@ async def measure(url: str, keys: dict[str, str], args: argparse.Namespace) -> d
         for task in flood:
             task.cancel()
         await asyncio.gather(*flood, return_exceptions=True)
-    return {"alone": _summary(alone), "flood": _summary(beside), "tokens_per_s": (after - before) / elapsed,
+    return {"alone": alone, "flood": beside, "tokens_per_s": (after - before) / elapsed,
             "refused_in_window": refused,
             **{k: work_after[k] - work_before[k] for k in work_after},
             "flood_requests_started": next(ids)}
@@ -166,15 +175,38 @@ async def wasted_work(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     return found
 
 
-def _summary(ttfts: list) -> dict:
-    ok = [t for t in ttfts if t is not None]
-    return {"sent": len(ttfts), "ok": len(ok), "ttft_p50_s": percentile(ok, 50), "ttft_p99_s": percentile(ok, 99),
-            "ttfts": ok}
+def server_ttfts(db: Path) -> dict[str, float]:
+    """The light tenant's TTFT as the server saw it, by request id: from the handler's start to the
+    engine's first token (the ledger's queued_at and first_token_at). Set beside the client's
+    figure it tells the engine's wait from the time spent in HTTP, the event loops and the client."""
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT request_id, queued_at, first_token_at FROM usage_ledger "
+                            "WHERE tenant = 'light' AND first_token_at IS NOT NULL").fetchall()
+    return {request_id: (datetime.fromisoformat(first) - datetime.fromisoformat(queued)).total_seconds()
+            for request_id, queued, first in rows}
+
+
+def _summary(client: list[float], server: list[float]) -> dict:
+    return {"ok": len(client), "ttft_p50_s": percentile(client, 50), "ttft_p99_s": percentile(client, 99),
+            "server_ttft_p50_s": percentile(server, 50), "server_ttft_p99_s": percentile(server, 99),
+            "ttfts": client, "server_ttfts": server}
+
+
+def summarise(measured: dict, server: dict[str, float]) -> dict:
+    """One measurement's light requests as client and server saw them."""
+    out = dict(measured)
+    for phase in ("alone", "flood"):
+        lights = [light for light in measured[phase] if light is not None]
+        out[phase] = {**_summary([light.ttft_s for light in lights],
+                                 [server[light.request_id] for light in lights if light.request_id in server]),
+                      "sent": len(measured[phase])}
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
     """Both servers up at once, measured in turns (ABBA...), so a shared machine's load falls on both alike."""
     policies = args.policies.split(",")
+    host = machine.describe()
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="tiergate-fair-share-") as tmp:
         env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{tmp}/tiergate.db",
@@ -199,12 +231,15 @@ def run(args: argparse.Namespace) -> dict:
                     print(f"fair_share_gateway: round {i + 1}, {policy}", file=sys.stderr, flush=True)
                     r = asyncio.run(measure(f"http://127.0.0.1:{servers[policy][1]}", keys, args))
                     rounds[-1][policy] = r
-                    print(f"fair_share_gateway: {policy}: {json.dumps(r)}", file=sys.stderr, flush=True)
+                    print(f"fair_share_gateway: {policy}: {json.dumps(summarise(r, {}))}",
+                          file=sys.stderr, flush=True)
         finally:
             for server, _ in servers.values():
                 stop_server(server)
+        server = {policy: server_ttfts(Path(f"{tmp}/{policy}.db")) for policy in policies}
+        rounds = [{policy: summarise(r, server[policy]) for policy, r in one.items()} for one in rounds]
     by_policy = {policy: _merge([r[policy] for r in rounds]) for policy in policies}
-    result = {"settings": {k: v for k, v in vars(args).items() if k != "json"}, "policies": by_policy,
+    result = {"machine": host, "settings": {k: v for k, v in vars(args).items() if k != "json"}, "policies": by_policy,
               "rounds": rounds, "goals": goals(by_policy, rounds)}
     result["plots"] = [str(plot(by_policy).relative_to(ROOT))]
     return result
@@ -214,14 +249,16 @@ def _merge(measured: list[dict]) -> dict:
     """One policy's rounds together: TTFTs pooled, counts added, throughput averaged."""
     merged = {}
     for phase in ("alone", "flood"):
-        merged[phase] = _summary([t for m in measured for t in m[phase]["ttfts"]])
+        merged[phase] = _summary([t for m in measured for t in m[phase]["ttfts"]],
+                                 [t for m in measured for t in m[phase]["server_ttfts"]])
         merged[phase]["sent"] = sum(m[phase]["sent"] for m in measured)
     merged["tokens_per_s"] = sum(m["tokens_per_s"] for m in measured) / len(measured)
     for key in ("refused_in_window", "preemptions", "recomputed_tokens"):
         merged[key] = sum(m[key] for m in measured)
-    a, f = merged["alone"]["ttft_p99_s"], merged["flood"]["ttft_p99_s"]
-    # None: no light request was served beside the flood (all refused with 429).
-    merged["p99_ratio"] = f / a if a is not None and f is not None else None
+    for side in ("", "server_"):
+        a, f = merged["alone"][f"{side}ttft_p99_s"], merged["flood"][f"{side}ttft_p99_s"]
+        # None: no light request was served beside the flood (all refused with 429).
+        merged[f"{side}p99_ratio"] = f / a if a is not None and f is not None else None
     return merged
 
 
@@ -283,6 +320,8 @@ def _ratio(v) -> str:
 def render_markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
+        f"Measured {machine.render_markdown(result['machine'])}." if "machine" in result else "",
+        "",
         f"`tiergate serve`, bundled model on this CPU, no premium KV reserve. Flood: {s['flood']} streams, "
         f"prompts of {s['flood_prompt_chars']} characters, {s['flood_max_tokens']} output tokens; light: one "
         f"request every {s['light_every']:g} s, about 40 prompt tokens, 8 output tokens; {s['alone_s']:g} s alone "
@@ -291,18 +330,22 @@ def render_markdown(result: dict) -> str:
         f"{s.get('rounds', 1)} round(s) per policy, the servers up together and measured in turns.",
         "",
         "| policy | light TTFT p50 / p99 alone (s) | light TTFT p50 / p99 beside the flood (s) | p99 ratio "
+        "| server side: p99 alone / beside (s), ratio "
         "| light ok / sent | 429s in the window (both tenants) | output tokens/s beside the flood "
         "| preemptions / recomputed tokens in the window |",
-        "|---|---|---|---:|---|---:|---:|---:|",
+        "|---|---|---|---:|---|---|---:|---:|---:|",
     ]
     for policy, r in result["policies"].items():
         a, f = r["alone"], r["flood"]
         lines.append(f"| {policy} | {_fmt(a['ttft_p50_s'])} / {_fmt(a['ttft_p99_s'])} | {_fmt(f['ttft_p50_s'])} / "
-                     f"{_fmt(f['ttft_p99_s'])} | {_ratio(r['p99_ratio'])} | {f['ok']} / {f['sent']} "
+                     f"{_fmt(f['ttft_p99_s'])} | {_ratio(r['p99_ratio'])} | {_fmt(a['server_ttft_p99_s'])} / "
+                     f"{_fmt(f['server_ttft_p99_s'])}, {_ratio(r['server_p99_ratio'])} | {f['ok']} / {f['sent']} "
                      f"| {r.get('refused_in_window', '-')} | {r['tokens_per_s']:.1f} "
                      f"| {r['preemptions']:.0f} / {r['recomputed_tokens']:.0f} |")
     lines += ["", *[f"- [{'MET' if g['met'] else 'MISSED'}] {g['goal']}: {g['value']:.3g}" for g in result["goals"]]]
-    lines += ["", "The plot: the light tenant's TTFT distribution per policy, alone (dotted) and beside the flood."]
+    lines += ["", "The server side is from the ledger: the handler's start to the engine's first token. "
+              "The plot: the light tenant's TTFT distribution per policy as its client saw it, alone (dotted) "
+              "and beside the flood."]
     return "\n".join(lines) + "\n"
 
 
