@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.gguf_check import GgufMetadata, refusal, unread_metadata
+from engine.gguf_check import GgufMetadata, complete_config, refusal, unread_metadata
 from engine.model_config import ModelConfig
 
 COMPLETE_MARKER = "tiergate-complete"
@@ -59,23 +59,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    # Each transformers call re-parses the GGUF metadata (seconds each), so there are only two.
+    # Each transformers call re-parses the GGUF metadata (seconds each), so there are only three.
     with tqdm(total=3, desc=f"Caching {name} as safetensors", unit="stage") as progress:
         meta = GgufMetadata.read(gguf_path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        except (RuntimeError, ValueError) as exc:
-            # Weights of another shape than transformers' config says (a Qwen3 head_dim it did not read).
-            problems = unread_metadata(meta, AutoConfig.from_pretrained(folder, gguf_file=name).to_dict())
-            if problems:
-                raise refusal(meta, problems) from exc
-            raise
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
+        mapped = AutoConfig.from_pretrained(folder, gguf_file=name)
+        config = complete_config(meta, mapped.to_dict())
         ModelConfig.from_dict(config)  # a clear error for families we do not serve
         problems = unread_metadata(meta, config)
         if problems:
             raise refusal(meta, problems)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=type(mapped).from_dict(config),
+                                                     dtype=torch.float32)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
         if not config.get("architectures"):
             config["architectures"] = [type(model).__name__]
         progress.update()

@@ -1,6 +1,7 @@
-"""GGUF files of other families than Llama load through transformers' GGUF support, are cached as a
-checkpoint directory and served with the logits of the checkpoint they were written from; a file
-holding what transformers' GGUF mapping does not read is refused, naming its family."""
+"""GGUF files of every family load through transformers' GGUF support, are cached as a checkpoint
+directory and served with the logits of the checkpoint they were written from, what transformers'
+GGUF mapping does not read (head sizes, windows, soft-caps, partial rotary, Llama 3's and LongRoPE's
+rope factors) included; a file whose metadata no config can hold is refused, naming its family."""
 
 from __future__ import annotations
 
@@ -11,21 +12,37 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig
+from transformers import AutoConfig, LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.gguf_check import llama3_parameters
 from engine.loader import load_model
 from engine.runner import ModelRunner
 from scheduler.plan import StepPlan
 from scheduler.sequence import Sequence
 from tests.engine.conftest import BlockPool, HFReference, build_tiny_model, chunk
 
-ARCHS = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3,
+ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
+         "qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3,
          "gemma2": gguf.MODEL_ARCH.GEMMA2}
 
 
-def write_gguf(model_dir: Path, out: Path) -> Path:
+def llama_cpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """q or k rows in llama.cpp's order: each head's two rotary halves interleaved, not stacked."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def llama3_rope_freqs(config) -> np.ndarray:
+    """Llama 3's scaling as llama.cpp's converter stores it: the factor each frequency is divided by."""
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    plain = 1.0 / config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).double() / head_dim)
+    return (plain / scaled.double()).numpy().astype(np.float32)
+
+
+def write_gguf(model_dir: Path, out: Path, rope_freqs: np.ndarray | None = None) -> Path:
     """The checkpoint's float32 weights in a GGUF file under llama.cpp's names, with the metadata its
-    converter writes for the family, and a token list."""
+    converter writes for the family, and a token list; ``rope_freqs`` replaces Llama 3's factors."""
     config = AutoConfig.from_pretrained(model_dir)
     kind, arch = config.model_type, ARCHS[config.model_type]
     rope = config.rope_parameters
@@ -47,8 +64,11 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
     if kind == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if rope.get("rope_type") == "llama3" or rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config) if rope_freqs is None else rope_freqs)
     if rope.get("rope_type") == "longrope":
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_rope_scaling_attn_factors(ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")[1])
         for which in ("long", "short"):
             writer.add_tensor(f"rope_factors_{which}.weight", np.array(rope[f"{which}_factor"], dtype=np.float32))
     tokens = [f"w{i}" for i in range(config.vocab_size)]
@@ -64,6 +84,9 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         if kind == "gemma2" and name.endswith("norm.weight"):
             tensor = tensor + 1  # llama.cpp stores Gemma's (1 + w) norms with the one added
+        if kind == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            tensor = llama_cpp_rows(tensor, heads)
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -72,44 +95,62 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
     return out
 
 
-# (tiny kind, its config's changes): checkpoints whose every setting transformers' GGUF mapping carries.
+# (tiny kind, its config's changes).
 SERVED = {
+    "llama": ("gqa_untied", {}),
+    # Llama 3 scaling whose boundaries fall between two frequencies, and one with frequencies between
+    # them (the parameters are then solved from the factors).
+    "llama3": ("llama3_rope", {}),
+    "llama3_between": ("llama3_rope", {"rope_theta": 10000.0, "rope_scaling": dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=8.0,
+        original_max_position_embeddings=256)}),
     "qwen2": ("qwen2", {"use_sliding_window": False}),  # GGUF carries no use_sliding_window (off in Qwen's releases)
-    "qwen3": ("qwen3", {"head_dim": 128}),  # transformers' Qwen3 default: it does not read key_length
-    "phi3": ("phi3", {"sliding_window": None}),
-    # Soft-caps and query scale at Gemma2Config's defaults, which the mapping leaves in place.
-    "gemma2": ("gemma2", {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256}),
+    "qwen3": ("qwen3", {}),  # head_dim 24, not transformers' Qwen3 default of 128
+    "phi3": ("phi3", {}),  # a sliding window of 7
+    "phi3_longrope": ("phi3_longrope", {}),
+    "phi4_mini": ("phi4_mini", {}),  # partial rotary and LongRoPE
+    # Soft-caps other than Gemma2Config's defaults. GGUF carries no query scale: transformers'
+    # mapping leaves Gemma2Config's 256.
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 256}),
 }
 
 
-@pytest.mark.parametrize("kind", list(SERVED))
-def test_a_gguf_is_served_with_the_logits_of_the_checkpoint_it_was_written_from(kind, tmp_path):
-    tiny, changes = SERVED[kind]
-    model_dir = build_tiny_model(tmp_path / kind, tiny, **changes)
-    loaded = load_model(str(write_gguf(model_dir, tmp_path / f"tiny-{kind}.gguf")), cache_dir=tmp_path / "cache")
-    assert loaded.model_config.model_type == kind and loaded.name == f"tiny-{kind}"
+@pytest.mark.parametrize("case", list(SERVED))
+def test_a_gguf_is_served_with_the_logits_of_the_checkpoint_it_was_written_from(case, tmp_path):
+    tiny, changes = SERVED[case]
+    model_dir = build_tiny_model(tmp_path / case, tiny, **changes)
+    kind = AutoConfig.from_pretrained(model_dir).model_type
+    loaded = load_model(str(write_gguf(model_dir, tmp_path / f"tiny-{case}.gguf")), cache_dir=tmp_path / "cache")
+    assert loaded.model_config.model_type == kind and loaded.name == f"tiny-{case}"
     runner = ModelRunner(loaded, num_blocks=16, block_size=4)
     seq = Sequence("a", list(range(5, 22)))  # longer than the tiny windows
     plan = StepPlan([chunk(seq, 0, seq.num_tokens, BlockPool(16), 4)])
     expected = HFReference(model_dir).logits(seq.all_token_ids)
     assert expected.abs().max() > 0.5
     assert (runner.execute(plan)[0] - expected).abs().max().item() < 1e-3
-    if kind == "qwen2":  # the q/k/v biases came through: without them the logits differ
+    if case == "qwen2":  # the q/k/v biases came through: without them the logits differ
         assert next(iter(loaded.model.layers)).qkv_bias.abs().max() > 0
+    if case.startswith("llama3"):
+        assert loaded.model_config.rope_scaling["rope_type"] == "llama3"
 
 
-@pytest.mark.parametrize(
-    ("tiny", "message"),
-    [
-        ("qwen3", r"Qwen3 GGUF file not served.*qwen3\.attention\.key_length is 24 in the file but 128"),
-        ("phi3", r"Phi-3 GGUF file not served.*phi3\.attention\.sliding_window is 7 in the file but None"),
-        ("phi3_longrope", r"Phi-3 GGUF file not served.*rope scaling factors \(rope_factors_long\.weight"),
-        ("phi4_mini", r"Phi-3 GGUF file not served.*phi3\.rope\.dimension_count is 12 in the file but 16"),
-        ("gemma2", r"Gemma 2 GGUF file not served.*gemma2\.attn_logit_softcapping is 2\.0 in the file but 50\.0"),
-    ],
-)
-def test_a_gguf_transformers_would_map_into_another_model_is_refused_by_family(tiny, message, tmp_path):
-    gguf_file = write_gguf(build_tiny_model(tmp_path / tiny, tiny), tmp_path / f"tiny-{tiny}.gguf")
-    with pytest.raises(ValueError, match=message):
+def test_llama3_parameters_are_solved_from_a_real_llama_31_shape():
+    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+                         rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                                high_freq_factor=4.0,
+                                                                original_max_position_embeddings=8192))
+    solved = llama3_parameters(llama3_rope_freqs(config).astype(np.float64), 500000.0, 128)
+    assert solved["original_max_position_embeddings"] == 8192
+    assert solved["factor"] == pytest.approx(8.0, rel=1e-5)
+    assert (solved["low_freq_factor"], solved["high_freq_factor"]) == (pytest.approx(1.0, rel=1e-4),
+                                                                      pytest.approx(4.0, rel=1e-4))
+
+
+def test_rope_factors_no_llama3_config_gives_are_refused(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "llama", "gqa_untied")
+    factors = np.array([1.0, 1.7, 1.1, 3.0, 2.0, 8.0, 5.0, 8.0], dtype=np.float32)  # not monotone
+    gguf_file = write_gguf(model_dir, tmp_path / "odd-factors.gguf", rope_freqs=factors)
+    refused = r"Llama 1-3\.x GGUF file not served.*rope scaling factors \(rope_freqs\.weight\)"
+    with pytest.raises(ValueError, match=refused):
         load_model(str(gguf_file), cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache" / "gguf").iterdir()), "a refused file left a cached directory"
