@@ -26,6 +26,15 @@ LLAMA_WEIGHTS: dict[str, tuple[str, str | None]] = {
     "mlp.down_proj.weight": ("down", None),
 }
 
+QK_NORM_WEIGHTS = {"self_attn.q_norm.weight": ("q_norm", None), "self_attn.k_norm.weight": ("k_norm", None)}
+# Gemma's sandwich: its post_attention_layernorm is the attention output's norm, not the MLP's input norm.
+GEMMA_WEIGHTS = {
+    **LLAMA_WEIGHTS,
+    "post_attention_layernorm.weight": ("attn_out_norm", None),
+    "pre_feedforward_layernorm.weight": ("post_norm", None),
+    "post_feedforward_layernorm.weight": ("mlp_out_norm", None),
+}
+
 # Our layer parameters that are RMSNorm weights (a family's norm offset applies to them).
 NORMS = frozenset({"input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm"})
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -60,6 +69,8 @@ class Family:
     longrope: bool = False
     # Older names of rope types in this family's configs (Phi-3's "su" and "yarn" are LongRoPE).
     rope_aliases: dict[str, str] = field(default_factory=dict)
+    # The sliding layers rotate with a RoPE base of their own, the global ones with the scaled one (Gemma 3).
+    local_rope: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -72,7 +83,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen3": Family(
         "Qwen3",
-        weights={**LLAMA_WEIGHTS, "self_attn.q_norm.weight": ("q_norm", None), "self_attn.k_norm.weight": ("k_norm", None)},
+        weights={**LLAMA_WEIGHTS, **QK_NORM_WEIGHTS},
         qk_norm=True, window_layers="layer_types", window_flag=True,
     ),
     "phi3": Family(
@@ -89,14 +100,16 @@ FAMILIES: dict[str, Family] = {
     ),
     "gemma2": Family(
         "Gemma 2",
-        weights={
-            **LLAMA_WEIGHTS,
-            "post_attention_layernorm.weight": ("attn_out_norm", None),
-            "pre_feedforward_layernorm.weight": ("post_norm", None),
-            "post_feedforward_layernorm.weight": ("mlp_out_norm", None),
-        },
+        weights=GEMMA_WEIGHTS,
         norm_offset=1.0, embed_scale=True, sandwich_norms=True, activation_key="hidden_activation",
         window_layers="alternate",
+    ),
+    # Gemma 2's layer, with q/k norms instead of soft-caps, a global layer every few, each kind its own RoPE.
+    "gemma3_text": Family(
+        "Gemma 3 (text)",
+        weights={**GEMMA_WEIGHTS, **QK_NORM_WEIGHTS},
+        qk_norm=True, norm_offset=1.0, embed_scale=True, sandwich_norms=True, activation_key="hidden_activation",
+        window_layers="layer_types", local_rope=True,
     ),
 }
 

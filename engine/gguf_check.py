@@ -30,6 +30,8 @@ from engine.model_config import ModelConfig
 
 # Tensors holding rope scaling (Llama 3's rope_freqs, Phi-3's LongRoPE factors): transformers reads none.
 ROPE_FACTOR_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
+# GGUF architectures whose HF model_type is another name.
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 FACTOR_RTOL = 1e-4  # float32 factors written from float64 parameters
 
 
@@ -55,7 +57,7 @@ class GgufMetadata:
 
     @property
     def family_name(self) -> str:
-        family = FAMILIES.get(self.architecture)
+        family = FAMILIES.get(GGUF_MODEL_TYPES.get(self.architecture, self.architecture))
         return family.name if family else self.architecture
 
 
@@ -67,7 +69,12 @@ def complete_config(meta: GgufMetadata, config: dict[str, Any]) -> dict[str, Any
     key_length = values.get("attention.key_length")
     if key_length and key_length == values.get("attention.value_length", key_length) and key_length != head_dim:
         out["head_dim"] = head_dim = int(key_length)
-    rope = dict(out.get("rope_parameters") or {})
+    params = dict(out.get("rope_parameters") or {})
+    # Gemma 3 has parameters per layer type; the file's rope keys are its global layers'.
+    per_kind = "full_attention" in params
+    rope = dict(params["full_attention"]) if per_kind else params
+    if values.get("rope.scaling.type") == "linear" and float(values.get("rope.scaling.factor") or 1.0) != 1.0:
+        rope.update(rope_type="linear", factor=float(values["rope.scaling.factor"]))
     rotary = values.get("rope.dimension_count")
     if rotary and rotary != head_dim:
         rope["partial_rotary_factor"] = rotary / head_dim
@@ -75,7 +82,7 @@ def complete_config(meta: GgufMetadata, config: dict[str, Any]) -> dict[str, Any
         if key in values:
             out[key] = float(values[key])
     window = values.get("attention.sliding_window")
-    family = FAMILIES.get(meta.architecture)
+    family = FAMILIES.get(GGUF_MODEL_TYPES.get(meta.architecture, meta.architecture))
     if window and window < out.get("max_position_embeddings", math.inf) and not (family and family.window_flag):
         out["sliding_window"] = int(window)
     if "rope_factors_long.weight" in meta.rope_factors and "rope_factors_short.weight" in meta.rope_factors:
@@ -92,7 +99,7 @@ def complete_config(meta: GgufMetadata, config: dict[str, Any]) -> dict[str, Any
         rotary_dim = int(rotary or head_dim)
         rope.update(llama3_parameters(meta.rope_factors["rope_freqs.weight"], theta, rotary_dim) or {})
     if rope:
-        out["rope_parameters"] = rope
+        out["rope_parameters"] = {**params, "full_attention": rope} if per_kind else rope
     return out
 
 
@@ -142,6 +149,14 @@ def unread_metadata(meta: GgufMetadata, config: dict[str, Any]) -> list[str]:
     }
     problems = [f"{meta.architecture}.{key} is {meta.values[key]} in the file but {want} in transformers' config"
                 for key, want in expected.items() if key in meta.values and not _same(meta.values[key], want)]
+    scaling_type = meta.values.get("rope.scaling.type")
+    if scaling_type not in (None, "none") and float(meta.values.get("rope.scaling.factor") or 1.0) != 1.0:
+        served_scaling = served.rope_scaling or {}
+        if (served_scaling.get("rope_type"), served_scaling.get("factor")) != (
+                scaling_type, float(meta.values["rope.scaling.factor"])):
+            problems.append(f"{meta.architecture}.rope.scaling.type is {scaling_type} (factor "
+                            f"{meta.values['rope.scaling.factor']}) in the file but {served_scaling or 'none'} "
+                            f"in transformers' config")
     window = meta.values.get("attention.sliding_window")
     # A window as long as the context is none; Qwen's windows depend on a flag GGUF does not carry.
     if window and window < served.max_position_embeddings and not served.family.window_flag:

@@ -13,6 +13,7 @@ windows, weight names) comes from its ``engine.families.Family`` and ``ModelConf
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,13 @@ class DecoderLayer(nn.Module):
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+def _text_model_name(name: str) -> str:
+    """A checkpoint tensor's name inside the decoder: without ``model.``, and for image-text
+    checkpoints (Gemma 3) without their text model's ``language_model.`` prefix, in either of
+    transformers' layouts (``language_model.model.X`` and ``model.language_model.X``)."""
+    return name.removeprefix("language_model.").removeprefix("model.").removeprefix("language_model.")
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -80,6 +88,9 @@ class DecoderModel(nn.Module):
         # Whether the forward's norms run on the fused CPU kernels (engine/norms.py); set with the weights' form.
         self.fused_norms = False
         self.rope = Rope(cfg, device)
+        self.local_rope = None if cfg.local_rope_theta is None else Rope(
+            replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None), device)
+        self.local_rope_layers = frozenset(cfg.local_rope_layers)
         q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self._slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
         scale = cfg.attn_scale or cfg.head_dim**-0.5
@@ -104,7 +115,7 @@ class DecoderModel(nn.Module):
         expected |= {"embed_tokens.weight", "norm.weight"} | ({"lm_head.weight"} if not self.cfg.tie_word_embeddings else set())
         seen: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
+            name = _text_model_name(name)
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
             if name not in expected:
@@ -220,7 +231,8 @@ class DecoderModel(nn.Module):
         eps, heads, kv_heads, head_dim = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
         inter = cfg.intermediate_size
-        cos, sin = self.rope.tables(positions, self.dtype, long_rows)
+        tables = self.rope.tables(positions, self.dtype, long_rows)
+        local_tables = tables if self.local_rope is None else self.local_rope.tables(positions, self.dtype)
         rotary_dim = self.rope.rotary_dim
 
         family, act_fn = self.family, self.activation
@@ -242,6 +254,7 @@ class DecoderModel(nn.Module):
             if family.qk_norm:
                 qk[:, :heads] = F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps)
                 qk[:, heads:] = F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)
+            cos, sin = local_tables if i in self.local_rope_layers else tables
             apply_rope_(qk if rotary_dim is None else qk[..., :rotary_dim], cos, sin, fused)
             q = qkv[:, :q_size].view(tokens, heads, head_dim)
             kv = qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim)

@@ -47,6 +47,9 @@ class ModelConfig:
     attn_scale: float | None = None
     # The share of each head's dimensions that rotate (the first ones); the rest pass through.
     partial_rotary_factor: float = 1.0
+    # Gemma 3: the layers (its sliding ones) whose plain RoPE has a base of its own.
+    local_rope_theta: float | None = None
+    local_rope_layers: tuple[int, ...] = ()
 
     @property
     def family(self) -> Family:
@@ -74,8 +77,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        cfg = _text_model(cfg)
         model_type = cfg.get("model_type", "")
         family = family_for(model_type, cfg.get("architectures"))
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError(f"{family.name} configs with use_bidirectional_attention (embedding models) "
+                             "are not served")
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ValueError(f"{family.name} configs with attention_bias or mlp_bias are not supported")
         activation = cfg.get(family.activation_key) or "silu"
@@ -83,8 +90,14 @@ class ModelConfig:
             raise ValueError(f"unsupported {family.activation_key} {activation!r}; supported: {', '.join(ACTIVATIONS)}")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if family.local_rope and not cfg.get("layer_types"):
+            cfg = {**cfg, "layer_types": _gemma3_layer_types(cfg)}
         # transformers 5 keeps theta and scaling in ``rope_parameters``; older configs at top level.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        local_theta, local_layers = None, ()
+        if family.local_rope:
+            rope, local_theta = _split_local_rope(cfg, rope)
+            local_layers = tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention")
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_type = family.rope_aliases.get(rope_type, rope_type)
@@ -114,6 +127,8 @@ class ModelConfig:
             final_logit_softcap=cfg.get("final_logit_softcapping"),
             attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
             partial_rotary_factor=partial,
+            local_rope_theta=local_theta,
+            local_rope_layers=local_layers,
         )
 
     @classmethod
@@ -153,6 +168,39 @@ def _check_rope(cfg: dict[str, Any], family: Family, rope_type: str, rope: dict[
         factors = rope.get(key)
         if not isinstance(factors, list) or len(factors) != pairs:
             raise ValueError(f"longrope scaling needs a {key} list of {pairs} numbers (rotary dimensions / 2)")
+
+
+def _text_model(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config of the text model inside Gemma 3's image-text checkpoints (4B and up); the text
+    model is served and the vision tower's weights are left unread. Other configs as they are."""
+    if cfg.get("model_type") != "gemma3" or not isinstance(cfg.get("text_config"), dict):
+        return cfg
+    text = {**cfg["text_config"], "model_type": "gemma3_text", "architectures": cfg.get("architectures")}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return text
+
+
+def _gemma3_layer_types(cfg: dict[str, Any]) -> list[str]:
+    """Older Gemma 3 configs name a pattern instead: every ``sliding_window_pattern``-th layer is global."""
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(cfg["num_hidden_layers"])]
+
+
+def _split_local_rope(cfg: dict[str, Any], rope: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Gemma 3's global layers' rope parameters, and its sliding layers' base.
+
+    transformers 5 writes one parameter dict per layer type; older configs keep the global ones at
+    the top level and the local base as ``rope_local_base_freq``."""
+    if "full_attention" not in rope and "sliding_attention" not in rope:
+        return rope, float(cfg.get("rope_local_base_freq", 10000.0))
+    local = dict(rope.get("sliding_attention") or {})
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ValueError(f"rope scaling {local.get('rope_type')!r} on sliding layers is not supported")
+    local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+    return dict(rope.get("full_attention") or {}), float(local_theta)
 
 
 def _windows(cfg: dict[str, Any], family: Family) -> dict[str, Any]:

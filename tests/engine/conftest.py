@@ -19,6 +19,8 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -94,6 +96,16 @@ TINY_CONFIGS = {
         # Caps low enough to bend the tiny model's scores and logits; a query scale unlike head_dim's.
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5, query_pre_attn_scalar=24,
              attn_logit_softcapping=2.0, final_logit_softcapping=8.0),
+    ),
+    # A global layer between two sliding ones; the sliding layers' RoPE base far from the global
+    # one's (which is also scaled), so a layer given the other's tables shows.
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5, query_pre_attn_scalar=24,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
     ),
 }
 

@@ -24,7 +24,7 @@ from tests.engine.conftest import BlockPool, HFReference, build_tiny_model, chun
 
 ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
          "qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3,
-         "gemma2": gguf.MODEL_ARCH.GEMMA2}
+         "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}
 
 
 def llama_cpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -46,6 +46,7 @@ def write_gguf(model_dir: Path, out: Path, rope_freqs: np.ndarray | None = None)
     config = AutoConfig.from_pretrained(model_dir)
     kind, arch = config.model_type, ARCHS[config.model_type]
     rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers: llama.cpp fixes its local ones
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_context_length(config.max_position_embeddings)
@@ -64,6 +65,9 @@ def write_gguf(model_dir: Path, out: Path, rope_freqs: np.ndarray | None = None)
     if kind == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     if rope.get("rope_type") == "llama3" or rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config) if rope_freqs is None else rope_freqs)
     if rope.get("rope_type") == "longrope":
@@ -82,7 +86,7 @@ def write_gguf(model_dir: Path, out: Path, rope_freqs: np.ndarray | None = None)
     writer.add_pad_token_id(0)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in load_file(model_dir / "model.safetensors").items():
-        if kind == "gemma2" and name.endswith("norm.weight"):
+        if kind.startswith("gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1  # llama.cpp stores Gemma's (1 + w) norms with the one added
         if kind == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
@@ -112,6 +116,13 @@ SERVED = {
     # Soft-caps other than Gemma2Config's defaults. GGUF carries no query scale: transformers'
     # mapping leaves Gemma2Config's 256.
     "gemma2": ("gemma2", {"query_pre_attn_scalar": 256}),
+    # Gemma 3 as llama.cpp lays it out: a global layer every sixth, the local base 10000; the
+    # global layers' linear scaling is in the file's keys.
+    "gemma3": ("gemma3", {"num_layers": 6, "query_pre_attn_scalar": 256,
+                          "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                              "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                 "rope_theta": 1000000.0}}}),
 }
 
 

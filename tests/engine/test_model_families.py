@@ -22,7 +22,7 @@ from tests.lora_pool.conftest import ALL_TARGETS, save_random_lora
 
 BLOCK_SIZE = 4
 # phi4_mini: Phi-3's architecture with partial rotary and LongRoPE (engine/rope.py), here in its short regime.
-FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2"]
+FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3"]
 # Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters target the fused modules.
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
@@ -145,6 +145,11 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] 
         (dict(model_type="phi3", rope_scaling=LONGROPE), "needs original_max_position_embeddings"),
         (dict(model_type="phi3", original_max_position_embeddings=64, rope_scaling={**LONGROPE, "long_factor": [1.0]}),
          "long_factor list of 4 numbers"),
+        (dict(model_type="gemma3_text", rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                                                         "full_attention": {"rope_type": "default"}}),
+         "rope scaling 'linear' on sliding layers"),
+        (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]), "model family 'gemma3'"),
+        (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
     ],
 )
 def test_what_a_family_cannot_serve_is_refused_by_name(overrides, message):
@@ -166,6 +171,10 @@ def test_what_a_family_cannot_serve_is_refused_by_name(overrides, message):
         (dict(model_type="gemma2", sliding_window=4096), 4096, (0, 2)),
         (dict(model_type="gemma2", sliding_window=4096, layer_types=["full_attention", "sliding_attention"] * 2),
          4096, (1, 3)),
+        # Gemma 3: from layer_types, or in older configs every sliding_window_pattern-th layer global.
+        (dict(model_type="gemma3_text", sliding_window=512, layer_types=["sliding_attention", "full_attention"] * 2),
+         512, (0, 2)),
+        (dict(model_type="gemma3_text", sliding_window=512, sliding_window_pattern=2), 512, (0, 2)),
     ],
 )
 def test_sliding_window_layers_follow_hf_config_rules(overrides, window, layers):
@@ -173,3 +182,20 @@ def test_sliding_window_layers_follow_hf_config_rules(overrides, window, layers)
                 max_position_embeddings=8192)
     config = ModelConfig.from_dict({**base, **overrides})
     assert (config.sliding_window, config.sliding_layers) == (window, layers)
+
+
+def test_gemma3_configs_old_and_new_give_each_layer_kind_its_rope():
+    """transformers 5 writes one rope dict per layer type; older Gemma 3 configs a global rope at the
+    top level, the local base apart and a pattern instead of layer types."""
+    base = dict(model_type="gemma3_text", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=6,
+                num_attention_heads=2, sliding_window=512, max_position_embeddings=8192)
+    new = ModelConfig.from_dict({**base, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                                 "rope_parameters": {
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}})
+    old = ModelConfig.from_dict({**base, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+                                 "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert new == old
+    assert (new.rope_theta, new.rope_scaling, new.local_rope_theta) == (1e6, {"rope_type": "linear", "factor": 8.0},
+                                                                      10000.0)
+    assert new.local_rope_layers == new.sliding_layers == (0, 1, 2, 3, 4)
