@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 # Characters in one stop string. Matching costs each token the length of its own text, but a
 # request's stop strings are still copied and indexed on the step loop's thread.
 MAX_STOP_CHARS = 1000
+# Tokens one request may bias (OpenAI's limit for logit_bias).
+MAX_LOGIT_BIAS_TOKENS = 300
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,14 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest; 0 means off
+    # OpenAI's penalties on the tokens generated so far: minus presence once a token has appeared,
+    # minus frequency for each time it has. vLLM's repetition penalty (as HF's) over prompt and
+    # output: a seen token's logit divided by it when positive, multiplied when negative.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -41,6 +51,16 @@ class SamplingParams:
             raise ValueError("top_k must be non-negative")
         if self.n < 1:
             raise ValueError("n must be at least 1")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError("repetition_penalty must be in (0, 2]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):

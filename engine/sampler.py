@@ -1,4 +1,4 @@
-"""Per-request sampling of the step's logits: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Per-request sampling of the step's logits: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Each request owns a torch.Generator, so a seeded request draws the same
 tokens whatever else shares its batch. Greedy rows are taken in one batched
@@ -62,6 +62,8 @@ def _filtered_probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.T
         drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, sorted_ids, sorted_probs)
+    if params.min_p > 0:  # _draw needs no renormalising: it scales its uniform by the total
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs
 
 

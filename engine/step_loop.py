@@ -25,6 +25,7 @@ import torch
 
 from engine.events import EngineEvent, Listener, step_event
 from engine.grammar import mask_logits
+from engine.logit_adjustments import adjust_logits_, adjusts_logits
 from engine.in_flight import InFlight, Outgoing
 from engine.inbox import AbortRequest, AddRequest, Inbox, Message, UnregisterAdapter
 from engine.runner import ModelRunner
@@ -180,8 +181,12 @@ class StepLoop:
                 lora_batch = self.lora_pool.batch_for([(c.seq.adapter, c.num_tokens) for c in plan.chunks])
             logits = self.runner.execute(plan, lora_batch, between, nested)
             states = [self.requests.get(c.seq.seq_id) for c in sampling]
+            params = [s.request.params for s in states]
+            if any(adjusts_logits(p) for p in params):
+                adjust_logits_(logits, params, [s.seq.prompt_token_ids for s in states],
+                               [s.seq.output_token_ids for s in states])
             mask_logits(logits, [s.grammar for s in states])
-            sampled = sample(logits, [s.request.params for s in states], [s.generator for s in states])
+            sampled = sample(logits, params, [s.generator for s in states])
         except Exception as exc:  # a bad step must not take the loop down
             log.exception("engine step failed")
             self._account_step(plan, started_at, self._stop(timer, under_way))

@@ -55,5 +55,7 @@ class RequestLimits:
                 f"{request.tier} request can hold in this server's KV cache", "max_tokens")
         if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= self.vocab_size:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if any(not 0 <= token < self.vocab_size for token, _ in request.params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
         if request.adapter is not None and request.adapter not in adapters:
             raise InvalidRequest(f"unknown adapter {request.adapter!r}", "model")

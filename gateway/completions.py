@@ -104,9 +104,9 @@ async def _generate(request: Request, kind: str) -> Response:
         prompt = await gw.prompts.token_ids(req)
         max_tokens = req.max_tokens or default_max_tokens(len(prompt), gw.engine.max_model_len,
                                                           gw.settings.default_max_tokens)
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                seed=req.seed, stop=req.stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
-                                grammar=req.grammar, n=req.n)
+        # Sampling's fields carry SamplingParams' own names.
+        params = SamplingParams(max_tokens=max_tokens, **vars(req.sampling), stop=req.stop, logprobs=req.logprobs,
+                                ignore_eos=req.ignore_eos, grammar=req.grammar, n=req.n)
         engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
                                        tenant_weight=tenant.weight)
         check_request(gw.engine, engine_request, req.max_tokens is not None)
@@ -126,7 +126,7 @@ async def _generate(request: Request, kind: str) -> Response:
     trace = gw.tracing.start_request(
         request_id=request_id, operation="chat" if kind == "chat" else "text_completion", model=req.model,
         tenant=tenant.tenant, tier=tenant.tier, adapter=adapter, max_tokens=max_tokens,
-        temperature=req.temperature, top_p=req.top_p, stream=req.stream, headers=request.headers,
+        temperature=req.sampling.temperature, top_p=req.sampling.top_p, stream=req.stream, headers=request.headers,
     )
     with request_context(request_id, tenant=tenant.tenant, tier=tenant.tier, trace_id=trace.trace_id):
         # Built before the engine has the request: from then on this thread holds the GIL the

@@ -10,7 +10,6 @@ is never answered as if part of it had not been asked.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +18,9 @@ from typing import Any
 from engine.grammar import GrammarSpec
 from engine.request import MAX_STOP_CHARS
 from gateway.errors import APIError, invalid_param
+from gateway.json_fields import bool_field, int_field, is_int, optional, str_field
 from gateway.response_format import parse_response_format
+from gateway.sampling import SAMPLING_FIELDS, Sampling, parse_sampling
 from gateway.tools import ToolRequest, parse_tools
 
 MAX_STOP_SEQUENCES = 4
@@ -46,9 +47,7 @@ class GenerationRequest:
     messages: tuple[Message, ...] = ()
     prompt: str | tuple[int, ...] = ""
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: Sampling = Sampling()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k: the chosen token plus k alternatives
     user: str | None = None
@@ -99,67 +98,8 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    if isinstance(v, float):
-        return math.isfinite(v)
-    return _is_int(v)  # not math.isfinite: an int past float's range raises there
-
-
-def _optional(body: dict, name: str) -> Any:
-    """A field's value, treating JSON null like an absent field (OpenAI's clients send nulls)."""
-    return body.get(name)
-
-
-def _int_field(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
-    v = _optional(body, name)
-    if v is None:
-        return None
-    if not _is_int(v):
-        raise invalid_param(name, f"Invalid type for '{name}': expected an integer, but got {type(v).__name__}.",
-                            "invalid_type")
-    if v < lo or (hi is not None and v > hi):
-        bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
-        raise invalid_param(name, f"Invalid value for '{name}': {v}; it must be {bound}.", "invalid_value")
-    return v
-
-
-def _float_field(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = _optional(body, name)
-    if v is None:
-        return default
-    if not _is_number(v):
-        raise invalid_param(name, f"Invalid type for '{name}': expected a number, but got {type(v).__name__}.",
-                            "invalid_type")
-    if v > hi or v < lo or (lo_open and v == lo):
-        interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise invalid_param(name, f"Invalid value for '{name}': {v}; it must be in {interval}.", "invalid_value")
-    return float(v)
-
-
-def _bool_field(body: dict, name: str) -> bool:
-    v = _optional(body, name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise invalid_param(name, f"Invalid type for '{name}': expected a boolean, but got {type(v).__name__}.",
-                            "invalid_type")
-    return v
-
-
-def _str_field(body: dict, name: str) -> str | None:
-    v = _optional(body, name)
-    if v is not None and not isinstance(v, str):
-        raise invalid_param(name, f"Invalid type for '{name}': expected a string, but got {type(v).__name__}.",
-                            "invalid_type")
-    return v
-
-
 def _stop(body: dict) -> tuple[str, ...]:
-    v = _optional(body, "stop")
+    v = optional(body, "stop")
     if v is None:
         return ()
     if isinstance(v, str):
@@ -178,9 +118,9 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 _SERVED_BY_BOTH = frozenset({
-    "model", "n", "best_of", "stream", "stream_options", "seed", "temperature", "top_p", "stop", "user",
+    "model", "n", "best_of", "stream", "stream_options", "stop", "user",
     "max_tokens", "max_completion_tokens", "logprobs", "response_format", "ignore_eos",
-})
+}) | SAMPLING_FIELDS
 _SERVED = {
     "chat": _SERVED_BY_BOTH | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"},
     "completion": _SERVED_BY_BOTH | {"prompt", "suffix", "echo", "tools", "tool_choice"},
@@ -189,9 +129,6 @@ _SERVED = {
 _NO_EFFECT = frozenset({"metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
 # Known OpenAI arguments we do not serve; each is accepted only as null or as its no-op value.
 _UNSERVED_NO_OP: dict[str, Callable[[Any], bool]] = {
-    "frequency_penalty": lambda v: _is_number(v) and v == 0,
-    "presence_penalty": lambda v: _is_number(v) and v == 0,
-    "logit_bias": lambda v: v == {},
     "store": lambda v: v is False,
     "modalities": lambda v: v == ["text"],
     **{name: lambda v: False for name in ("functions", "function_call", "audio", "prediction",
@@ -212,18 +149,18 @@ def _refuse_unserved(body: dict, kind: str) -> None:
 
 
 def _common(body: dict) -> dict[str, Any]:
-    model = _optional(body, "model")
+    model = optional(body, "model")
     if model is None:
         raise invalid_param("model", "You must provide a model parameter.", "missing_required_parameter")
     if not isinstance(model, str) or not model:
         raise invalid_param("model", "Invalid type for 'model': expected a non-empty string.", "invalid_type")
-    n = _int_field(body, "n", 1, MAX_CHOICES)
-    if _int_field(body, "best_of", 1) not in (None, 1):
+    n = int_field(body, "n", 1, MAX_CHOICES)
+    if int_field(body, "best_of", 1) not in (None, 1):
         raise invalid_param("best_of", "Invalid value for 'best_of': best_of is not supported (ranking choices by "
                             "log probability); ask for several choices with 'n' instead.", "invalid_value")
-    stream = _bool_field(body, "stream")
+    stream = bool_field(body, "stream")
     include_usage = False
-    options = _optional(body, "stream_options")
+    options = optional(body, "stream_options")
     if options is not None:
         if not isinstance(options, dict):
             raise invalid_param("stream_options", "Invalid type for 'stream_options': expected an object.",
@@ -231,24 +168,16 @@ def _common(body: dict) -> dict[str, Any]:
         if not stream:
             raise invalid_param("stream_options", "The 'stream_options' parameter is only allowed when 'stream' "
                                 "is enabled.", "invalid_value")
-        include_usage = _bool_field(options, "include_usage")
-    seed = _optional(body, "seed")
-    if seed is not None and not _is_int(seed):
-        raise invalid_param("seed", "Invalid type for 'seed': expected an integer.", "invalid_type")
-    if seed is not None and not -(2**63) <= seed < 2**63:
-        raise invalid_param("seed", "Invalid value for 'seed': it must fit in a signed 64-bit integer.",
-                            "invalid_value")
+        include_usage = bool_field(options, "include_usage")
     return dict(
         model=model,
         n=n or 1,
-        temperature=_float_field(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_float_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        seed=seed,
+        sampling=parse_sampling(body),
         stop=_stop(body),
-        user=_str_field(body, "user"),
+        user=str_field(body, "user"),
         stream=stream,
         include_usage=include_usage,
-        ignore_eos=_bool_field(body, "ignore_eos"),
+        ignore_eos=bool_field(body, "ignore_eos"),
     )
 
 
@@ -271,7 +200,7 @@ def _message_content(i: int, content: Any) -> str:
 
 
 def _messages(body: dict) -> tuple[Message, ...]:
-    raw = _optional(body, "messages")
+    raw = optional(body, "messages")
     if raw is None:
         raise invalid_param("messages", "Missing required parameter: 'messages'.", "missing_required_parameter")
     if not isinstance(raw, list):
@@ -322,16 +251,16 @@ def _tool_call_id(i: int, message: dict) -> str:
 
 
 def _max_tokens(body: dict) -> int | None:
-    by_new_name = _int_field(body, "max_completion_tokens", 1)
-    return by_new_name if by_new_name is not None else _int_field(body, "max_tokens", 1)
+    by_new_name = int_field(body, "max_completion_tokens", 1)
+    return by_new_name if by_new_name is not None else int_field(body, "max_tokens", 1)
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     _refuse_unserved(body, "chat")
     common = _common(body)
     messages = _messages(body)
-    logprobs = _bool_field(body, "logprobs")
-    top = _int_field(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
+    logprobs = bool_field(body, "logprobs")
+    top = int_field(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise invalid_param("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.", "invalid_value")
     tools = parse_tools(body)
@@ -351,12 +280,12 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
 
 
 def _prompt(body: dict) -> str | tuple[int, ...]:
-    raw = _optional(body, "prompt")
+    raw = optional(body, "prompt")
     if raw is None:
         raise invalid_param("prompt", "Missing required parameter: 'prompt'.", "missing_required_parameter")
     if isinstance(raw, str):
         return raw
-    if isinstance(raw, list) and raw and all(_is_int(t) and t >= 0 for t in raw):
+    if isinstance(raw, list) and raw and all(is_int(t) and t >= 0 for t in raw):
         return tuple(raw)
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
         return raw[0]
@@ -370,18 +299,18 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     _refuse_unserved(body, "completion")
     common = _common(body)
-    if _optional(body, "suffix") is not None:
+    if optional(body, "suffix") is not None:
         raise invalid_param("suffix", "The 'suffix' parameter is not supported.", "invalid_value")
-    if _bool_field(body, "echo"):
+    if bool_field(body, "echo"):
         raise invalid_param("echo", "The 'echo' parameter is not supported.", "invalid_value")
     for name in ("tools", "tool_choice"):
-        if _optional(body, name) is not None:
+        if optional(body, name) is not None:
             raise invalid_param(name, f"'{name}' is only supported on /v1/chat/completions.", "invalid_value")
     return GenerationRequest(
         kind="completion",
         grammar=parse_response_format(body),
         prompt=_prompt(body),
         max_tokens=_max_tokens(body),
-        logprobs=_int_field(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS),
+        logprobs=int_field(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS),
         **common,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import APIError
+from gateway.sampling import Sampling
 from gateway.schemas import parse_chat, parse_completion, parse_json_body
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -19,7 +20,7 @@ def error_of(fn, body) -> APIError:
 
 def test_minimal_chat_parses_with_openai_defaults():
     r = parse_chat(CHAT)
-    assert (r.kind, r.model, r.temperature, r.top_p, r.max_tokens, r.logprobs, r.stream) == (
+    assert (r.kind, r.model, r.sampling.temperature, r.sampling.top_p, r.max_tokens, r.logprobs, r.stream) == (
         "chat", "m", 1.0, 1.0, None, None, False)
     assert r.messages[0].content == "hi"
 
@@ -28,7 +29,7 @@ def test_content_parts_are_joined_and_nulls_mean_absent():
     r = parse_chat({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                         {"type": "text", "text": "b"}]}],
                     "temperature": None, "max_tokens": None})
-    assert r.messages[0].content == "ab" and r.temperature == 1.0
+    assert r.messages[0].content == "ab" and r.sampling.temperature == 1.0
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
@@ -112,9 +113,8 @@ def test_ignore_eos_is_accepted_as_vllms_extension_and_must_be_a_boolean():
 
 @pytest.mark.parametrize("parse, base", [(parse_chat, CHAT), (parse_completion, COMPLETION)], ids=["chat", "completion"])
 @pytest.mark.parametrize("name, value", [
-    ("frequency_penalty", 0.5), ("presence_penalty", -1), ("logit_bias", {"50256": -100}),
-    ("functions", [{"name": "f"}]), ("reasoning_effort", "high"), ("store", True), ("top_k", 5),
-    ("repetition_penalty", 1.1),
+    ("functions", [{"name": "f"}]), ("reasoning_effort", "high"), ("store", True), ("mirostat", 2),
+    ("typical_p", 0.9),
 ])
 def test_an_argument_we_do_not_serve_is_400_naming_it(parse, base, name, value):
     with pytest.raises(APIError) as e:
@@ -124,8 +124,26 @@ def test_an_argument_we_do_not_serve_is_400_naming_it(parse, base, name, value):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("frequency_penalty", 0), ("presence_penalty", 0.0), ("logit_bias", {}), ("logit_bias", None),
     ("store", False), ("modalities", ["text"]), ("metadata", {"k": "v"}), ("service_tier", "auto"),
 ])
 def test_an_unserved_argument_at_its_no_op_value_is_accepted(name, value):
     assert parse_chat({**CHAT, name: value}).model == CHAT["model"]
+
+
+@pytest.mark.parametrize("parse, base", [(parse_chat, CHAT), (parse_completion, COMPLETION)], ids=["chat", "completion"])
+def test_openai_penalties_logit_bias_and_vllms_sampling_extensions_are_read(parse, base):
+    sampling = parse({**base, "frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"7": -100, "12": 2.5},
+                      "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "seed": 3}).sampling
+    assert sampling == Sampling(top_k=5, min_p=0.1, presence_penalty=-1.0, frequency_penalty=0.5,
+                                repetition_penalty=1.2, logit_bias=((7, -100.0), (12, 2.5)), seed=3)
+    assert parse({**base, "top_k": -1, "logit_bias": None}).sampling == Sampling()  # vLLM's "off"
+
+
+@pytest.mark.parametrize("name, value", [
+    ("frequency_penalty", 2.5), ("presence_penalty", "1"), ("logit_bias", {"a": 1}), ("logit_bias", {"-3": 1}),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"5": "x"}), ("logit_bias", [5]),
+    ("logit_bias", {str(i): 1 for i in range(301)}), ("top_k", -2), ("top_k", 1.5), ("min_p", 1.5),
+    ("repetition_penalty", 0), ("repetition_penalty", 3),
+])
+def test_a_sampling_knob_out_of_range_is_400_naming_it(name, value):
+    assert error_of(parse_chat, {**CHAT, name: value}).param == name
