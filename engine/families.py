@@ -71,11 +71,17 @@ class Family:
     rope_aliases: dict[str, str] = field(default_factory=dict)
     # The sliding layers rotate with a RoPE base of their own, the global ones with the scaled one (Gemma 3).
     local_rope: bool = False
+    # Some layers take no position embedding at all (SmolLM3's NoPE layers).
+    nope_layers: bool = False
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama 1-3.x"),
     "mistral": Family("Mistral"),
+    # Llama with scalar multipliers on embeddings, residual branches, attention scores and logits (ModelConfig).
+    "granite": Family("Granite 3.x"),
+    # Llama with every few layers free of RoPE; windows, when on, as Qwen's.
+    "smollm3": Family("SmolLM3", window_layers="layer_types", window_flag=True, nope_layers=True),
     "qwen2": Family(
         "Qwen2 / Qwen2.5",
         weights={**LLAMA_WEIGHTS, **{f"self_attn.{p}_proj.bias": ("qkv_bias", p) for p in "qkv"}},

@@ -91,6 +91,7 @@ class DecoderModel(nn.Module):
         self.local_rope = None if cfg.local_rope_theta is None else Rope(
             replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None), device)
         self.local_rope_layers = frozenset(cfg.local_rope_layers)
+        self.nope_layers = frozenset(cfg.nope_layers)
         q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self._slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
         scale = cfg.attn_scale or cfg.head_dim**-0.5
@@ -243,6 +244,9 @@ class DecoderModel(nn.Module):
         h = F.embedding(input_ids, self.embed)
         if family.embed_scale:
             h = h * torch.tensor(cfg.hidden_size**0.5, dtype=h.dtype)
+        if cfg.embedding_multiplier != 1.0:
+            h = h * cfg.embedding_multiplier
+        residual_multiplier = cfg.residual_multiplier
         x = rms_norm(h, self.layers[0].input_norm, eps, fused)
         for i, layer in enumerate(self.layers):
             qkv = linear(x, layer.qkv)
@@ -254,14 +258,17 @@ class DecoderModel(nn.Module):
             if family.qk_norm:
                 qk[:, :heads] = F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps)
                 qk[:, heads:] = F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)
-            cos, sin = local_tables if i in self.local_rope_layers else tables
-            apply_rope_(qk if rotary_dim is None else qk[..., :rotary_dim], cos, sin, fused)
+            if i not in self.nope_layers:
+                cos, sin = local_tables if i in self.local_rope_layers else tables
+                apply_rope_(qk if rotary_dim is None else qk[..., :rotary_dim], cos, sin, fused)
             q = qkv[:, :q_size].view(tokens, heads, head_dim)
             kv = qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim)
             attn = paged_attention(q, kv, kv_cache.layers[i], meta, self.attention[i])
             o = linear(attn, layer.o)
             if lora is not None:
                 lora.apply(i, "o", attn, o)
+            if residual_multiplier != 1.0:
+                o.mul_(residual_multiplier)
             if family.sandwich_norms:
                 o = rms_norm(o, layer.attn_out_norm, eps, fused)
             x = add_rms_norm_(h, o, layer.post_norm, eps, fused)
@@ -275,6 +282,8 @@ class DecoderModel(nn.Module):
             down = linear(act, layer.down)
             if lora is not None:
                 lora.apply(i, "down", act, down)
+            if residual_multiplier != 1.0:
+                down.mul_(residual_multiplier)
             if family.sandwich_norms:
                 down = rms_norm(down, layer.mlp_out_norm, eps, fused)
             if i < last:  # the residual add and the next layer's input norm in one pass
@@ -289,6 +298,8 @@ class DecoderModel(nn.Module):
             logits = linear(h, self.head).float()
         else:
             logits = F.linear(h, self.lm_head).float()
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
         if cfg.final_logit_softcap is not None:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
         return logits

@@ -50,6 +50,13 @@ class ModelConfig:
     # Gemma 3: the layers (its sliding ones) whose plain RoPE has a base of its own.
     local_rope_theta: float | None = None
     local_rope_layers: tuple[int, ...] = ()
+    # SmolLM3: layers without any position embedding (NoPE).
+    nope_layers: tuple[int, ...] = ()
+    # Granite: embeddings times embedding_multiplier, each attention and MLP output times
+    # residual_multiplier before it joins the residual stream, logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @property
     def family(self) -> Family:
@@ -125,10 +132,14 @@ class ModelConfig:
             **_windows(cfg, family),
             attn_logit_softcap=cfg.get("attn_logit_softcapping"),
             final_logit_softcap=cfg.get("final_logit_softcapping"),
-            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
+            attn_scale=_attn_scale(cfg),
             partial_rotary_factor=partial,
             local_rope_theta=local_theta,
             local_rope_layers=local_layers,
+            nope_layers=_nope_layers(cfg, family),
+            embedding_multiplier=float(cfg.get("embedding_multiplier") or 1.0),
+            residual_multiplier=float(cfg.get("residual_multiplier") or 1.0),
+            logits_scaling=float(cfg.get("logits_scaling") or 1.0),
         )
 
     @classmethod
@@ -168,6 +179,27 @@ def _check_rope(cfg: dict[str, Any], family: Family, rope_type: str, rope: dict[
         factors = rope.get(key)
         if not isinstance(factors, list) or len(factors) != pairs:
             raise ValueError(f"longrope scaling needs a {key} list of {pairs} numbers (rotary dimensions / 2)")
+
+
+def _attn_scale(cfg: dict[str, Any]) -> float | None:
+    """The softmax scale where a config sets it: Gemma's query_pre_attn_scalar, Granite's attention_multiplier."""
+    if cfg.get("attention_multiplier"):
+        return float(cfg["attention_multiplier"])
+    if cfg.get("query_pre_attn_scalar"):
+        return float(cfg["query_pre_attn_scalar"]) ** -0.5
+    return None
+
+
+def _nope_layers(cfg: dict[str, Any], family: Family) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: rotate, 0: not), or every
+    ``no_rope_layer_interval``-th layer."""
+    if not family.nope_layers:
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(cfg["num_hidden_layers"])]
+    return tuple(i for i, rotates in enumerate(flags) if not rotates)
 
 
 def _text_model(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -31,6 +33,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from engine.config import EngineConfig
@@ -97,6 +101,13 @@ TINY_CONFIGS = {
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5, query_pre_attn_scalar=24,
              attn_logit_softcapping=2.0, final_logit_softcapping=8.0),
     ),
+    # Multipliers far from 1, so a missing one shows in the logits.
+    "granite": (GraniteConfig, GraniteForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=3.0,
+                                                       residual_multiplier=0.5, attention_multiplier=0.1,
+                                                       logits_scaling=2.0)),
+    # The middle layer takes no RoPE and has the window (as SmolLM3's configs derive it).
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, no_rope_layer_interval=2,
+                                                       use_sliding_window=True, sliding_window=5)),
     # A global layer between two sliding ones; the sliding layers' RoPE base far from the global
     # one's (which is also scaled), so a layer given the other's tables shows.
     "gemma3": (

@@ -22,7 +22,7 @@ from tests.lora_pool.conftest import ALL_TARGETS, save_random_lora
 
 BLOCK_SIZE = 4
 # phi4_mini: Phi-3's architecture with partial rotary and LongRoPE (engine/rope.py), here in its short regime.
-FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3"]
+FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3"]
 # Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters target the fused modules.
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
@@ -199,3 +199,16 @@ def test_gemma3_configs_old_and_new_give_each_layer_kind_its_rope():
     assert (new.rope_theta, new.rope_scaling, new.local_rope_theta) == (1e6, {"rope_type": "linear", "factor": 8.0},
                                                                       10000.0)
     assert new.local_rope_layers == new.sliding_layers == (0, 1, 2, 3, 4)
+
+
+def test_smollm3s_nope_layers_and_granites_multipliers_are_read_from_their_configs():
+    base = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=8, num_attention_heads=2)
+    assert ModelConfig.from_dict({**base, "model_type": "smollm3"}).nope_layers == (3, 7)  # every 4th by default
+    assert ModelConfig.from_dict({**base, "model_type": "smollm3", "no_rope_layers": [1, 0] * 4}).nope_layers == (
+        1, 3, 5, 7)
+    assert ModelConfig.from_dict({**base, "model_type": "llama", "no_rope_layers": [0] * 8}).nope_layers == ()
+    granite = ModelConfig.from_dict({**base, "model_type": "granite", "embedding_multiplier": 12.0,
+                                     "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+                                     "logits_scaling": 8.0})
+    assert (granite.embedding_multiplier, granite.residual_multiplier, granite.attn_scale, granite.logits_scaling) == (
+        12.0, 0.22, 0.0078125, 8.0)
