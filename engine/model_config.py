@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.families import ACTIVATIONS, FAMILIES, Family, family_for
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class ModelConfig:
 def _check_rope(cfg: dict[str, Any], family: Family, rope_type: str, rope: dict[str, Any], head_dim: int,
                 partial: float) -> None:
     """Refuse a rotary embedding the family's HF model would compute otherwise than we do; complete
-    LongRoPE's parameters in ``rope`` with the original context length."""
+    LongRoPE's and YaRN's parameters in ``rope`` with the original context length."""
     if partial != 1.0:
         if not family.partial_rotary:
             served = ", ".join(f.name for f in FAMILIES.values() if f.partial_rotary)
@@ -164,6 +164,11 @@ def _check_rope(cfg: dict[str, Any], family: Family, rope_type: str, rope: dict[
                              f"dimensions of the head ({head_dim})")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "yarn":  # as HF: the top-level original length wins, else the scaling's, else the context
+        rope["original_max_position_embeddings"] = int(cfg.get("original_max_position_embeddings")
+                                                       or rope.get("original_max_position_embeddings")
+                                                       or cfg.get("max_position_embeddings", 2048))
+        return
     if rope_type != "longrope":
         return
     if not family.longrope:

@@ -32,6 +32,8 @@ def rope_inv_freq(cfg: ModelConfig, long: bool = False) -> torch.Tensor:
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * cfg.rope_theta**exponents)
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, cfg, scaling)
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
@@ -47,14 +49,44 @@ def rope_inv_freq(cfg: ModelConfig, long: bool = False) -> torch.Tensor:
     return inv_freq
 
 
+def _yarn_factor(cfg: ModelConfig, scaling: dict) -> float:
+    # Without a factor (DeepSeek-V3's configs) HF takes the context ratio.
+    return scaling.get("factor") or cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig, scaling: dict) -> torch.Tensor:
+    """YaRN (HF's ``_compute_yarn_parameters``): frequencies that turn fewer than ``beta_slow`` times
+    over the original context are interpolated (divided by the factor), those that turn more than
+    ``beta_fast`` times kept, with a linear ramp over the dimensions between."""
+    dim, base = cfg.rotary_dim, cfg.rope_theta
+    original = scaling["original_max_position_embeddings"]
+    factor = _yarn_factor(cfg, scaling)
+
+    def dimension_turning(turns: float) -> float:
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_turning(scaling.get("beta_fast") or 32), dimension_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return inv_freq / factor * (1 - kept) + inv_freq * kept
+
+
 def rope_attention_factor(cfg: ModelConfig) -> float:
-    """LongRoPE's scale of cos and sin (HF's ``_compute_longrope_parameters``), 1 for other scalings.
+    """LongRoPE's and YaRN's scale of cos and sin (HF's ``_compute_longrope_parameters``; YaRN's
+    below), 1 for other scalings.
 
     Given as ``attention_factor``, else from ``factor``, itself defaulting to
     ``max_position_embeddings / original_max_position_embeddings``: ``sqrt(1 + ln f / ln original)``
     above 1, else 1. Both frequency sets use it, short sequences included.
     """
     scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "yarn":
+        return _yarn_attention_factor(cfg, scaling)
     if scaling.get("rope_type") != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -110,3 +142,19 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bo
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     x.mul_(cos).addcmul_(swapped, sin)
+
+
+def _yarn_attention_factor(cfg: ModelConfig, scaling: dict) -> float:
+    """YaRN's scale of cos and sin: given, or ``0.1 ln(factor) + 1`` (with DeepSeek's ``mscale`` and
+    ``mscale_all_dim``, the ratio of two such terms)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(cfg, scaling)
+
+    def mscale(weight: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale()
+

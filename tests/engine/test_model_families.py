@@ -139,7 +139,7 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] 
         (dict(model_type="phi3", partial_rotary_factor=0.7), "rotate an even number"),
         (dict(model_type="qwen3", attention_bias=True), "Qwen3 configs with attention_bias"),
         (dict(model_type="gemma2", hidden_activation="gelu"), "unsupported hidden_activation 'gelu'"),
-        (dict(model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope scaling 'yarn'"),
+        (dict(model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "unsupported rope scaling 'dynamic'"),
         # Llama's HF model keeps the keys it cached under the short factors: not the rule we serve.
         (dict(model_type="llama", rope_scaling=LONGROPE), "longrope scaling is not supported for Llama.*Phi-3"),
         (dict(model_type="phi3", rope_scaling=LONGROPE), "needs original_max_position_embeddings"),

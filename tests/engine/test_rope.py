@@ -1,5 +1,5 @@
-"""LongRoPE and partial rotary as HF computes them: the frequencies of both factor sets, the default
-attention factor, and which configs turn them on."""
+"""LongRoPE, YaRN and partial rotary as HF computes them: the frequencies (both of LongRoPE's factor
+sets), the attention factors given or derived, and which configs turn them on."""
 
 from __future__ import annotations
 
@@ -7,11 +7,16 @@ import math
 
 import pytest
 import torch
-from transformers import Phi3Config
+from transformers import Phi3Config, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.rope import rope_attention_factor, rope_inv_freq
+from engine.runner import ModelRunner
+from scheduler.plan import StepPlan
+from scheduler.sequence import Sequence
+from tests.engine.conftest import BlockPool, HFReference, build_tiny_model, chunk
 
 SHORT = [1.0 + 0.1 * i for i in range(6)]
 LONG = [2.0 + 0.7 * i for i in range(6)]
@@ -65,3 +70,32 @@ def test_models_without_longrope_have_one_regime():
     config = ModelConfig.from_dict(dict(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64,
                                         num_hidden_layers=1, num_attention_heads=4))
     assert config.long_context_after is None and config.rotary_dim == config.head_dim
+
+
+@pytest.mark.parametrize("scaling", [
+    {"factor": 4.0, "original_max_position_embeddings": 128},  # Qwen2.5's long-context form
+    {"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {"factor": 4.0, "original_max_position_embeddings": 128, "attention_factor": 0.9},
+    {"factor": 40.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.707},  # DeepSeek
+])
+def test_yarn_frequencies_and_attention_factor_match_hf(scaling):
+    hf = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     max_position_embeddings=2048, rope_scaling={"rope_type": "yarn", **scaling})
+    ours = ModelConfig.from_dict(hf.to_dict())
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    torch.testing.assert_close(rope_inv_freq(ours), inv_freq, rtol=1e-6, atol=0)
+    plain = 1.0 / hf.rope_parameters["rope_theta"] ** (torch.arange(0, 32, 2).float() / 32)  # head_dim 32
+    assert not torch.allclose(inv_freq, plain)  # the scaling changes some frequencies
+    assert rope_attention_factor(ours) == pytest.approx(attention_factor, rel=1e-12)
+
+
+def test_a_yarn_checkpoint_gives_hfs_logits(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "yarn", "qwen2", use_sliding_window=False, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16})
+    loaded = load_model(str(model_dir))
+    assert loaded.model_config.rope_scaling["rope_type"] == "yarn"
+    runner = ModelRunner(loaded, num_blocks=16, block_size=4)
+    seq = Sequence("a", list(range(5, 35)))  # past the original context
+    plan = StepPlan([chunk(seq, 0, seq.num_tokens, BlockPool(16), 4)])
+    expected = HFReference(model_dir).logits(seq.all_token_ids)
+    assert (runner.execute(plan)[0] - expected).abs().max().item() < 1e-3
