@@ -21,27 +21,29 @@ def adjusts_logits(params: SamplingParams) -> bool:
 
 
 @torch.inference_mode()  # the runner's logits are inference tensors
-def adjust_logits_(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
-                   outputs: Sequence[Sequence[int]]) -> None:
+def adjust_logits_(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   prompts: Sequence[torch.Tensor | None], outputs: Sequence[Sequence[int]]) -> None:
     """Apply each row's adjustments to ``logits`` ([rows, vocab], float32) in place.
 
-    ``prompts`` and ``outputs``: each row's prompt and generated token ids so far.
+    ``prompts``: each row's prompt token ids as a tensor (int64; read only for a repetition
+    penalty, so None for the other rows); ``outputs``: each row's generated token ids so far.
     """
-    vocab = logits.shape[-1]
+    device = logits.device
     for row, p in enumerate(params):
         if not adjusts_logits(p):
             continue
         row_logits = logits[row]
+        # Each adjustment gathers and scatters the tokens it concerns only: a full-vocabulary pass per
+        # row would let one tenant's penalised requests slow every step they share.
         if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[torch.tensor([*prompts[row], *outputs[row]], dtype=torch.long, device=logits.device)] = True
-            scores = row_logits[seen]
+            seen = torch.cat((prompts[row], torch.tensor(outputs[row], dtype=torch.long))).to(device)
+            scores = row_logits[seen]  # a token seen twice is written twice with the same value
             row_logits[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and outputs[row]:
-            counts = torch.bincount(torch.tensor(outputs[row], dtype=torch.long), minlength=vocab)[:vocab]
-            counts = counts.to(device=logits.device, dtype=logits.dtype)
-            row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            tokens, counts = torch.unique(torch.tensor(outputs[row], dtype=torch.long), return_counts=True)
+            penalty = p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+            row_logits.index_add_(0, tokens.to(device), -penalty.to(device))
         if p.logit_bias:
-            ids = torch.tensor([token for token, _ in p.logit_bias], dtype=torch.long, device=logits.device)
-            biases = torch.tensor([bias for _, bias in p.logit_bias], dtype=logits.dtype, device=logits.device)
+            ids = torch.tensor([token for token, _ in p.logit_bias], dtype=torch.long, device=device)
+            biases = torch.tensor([bias for _, bias in p.logit_bias], dtype=logits.dtype, device=device)
             row_logits.index_add_(0, ids, biases)  # adds up a token named twice ("7" and "07")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,11 @@ class RequestState:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @functools.cached_property
+    def prompt_ids(self) -> torch.Tensor:
+        """The prompt's token ids as a tensor, built once: a repetition penalty reads them every step."""
+        return torch.tensor(self.seq.prompt_token_ids, dtype=torch.long)
 
     def on_token(self, sampled: SampledToken, tokenizer: TextTokenizer, max_model_len: int) -> Delta:
         """Account one sampled token (already appended to the sequence) and build its delta."""

@@ -183,7 +183,8 @@ class StepLoop:
             states = [self.requests.get(c.seq.seq_id) for c in sampling]
             params = [s.request.params for s in states]
             if any(adjusts_logits(p) for p in params):
-                adjust_logits_(logits, params, [s.seq.prompt_token_ids for s in states],
+                adjust_logits_(logits, params, [s.prompt_ids if p.repetition_penalty != 1.0 else None
+                                                for s, p in zip(states, params)],
                                [s.seq.output_token_ids for s in states])
             mask_logits(logits, [s.grammar for s in states])
             sampled = sample(logits, params, [s.generator for s in states])

@@ -22,22 +22,22 @@ def test_presence_and_frequency_penalties_follow_openais_definition_over_the_out
     logits = _logits(1)
     before = logits.clone()
     output = [3, 3, 3, 7]
-    adjust_logits_(logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [[3, 9, 9]], [output])
+    adjust_logits_(logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [None], [output])
     expected = before.clone()
     for token in set(output):  # mu[j] - count * frequency - (count > 0) * presence
         expected[0, token] -= output.count(token) * 0.25 + 0.5
-    torch.testing.assert_close(logits, expected)  # prompt tokens (9) are not penalised
+    torch.testing.assert_close(logits, expected)  # the prompt is not read
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_output_tokens():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])
-    adjust_logits_(logits, [SamplingParams(repetition_penalty=2.0)], [[0, 1]], [[1, 3]])
+    adjust_logits_(logits, [SamplingParams(repetition_penalty=2.0)], [torch.tensor([0, 1])], [[1, 3]])
     torch.testing.assert_close(logits, torch.tensor([[1.0, -4.0, 2.0, -4.0, 1.0]]))
 
 
 def test_logit_bias_adds_to_its_tokens_and_a_token_named_twice_gets_both():
     logits = torch.zeros(1, 10)
-    adjust_logits_(logits, [SamplingParams(logit_bias=((4, 100.0), (2, -5.0), (2, -1.0)))], [[1]], [[]])
+    adjust_logits_(logits, [SamplingParams(logit_bias=((4, 100.0), (2, -5.0), (2, -1.0)))], [None], [[]])
     assert logits[0, 4] == 100 and logits[0, 2] == -6 and logits[0].abs().sum() == 106
 
 
@@ -46,7 +46,7 @@ def test_one_rows_adjustments_leave_the_other_rows_of_the_batch_alone():
     before = logits.clone()
     params = [SamplingParams(), SamplingParams(repetition_penalty=1.9, presence_penalty=2.0, frequency_penalty=2.0,
                                                logit_bias=((0, 100.0),)), SamplingParams()]
-    adjust_logits_(logits, params, [[1, 2], [1, 2], [1, 2]], [[5, 5], [5, 5], [5, 5]])
+    adjust_logits_(logits, params, [None, torch.tensor([1, 2]), None], [[5, 5], [5, 5], [5, 5]])
     torch.testing.assert_close(logits[[0, 2]], before[[0, 2]])
     assert not torch.equal(logits[1], before[1])
 
