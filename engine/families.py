@@ -48,6 +48,11 @@ class Family:
     qkv_bias: bool = False
     # Each head of q and k goes through its own RMSNorm before RoPE.
     qk_norm: bool = False
+    # Instead, one RMSNorm spans all of q and one all of k (OLMo 2).
+    qk_norm_full: bool = False
+    # Attention and MLP read the residual stream through a norm; without (OLMo 2) they read it as
+    # it is, and only their outputs are normed (sandwich_norms).
+    pre_norms: bool = True
     # RMSNorm scales by (offset + w); folded into the weights at load, so the forward is unchanged.
     norm_offset: float = 0.0
     # Embeddings are multiplied by sqrt(hidden_size).
@@ -109,6 +114,17 @@ FAMILIES: dict[str, Family] = {
         weights=GEMMA_WEIGHTS,
         norm_offset=1.0, embed_scale=True, sandwich_norms=True, activation_key="hidden_activation",
         window_layers="alternate",
+    ),
+    # Norms after attention and MLP only, none before; q and k each normed whole.
+    "olmo2": Family(
+        "OLMo 2",
+        weights={
+            **{k: v for k, v in LLAMA_WEIGHTS.items() if "layernorm" not in k},
+            **QK_NORM_WEIGHTS,
+            "post_attention_layernorm.weight": ("attn_out_norm", None),
+            "post_feedforward_layernorm.weight": ("mlp_out_norm", None),
+        },
+        qk_norm_full=True, pre_norms=False, sandwich_norms=True,
     ),
     # Gemma 2's layer, with q/k norms instead of soft-caps, a global layer every few, each kind its own RoPE.
     "gemma3_text": Family(

@@ -49,9 +49,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
         h, qkv, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
+        full = cfg.family.qk_norm_full
+        q_norm, k_norm = (cfg.q_size, cfg.kv_size) if full else (cfg.head_dim, cfg.head_dim)
         shapes = {
-            "input_norm": (h,), "qkv": (h, qkv), "qkv_bias": (qkv,), "q_norm": (cfg.head_dim,),
-            "k_norm": (cfg.head_dim,), "o": (cfg.q_size, h), "attn_out_norm": (h,), "post_norm": (h,),
+            "input_norm": (h,), "qkv": (h, qkv), "qkv_bias": (qkv,), "q_norm": (q_norm,), "k_norm": (k_norm,),
+            "o": (cfg.q_size, h), "attn_out_norm": (h,), "post_norm": (h,),
             "gate_up": (h, 2 * inter), "down": (inter, h), "mlp_out_norm": (h,),
         }  # fmt: skip
         used = {param for param, _ in cfg.family.weights.values()}
@@ -247,7 +249,8 @@ class DecoderModel(nn.Module):
         if cfg.embedding_multiplier != 1.0:
             h = h * cfg.embedding_multiplier
         residual_multiplier = cfg.residual_multiplier
-        x = rms_norm(h, self.layers[0].input_norm, eps, fused)
+        pre_norms = family.pre_norms
+        x = rms_norm(h, self.layers[0].input_norm, eps, fused) if pre_norms else h
         for i, layer in enumerate(self.layers):
             qkv = linear(x, layer.qkv)
             if family.qkv_bias:
@@ -258,6 +261,9 @@ class DecoderModel(nn.Module):
             if family.qk_norm:
                 qk[:, :heads] = F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps)
                 qk[:, heads:] = F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)
+            elif family.qk_norm_full:
+                qkv[:, :q_size] = F.rms_norm(qkv[:, :q_size], (q_size,), layer.q_norm, eps)
+                qkv[:, q_size:qk_size] = F.rms_norm(qkv[:, q_size:qk_size], (qk_size - q_size,), layer.k_norm, eps)
             if i not in self.nope_layers:
                 cos, sin = local_tables if i in self.local_rope_layers else tables
                 apply_rope_(qk if rotary_dim is None else qk[..., :rotary_dim], cos, sin, fused)
@@ -271,7 +277,10 @@ class DecoderModel(nn.Module):
                 o.mul_(residual_multiplier)
             if family.sandwich_norms:
                 o = rms_norm(o, layer.attn_out_norm, eps, fused)
-            x = add_rms_norm_(h, o, layer.post_norm, eps, fused)
+            if pre_norms:
+                x = add_rms_norm_(h, o, layer.post_norm, eps, fused)
+            else:  # x is h itself: read by the MLP's projections before h next changes
+                x = h.add_(o)
             gate_up = linear(x, layer.gate_up)
             if lora is not None:
                 lora.apply(i, "gate_up", x, gate_up)
@@ -286,10 +295,10 @@ class DecoderModel(nn.Module):
                 down.mul_(residual_multiplier)
             if family.sandwich_norms:
                 down = rms_norm(down, layer.mlp_out_norm, eps, fused)
-            if i < last:  # the residual add and the next layer's input norm in one pass
+            if i < last and pre_norms:  # the residual add and the next layer's input norm in one pass
                 x = add_rms_norm_(h, down, self.layers[i + 1].input_norm, eps, fused)
             else:
-                h.add_(down)
+                x = h.add_(down)
             if between_layers is not None and i < last:
                 between_layers()
 

@@ -123,10 +123,13 @@ async def _generate(request: Request, kind: str) -> Response:
     # Refusals are counted (metrics) and billed (ledger) but not traced: a span costs about as much
     # as the rest of a 429, and a flood of 429s must stay cheap to answer.
     decision = await _admit(gw, admitted, tenant)
+    sampling = req.sampling
     trace = gw.tracing.start_request(
         request_id=request_id, operation="chat" if kind == "chat" else "text_completion", model=req.model,
         tenant=tenant.tenant, tier=tenant.tier, adapter=adapter, max_tokens=max_tokens,
-        temperature=req.sampling.temperature, top_p=req.sampling.top_p, stream=req.stream, headers=request.headers,
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
+        presence_penalty=sampling.presence_penalty or None, frequency_penalty=sampling.frequency_penalty or None,
+        seed=sampling.seed, stream=req.stream, headers=request.headers,
     )
     with request_context(request_id, tenant=tenant.tenant, tier=tenant.tier, trace_id=trace.trace_id):
         # Built before the engine has the request: from then on this thread holds the GIL the

@@ -74,6 +74,10 @@ class Tracing:
         max_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
+        top_k: int | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        seed: int | None = None,
         stream: bool = False,
         headers: Mapping[str, str] | None = None,
     ) -> RequestTrace:
@@ -97,6 +101,10 @@ class Tracing:
             "gen_ai.request.max_tokens": max_tokens,
             "gen_ai.request.temperature": temperature,
             "gen_ai.request.top_p": top_p,
+            "gen_ai.request.top_k": top_k,
+            "gen_ai.request.presence_penalty": presence_penalty,
+            "gen_ai.request.frequency_penalty": frequency_penalty,
+            "gen_ai.request.seed": seed,
             "tiergate.adapter": adapter,
         }
         attributes.update({k: v for k, v in optional.items() if v is not None})

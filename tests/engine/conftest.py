@@ -23,6 +23,8 @@ from transformers import (
     Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -105,6 +107,7 @@ TINY_CONFIGS = {
     "granite": (GraniteConfig, GraniteForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=3.0,
                                                        residual_multiplier=0.5, attention_multiplier=0.1,
                                                        logits_scaling=2.0)),
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)),
     # The middle layer takes no RoPE and has the window (as SmolLM3's configs derive it).
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, no_rope_layer_interval=2,
                                                        use_sliding_window=True, sliding_window=5)),

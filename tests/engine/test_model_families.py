@@ -22,7 +22,7 @@ from tests.lora_pool.conftest import ALL_TARGETS, save_random_lora
 
 BLOCK_SIZE = 4
 # phi4_mini: Phi-3's architecture with partial rotary and LongRoPE (engine/rope.py), here in its short regime.
-FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3"]
+FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3", "olmo2"]
 # Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters target the fused modules.
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 

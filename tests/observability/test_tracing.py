@@ -32,7 +32,7 @@ def tracing(exporter) -> Tracing:
 
 def start(tracing: Tracing, request_id: str = "chatcmpl-1", **overrides):
     fields = dict(request_id=request_id, operation="chat", model="smollm2", tenant="acme", tier="premium",
-                  adapter="french", max_tokens=8, temperature=0.0, stream=True)
+                  adapter="french", max_tokens=8, temperature=0.0, top_k=40, presence_penalty=0.5, seed=7, stream=True)
     return tracing.start_request(**{**fields, **overrides})
 
 
@@ -70,6 +70,9 @@ def test_a_streamed_request_has_queue_prefill_and_decode_under_its_span(tracing,
         "gen_ai.request.stream": True,
         "gen_ai.request.max_tokens": 8,
         "gen_ai.request.temperature": 0.0,
+        "gen_ai.request.top_k": 40,
+        "gen_ai.request.presence_penalty": 0.5,
+        "gen_ai.request.seed": 7,
         "gen_ai.response.id": "chatcmpl-1",
         "gen_ai.response.model": "smollm2",
         "gen_ai.response.finish_reasons": ("stop",),
