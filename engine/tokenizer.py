@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenizers import Tokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -35,7 +37,11 @@ class TextTokenizer:
         """The token's own text (as OpenAI's logprobs show it)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, variables: Mapping[str, Any] | None = None) -> str:
+        """The conversation as the model's chat template writes it; ``variables`` are the template's
+        own (e.g. Qwen3's ``enable_thinking``), ``continue_final_message`` leaves the last
+        (assistant) message open for the model to go on with."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         # transformers' renderer: the same sandboxed Jinja environment HF uses.
@@ -43,15 +49,18 @@ class TextTokenizer:
             conversations=[messages],
             tools=tools,
             chat_template=self.chat_template,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **(variables or {}),
         )
         return rendered[0]
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> list[int]:
+        """``render_chat``'s text as token ids; ``options`` are render_chat's."""
         # The template already writes any BOS it wants; do not add another.
-        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools, **options), add_special_tokens=False)
 
     @functools.cached_property
     def max_token_chars(self) -> int:

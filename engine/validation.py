@@ -57,5 +57,7 @@ class RequestLimits:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if any(not 0 <= token < self.vocab_size for token, _ in request.params.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
+        if any(not 0 <= token < self.vocab_size for token in request.params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
         if request.adapter is not None and request.adapter not in adapters:
             raise InvalidRequest(f"unknown adapter {request.adapter!r}", "model")

@@ -105,8 +105,9 @@ async def _generate(request: Request, kind: str) -> Response:
         max_tokens = req.max_tokens or default_max_tokens(len(prompt), gw.engine.max_model_len,
                                                           gw.settings.default_max_tokens)
         # Sampling's fields carry SamplingParams' own names.
-        params = SamplingParams(max_tokens=max_tokens, **vars(req.sampling), stop=req.stop, logprobs=req.logprobs,
-                                ignore_eos=req.ignore_eos, grammar=req.grammar, n=req.n)
+        params = SamplingParams(max_tokens=max_tokens, **vars(req.sampling), stop=req.stop,
+                                stop_token_ids=req.stop_token_ids, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
+                                grammar=req.grammar, n=req.n)
         engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
                                        tenant_weight=tenant.weight)
         check_request(gw.engine, engine_request, req.max_tokens is not None)

@@ -79,7 +79,11 @@ class PromptEncoder:
         takes_tools = template_takes_tools(self.tokenizer.chat_template)
         tools = [t.openai() for t in req.tools.tools] if req.tools is not None and takes_tools else None
         try:
-            return self.tokenizer.apply_chat_template(chat_messages(req.messages, req.tools, takes_tools), tools)
+            template = req.template
+            return self.tokenizer.apply_chat_template(
+                chat_messages(req.messages, req.tools, takes_tools), tools,
+                add_generation_prompt=template.add_generation_prompt,
+                continue_final_message=template.continue_final_message, variables=template.variables)
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise invalid_param("messages", f"The messages could not be formatted for this model: {e}",
                                 "invalid_value") from None

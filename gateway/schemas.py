@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.grammar import GrammarSpec
@@ -24,6 +24,7 @@ from gateway.sampling import SAMPLING_FIELDS, Sampling, parse_sampling
 from gateway.tools import ToolRequest, parse_tools
 
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 16  # n: each choice is a sequence of its own in the KV pool
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
@@ -36,6 +37,23 @@ class Message:
     content: str
     tool_calls: tuple[dict, ...] = ()  # an assistant's calls, OpenAI-shaped
     tool_call_id: str | None = None  # a tool message's answer to that call
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """vLLM's chat-template extensions: the generation prompt, continuing the last assistant message,
+    and variables for the template (e.g. Qwen3's ``enable_thinking``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: dict[str, Any] = field(default_factory=dict)
+
+
+# Names the renderer itself takes: a template variable may not stand in for them.
+_RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "return_assistant_tokens_mask", "bos_token", "eos_token",
+})
 
 
 @dataclass(frozen=True)
@@ -57,6 +75,8 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None  # from response_format
     n: int = 1
     tools: ToolRequest | None = None
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's extension; checked against the vocabulary by the engine
+    template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -119,10 +139,11 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 _SERVED_BY_BOTH = frozenset({
     "model", "n", "best_of", "stream", "stream_options", "stop", "user",
-    "max_tokens", "max_completion_tokens", "logprobs", "response_format", "ignore_eos",
+    "max_tokens", "max_completion_tokens", "logprobs", "response_format", "ignore_eos", "stop_token_ids",
 }) | SAMPLING_FIELDS
 _SERVED = {
-    "chat": _SERVED_BY_BOTH | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"},
+    "chat": _SERVED_BY_BOTH | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                               "chat_template_kwargs", "add_generation_prompt", "continue_final_message"},
     "completion": _SERVED_BY_BOTH | {"prompt", "suffix", "echo", "tools", "tool_choice"},
 }
 # Bookkeeping fields that change nothing in the answer: accepted and not used.
@@ -178,7 +199,43 @@ def _common(body: dict) -> dict[str, Any]:
         stream=stream,
         include_usage=include_usage,
         ignore_eos=bool_field(body, "ignore_eos"),
+        stop_token_ids=_stop_token_ids(body),
     )
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    ids = optional(body, "stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(is_int(t) and t >= 0 for t in ids):
+        raise invalid_param("stop_token_ids", "Invalid type for 'stop_token_ids': expected an array of token ids.",
+                            "invalid_type")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid_param("stop_token_ids", f"Invalid value for 'stop_token_ids': at most {MAX_STOP_TOKEN_IDS} "
+                            "token ids are allowed.", "invalid_value")
+    return tuple(ids)
+
+
+def _template_options(body: dict) -> ChatTemplateOptions:
+    variables = optional(body, "chat_template_kwargs") or {}
+    if not isinstance(variables, dict):
+        raise invalid_param("chat_template_kwargs", "Invalid type for 'chat_template_kwargs': expected an object.",
+                            "invalid_type")
+    reserved = sorted(variables.keys() & _RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise invalid_param("chat_template_kwargs", f"Invalid value for 'chat_template_kwargs': {reserved[0]!r} is "
+                            "set by the server (use the request's own field where there is one).", "invalid_value")
+    options = ChatTemplateOptions(add_generation_prompt=_bool_or(body, "add_generation_prompt", True),
+                                  continue_final_message=bool_field(body, "continue_final_message"),
+                                  variables=variables)
+    if options.add_generation_prompt and options.continue_final_message:
+        raise invalid_param("continue_final_message", "'continue_final_message' requires 'add_generation_prompt' "
+                            "to be false.", "invalid_value")
+    return options
+
+
+def _bool_or(body: dict, name: str, default: bool) -> bool:
+    return bool_field(body, name) if optional(body, name) is not None else default
 
 
 def _message_content(i: int, content: Any) -> str:
@@ -275,6 +332,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         grammar=grammar if tools is None or tools.choice == "none" else tools.grammar(),
         max_tokens=_max_tokens(body),
         logprobs=(top or 0) if logprobs else None,
+        template=_template_options(body),
         **common,
     )
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+# Honours add_generation_prompt and, as Qwen3's does, an enable_thinking variable.
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
+                 "<assistant>{% if enable_thinking is defined and not enable_thinking %}<no_think>{% endif %}"
+                 "{% endif %}")
 
 BYTE_LLAMA = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,

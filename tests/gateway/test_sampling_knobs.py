@@ -35,3 +35,31 @@ def test_a_logit_bias_token_outside_the_vocabulary_is_400_naming_it_and_the_engi
     error = r.json()["error"]
     assert error["param"] == "logit_bias" and f"logit_bias token ids must be in [0, {vocab})" in error["message"]
     assert _complete(server, logit_bias={str(vocab - 1): 5}).status_code == 200
+
+
+def _chat(server, messages: list[dict], **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                      headers={"authorization": f"Bearer {server.keys['acme']}"},
+                      json={"model": server.engine.model_name, "messages": messages, "max_tokens": 1, **body})
+
+
+def test_chat_template_variables_and_continuing_the_final_message_shape_the_prompt(server):
+    """The tiny model's tokenizer spells one token a byte, so prompt_tokens is the rendered prompt's length."""
+    user = [{"role": "user", "content": "hi"}]
+    plain = _chat(server, user).json()["usage"]["prompt_tokens"]
+    assert plain == len("<user>hi\n<assistant>")
+    no_think = _chat(server, user, chat_template_kwargs={"enable_thinking": False})
+    assert no_think.json()["usage"]["prompt_tokens"] == plain + len("<no_think>")
+    go_on = _chat(server, [*user, {"role": "assistant", "content": "The answer is"}], add_generation_prompt=False,
+                  continue_final_message=True)
+    assert go_on.json()["usage"]["prompt_tokens"] == len("<user>hi\n<assistant>The answer is")
+
+
+def test_stop_token_ids_end_the_choice_on_their_token_and_one_outside_the_vocabulary_is_400(server):
+    token = 65
+    r = _complete(server, logit_bias={str(token): 100}, stop_token_ids=[token], max_tokens=5)
+    choice = r.json()["choices"][0]
+    assert (choice["finish_reason"], choice["text"], r.json()["usage"]["completion_tokens"]) == ("stop", "", 1)
+    vocab = server.engine.limits.vocab_size
+    bad = _complete(server, stop_token_ids=[vocab])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"

@@ -147,3 +147,22 @@ def test_openai_penalties_logit_bias_and_vllms_sampling_extensions_are_read(pars
 ])
 def test_a_sampling_knob_out_of_range_is_400_naming_it(name, value):
     assert error_of(parse_chat, {**CHAT, name: value}).param == name
+
+
+def test_chat_template_options_are_read_and_checked():
+    template = parse_chat({**CHAT, "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": False,
+                           "continue_final_message": True}).template
+    assert (template.add_generation_prompt, template.continue_final_message, template.variables) == (
+        False, True, {"enable_thinking": False})
+    assert parse_chat(CHAT).template.add_generation_prompt is True
+    assert error_of(parse_chat, {**CHAT, "chat_template_kwargs": ["x"]}).param == "chat_template_kwargs"
+    reserved = error_of(parse_chat, {**CHAT, "chat_template_kwargs": {"messages": []}})
+    assert reserved.param == "chat_template_kwargs" and "'messages'" in str(reserved)
+    assert error_of(parse_chat, {**CHAT, "continue_final_message": True}).param == "continue_final_message"
+    assert error_of(parse_completion, {**COMPLETION, "chat_template_kwargs": {}}).param == "chat_template_kwargs"
+
+
+def test_stop_token_ids_are_read_as_token_ids():
+    assert parse_completion({**COMPLETION, "stop_token_ids": [3, 7]}).stop_token_ids == (3, 7)
+    for bad in ([-1], ["3"], 3, list(range(65))):
+        assert error_of(parse_chat, {**CHAT, "stop_token_ids": bad}).param == "stop_token_ids"
