@@ -1,7 +1,7 @@
 """Grammar-constrained decoding: compiling a request's grammar, and the per-step token mask.
 
 xgrammar (the library vLLM, SGLang and TensorRT-LLM use) compiles a JSON
-schema or a structural tag against the model's vocabulary once, caches it by
+schema, a regex, an EBNF grammar or a structural tag against the model's vocabulary once, caches it by
 its source, and gives each request a matcher: before sampling, the matcher
 fills a bitmask of the tokens its grammar allows next, the mask sets the rest
 of its logits row to -inf, and the sampled token advances the matcher.
@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerFast
 # endless run of spaces; deep enough for indented output of nested objects.
 MAX_WHITESPACE_RUN = 12
 GRAMMAR_CACHE_BYTES = 256 * 2**20
-GRAMMAR_KINDS = ("json_schema", "json_object", "structural_tag")
+GRAMMAR_KINDS = ("json_schema", "json_object", "structural_tag", "regex", "choice", "ebnf")
 # xgrammar's C++ errors start with "[time] /path/file.cc:line: ".
 _CPP_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -43,7 +43,10 @@ class GrammarSpec:
     ``kind``: ``json_schema`` (``source`` is the schema as JSON text; ``strict``
     forbids properties the schema does not name), ``json_object`` (any JSON
     object; ``source`` unused), ``structural_tag`` (``source`` is an xgrammar
-    structural tag as JSON text, e.g. free text with constrained tool calls).
+    structural tag as JSON text, e.g. free text with constrained tool calls),
+    ``regex`` (``source`` is the pattern), ``choice`` (``source`` is a JSON
+    list of the strings allowed, exactly one of which is the output) and
+    ``ebnf`` (``source`` is a grammar in xgrammar's EBNF, rooted at ``root``).
     """
 
     kind: str
@@ -87,6 +90,14 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "structural_tag":
             return self._compiler.compile_structural_tag(spec.source)
+        if spec.kind == "regex":
+            return self._compiler.compile_regex(spec.source)
+        if spec.kind == "ebnf":
+            return self._compiler.compile_grammar(spec.source)
+        if spec.kind == "choice":
+            # JSON's string escapes are EBNF's, so each choice becomes one quoted literal.
+            literals = (json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec.source))
+            return self._compiler.compile_grammar("root ::= " + " | ".join(literals))
         if spec.kind == "json_object":
             schema, strict = '{"type": "object"}', False
         else:

@@ -100,7 +100,7 @@ async def _generate(request: Request, kind: str) -> Response:
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{gw.ids.getrandbits(128):032x}"
     try:
         if req.grammar is not None:  # compiling costs CPU like tokenizing: a refusal counts the same
-            await compile_grammar(gw.engine, req.grammar, "tools" if req.tools is not None else "response_format")
+            await compile_grammar(gw.engine, req.grammar, req.grammar_param)
         prompt = await gw.prompts.token_ids(req)
         max_tokens = req.max_tokens or default_max_tokens(len(prompt), gw.engine.max_model_len,
                                                           gw.settings.default_max_tokens)

@@ -19,7 +19,7 @@ from engine.grammar import GrammarSpec
 from engine.request import MAX_STOP_CHARS
 from gateway.errors import APIError, invalid_param
 from gateway.json_fields import bool_field, int_field, is_int, optional, str_field
-from gateway.response_format import parse_response_format
+from gateway.response_format import parse_output_grammar
 from gateway.sampling import SAMPLING_FIELDS, Sampling, parse_sampling
 from gateway.tools import ToolRequest, parse_tools
 
@@ -72,7 +72,8 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False  # vLLM's extension: benches ask for exact output lengths
-    grammar: GrammarSpec | None = None  # from response_format
+    grammar: GrammarSpec | None = None  # from response_format, structured_outputs or tools
+    grammar_param: str = "response_format"  # which, for a grammar that does not compile
     n: int = 1
     tools: ToolRequest | None = None
     stop_token_ids: tuple[int, ...] = ()  # vLLM's extension; checked against the vocabulary by the engine
@@ -139,7 +140,8 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 _SERVED_BY_BOTH = frozenset({
     "model", "n", "best_of", "stream", "stream_options", "stop", "user",
-    "max_tokens", "max_completion_tokens", "logprobs", "response_format", "ignore_eos", "stop_token_ids",
+    "max_tokens", "max_completion_tokens", "logprobs", "response_format", "structured_outputs", "ignore_eos",
+    "stop_token_ids",
 }) | SAMPLING_FIELDS
 _SERVED = {
     "chat": _SERVED_BY_BOTH | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
@@ -321,15 +323,18 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     if top is not None and not logprobs:
         raise invalid_param("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.", "invalid_value")
     tools = parse_tools(body)
-    grammar = parse_response_format(body)
+    grammar, grammar_param = parse_output_grammar(body)
     if tools is not None and tools.choice != "none" and grammar is not None:
-        raise invalid_param("response_format", "'response_format' other than text cannot be combined with "
+        raise invalid_param(grammar_param, f"'{grammar_param}' other than text cannot be combined with "
                             "tools unless 'tool_choice' is 'none'.", "invalid_value")
+    if tools is not None and tools.choice != "none":
+        grammar, grammar_param = tools.grammar(), "tools"
     return GenerationRequest(
         kind="chat",
         messages=messages,
         tools=tools,
-        grammar=grammar if tools is None or tools.choice == "none" else tools.grammar(),
+        grammar=grammar,
+        grammar_param=grammar_param,
         max_tokens=_max_tokens(body),
         logprobs=(top or 0) if logprobs else None,
         template=_template_options(body),
@@ -364,9 +369,11 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     for name in ("tools", "tool_choice"):
         if optional(body, name) is not None:
             raise invalid_param(name, f"'{name}' is only supported on /v1/chat/completions.", "invalid_value")
+    grammar, grammar_param = parse_output_grammar(body)
     return GenerationRequest(
         kind="completion",
-        grammar=parse_response_format(body),
+        grammar=grammar,
+        grammar_param=grammar_param,
         prompt=_prompt(body),
         max_tokens=_max_tokens(body),
         logprobs=int_field(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS),
