@@ -63,15 +63,16 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of _text already handed out
         self.stopped = False
 
-    def add_token(self, token_id: int) -> str:
-        """Feed one token; return the text that is now safe to emit."""
+    def add_token(self, token_id: int, may_stop: bool = True) -> str:
+        """Feed one token; return the text that is now safe to emit. With ``may_stop`` false (the
+        request's min_tokens not reached yet) a stop string it completes does not end the text."""
         piece = self._stream.step(self._tokenizer, token_id) or ""
         if not self._stops:
             self._text += piece
             return self._take(len(self._text))
         for i, char in enumerate(piece):
             done = [m for m in self._stops if m.feed(char)]
-            if done:
+            if done and may_stop:
                 # The text ends here; of stop strings completed by the same character, the
                 # longest started first.
                 self.stopped = True

@@ -1,5 +1,5 @@
-"""Each request's own changes to its row of a step's logits before sampling: logit_bias and the
-presence, frequency and repetition penalties.
+"""Each request's own changes to its row of a step's logits before sampling: logit_bias, the
+presence, frequency and repetition penalties, and min_tokens' ban on its stop tokens.
 
 Only the rows that ask pay: a row with none of them is not touched. The grammar mask comes after
 (engine/grammar.py), so no bias or penalty can bring back a token the grammar forbids; the
@@ -17,16 +17,18 @@ from engine.request import SamplingParams
 
 def adjusts_logits(params: SamplingParams) -> bool:
     return bool(params.logit_bias or params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0)
+                or params.repetition_penalty != 1.0 or params.min_tokens)
 
 
 @torch.inference_mode()  # the runner's logits are inference tensors
 def adjust_logits_(logits: torch.Tensor, params: Sequence[SamplingParams],
-                   prompts: Sequence[torch.Tensor | None], outputs: Sequence[Sequence[int]]) -> None:
+                   prompts: Sequence[torch.Tensor | None], outputs: Sequence[Sequence[int]],
+                   eos_token_ids: Sequence[int] = ()) -> None:
     """Apply each row's adjustments to ``logits`` ([rows, vocab], float32) in place.
 
     ``prompts``: each row's prompt token ids as a tensor (int64; read only for a repetition
-    penalty, so None for the other rows); ``outputs``: each row's generated token ids so far.
+    penalty, so None for the other rows); ``outputs``: each row's generated token ids so far;
+    ``eos_token_ids``: the model's, which a row short of its ``min_tokens`` may not sample.
     """
     device = logits.device
     for row, p in enumerate(params):
@@ -43,6 +45,10 @@ def adjust_logits_(logits: torch.Tensor, params: Sequence[SamplingParams],
             tokens, counts = torch.unique(torch.tensor(outputs[row], dtype=torch.long), return_counts=True)
             penalty = p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
             row_logits.index_add_(0, tokens.to(device), -penalty.to(device))
+        if len(outputs[row]) < p.min_tokens:
+            banned = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
+            if banned:
+                row_logits[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
         if p.logit_bias:
             ids = torch.tensor([token for token, _ in p.logit_bias], dtype=torch.long, device=device)
             biases = torch.tensor([bias for _, bias in p.logit_bias], dtype=logits.dtype, device=device)

@@ -34,6 +34,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # No EOS, stop token or stop string ends the output before this many tokens (vLLM's min_tokens).
+    min_tokens: int = 0
     # None: no logprobs; 0: the chosen token's only; k: plus the top k alternatives.
     logprobs: int | None = None
     # Output constrained to a grammar (engine/grammar.py); None for free text.
@@ -51,6 +53,10 @@ class SamplingParams:
             raise ValueError("top_k must be non-negative")
         if self.n < 1:
             raise ValueError("n must be at least 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
+        if self.min_tokens and self.grammar is not None:
+            raise ValueError("min_tokens cannot be combined with a grammar, which may need to end sooner")
         if not 0 <= self.min_p <= 1:
             raise ValueError("min_p must be in [0, 1]")
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):

@@ -76,10 +76,10 @@ class RequestState:
             self.first_token_at = time.time()
         params = self.request.params
         token_id = sampled.token_id
-        is_stop_token = token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in tokenizer.eos_token_ids
-        )
-        text = "" if is_stop_token else self.detokenizer.add_token(token_id)
+        may_stop = len(self.seq.output_token_ids) >= params.min_tokens
+        is_stop_token = may_stop and (token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in tokenizer.eos_token_ids))
+        text = "" if is_stop_token else self.detokenizer.add_token(token_id, may_stop)
 
         finish_reason = None
         if is_stop_token or self.detokenizer.stopped or (self.grammar is not None and self.grammar.is_terminated):

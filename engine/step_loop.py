@@ -185,7 +185,7 @@ class StepLoop:
             if any(adjusts_logits(p) for p in params):
                 adjust_logits_(logits, params, [s.prompt_ids if p.repetition_penalty != 1.0 else None
                                                 for s, p in zip(states, params)],
-                               [s.seq.output_token_ids for s in states])
+                               [s.seq.output_token_ids for s in states], self.tokenizer.eos_token_ids)
             mask_logits(logits, [s.grammar for s in states])
             sampled = sample(logits, params, [s.generator for s in states])
         except Exception as exc:  # a bad step must not take the loop down

@@ -1,6 +1,6 @@
 """A chat or completion body's sampling knobs: OpenAI's (temperature, top_p, seed, presence and
 frequency penalties, logit_bias) and the extensions vLLM serves beside them (top_k, min_p,
-repetition_penalty), checked and read into the engine's SamplingParams."""
+repetition_penalty, min_tokens), checked and read into the engine's SamplingParams."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gateway.errors import invalid_param
 from gateway.json_fields import float_field, int_field, is_int, is_number, optional
 
 SAMPLING_FIELDS = frozenset({"temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-                             "top_k", "min_p", "repetition_penalty"})
+                             "top_k", "min_p", "repetition_penalty", "min_tokens"})
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
+    min_tokens: int = 0  # checked against max_tokens by the engine, once that is known
 
 
 def parse_sampling(body: dict) -> Sampling:
@@ -41,6 +42,7 @@ def parse_sampling(body: dict) -> Sampling:
         repetition_penalty=repetition,
         logit_bias=_logit_bias(body),
         seed=_seed(body),
+        min_tokens=int_field(body, "min_tokens", 0) or 0,
     )
 
 

@@ -97,3 +97,31 @@ def test_a_large_logit_bias_forces_its_token_through_the_engine(make_engine, tok
     engine, _ = make_engine()
     params = SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True, logit_bias=((token, 100.0),))
     assert _run(engine, [EngineRequest("biased", list(range(5, 15)), params)])["biased"] == [token] * 4
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached_and_then_lifts_the_ban():
+    logits = torch.zeros(2, 10)
+    params = SamplingParams(min_tokens=2, stop_token_ids=(5,))
+    adjust_logits_(logits, [params, params], [None, None], [[1], [1, 2]], eos_token_ids=(2,))
+    assert logits[0, 2] == logits[0, 5] == float("-inf") and logits[0].isfinite().sum() == 8
+    assert logits[1].isfinite().all()  # two tokens made: the third may end it
+
+
+def test_min_tokens_holds_a_stop_string_until_reached(make_byte_engine):
+    """A model forced to write 'x' every token, with the stop string 'x': it ends at once, or with
+    min_tokens 3 at the third token, its text the two x's before the stop string."""
+    engine, _ = make_byte_engine()
+    x = engine.tokenizer.encode("x", add_special_tokens=False)[0]
+
+    def run(min_tokens: int) -> tuple[int, str, str]:
+        params = SamplingParams(max_tokens=10, temperature=0, stop=("x",), min_tokens=min_tokens,
+                                logit_bias=((x, 100.0),))
+
+        async def go():
+            return [d async for d in engine.submit(EngineRequest(f"m{min_tokens}", [1, 2, 3], params))]
+
+        deltas = asyncio.run(go())
+        return sum(len(d.token_ids) for d in deltas), "".join(d.text for d in deltas), deltas[-1].finish_reason
+
+    assert run(0) == (1, "", "stop")
+    assert run(3) == (3, "xx", "stop")

@@ -63,3 +63,11 @@ def test_stop_token_ids_end_the_choice_on_their_token_and_one_outside_the_vocabu
     vocab = server.engine.limits.vocab_size
     bad = _complete(server, stop_token_ids=[vocab])
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
+
+
+def test_min_tokens_past_max_tokens_or_beside_a_grammar_is_400(server):
+    assert _complete(server, min_tokens=3, max_tokens=2, ignore_eos=False).status_code == 400
+    grammar = _complete(server, min_tokens=2, structured_outputs={"choice": ["a", "b"]})
+    assert grammar.status_code == 400 and "min_tokens" in grammar.json()["error"]["message"]
+    r = _complete(server, min_tokens=5, ignore_eos=False)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

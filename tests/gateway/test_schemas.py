@@ -114,7 +114,7 @@ def test_ignore_eos_is_accepted_as_vllms_extension_and_must_be_a_boolean():
 @pytest.mark.parametrize("parse, base", [(parse_chat, CHAT), (parse_completion, COMPLETION)], ids=["chat", "completion"])
 @pytest.mark.parametrize("name, value", [
     ("functions", [{"name": "f"}]), ("reasoning_effort", "high"), ("store", True), ("mirostat", 2),
-    ("typical_p", 0.9),
+    ("typical_p", 0.9), ("prompt_logprobs", 1),
 ])
 def test_an_argument_we_do_not_serve_is_400_naming_it(parse, base, name, value):
     with pytest.raises(APIError) as e:
@@ -133,9 +133,9 @@ def test_an_unserved_argument_at_its_no_op_value_is_accepted(name, value):
 @pytest.mark.parametrize("parse, base", [(parse_chat, CHAT), (parse_completion, COMPLETION)], ids=["chat", "completion"])
 def test_openai_penalties_logit_bias_and_vllms_sampling_extensions_are_read(parse, base):
     sampling = parse({**base, "frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"7": -100, "12": 2.5},
-                      "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "seed": 3}).sampling
+                      "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "seed": 3, "min_tokens": 4}).sampling
     assert sampling == Sampling(top_k=5, min_p=0.1, presence_penalty=-1.0, frequency_penalty=0.5,
-                                repetition_penalty=1.2, logit_bias=((7, -100.0), (12, 2.5)), seed=3)
+                                repetition_penalty=1.2, logit_bias=((7, -100.0), (12, 2.5)), seed=3, min_tokens=4)
     assert parse({**base, "top_k": -1, "logit_bias": None}).sampling == Sampling()  # vLLM's "off"
 
 
@@ -143,7 +143,7 @@ def test_openai_penalties_logit_bias_and_vllms_sampling_extensions_are_read(pars
     ("frequency_penalty", 2.5), ("presence_penalty", "1"), ("logit_bias", {"a": 1}), ("logit_bias", {"-3": 1}),
     ("logit_bias", {"5": 101}), ("logit_bias", {"5": "x"}), ("logit_bias", [5]),
     ("logit_bias", {str(i): 1 for i in range(301)}), ("top_k", -2), ("top_k", 1.5), ("min_p", 1.5),
-    ("repetition_penalty", 0), ("repetition_penalty", 3),
+    ("repetition_penalty", 0), ("repetition_penalty", 3), ("min_tokens", -1), ("min_tokens", 2.5),
 ])
 def test_a_sampling_knob_out_of_range_is_400_naming_it(name, value):
     assert error_of(parse_chat, {**CHAT, name: value}).param == name
