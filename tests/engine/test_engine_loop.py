@@ -313,10 +313,10 @@ def test_a_failure_in_one_requests_sampling_or_detokenizing_ends_that_request_al
                 super().__init__(tokenizer, prompt_token_ids, stop)
                 self.poisoned = list(prompt_token_ids) == victim_prompt
 
-            def add_token(self, token_id):
+            def add_token(self, token_id, may_stop=True):
                 if self.poisoned:
                     raise RuntimeError("injected detokenizer failure")
-                return super().add_token(token_id)
+                return super().add_token(token_id, may_stop)
 
         monkeypatch.setattr(request_state_module, "IncrementalDetokenizer", ExplodingDetokenizer)
 
