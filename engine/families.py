@@ -35,6 +35,14 @@ GEMMA_WEIGHTS = {
     "post_feedforward_layernorm.weight": ("mlp_out_norm", None),
 }
 
+# OLMo 2 and 3: no norm before attention or MLP, one after each, and norms over the whole of q and k.
+OLMO_WEIGHTS = {
+    **{k: v for k, v in LLAMA_WEIGHTS.items() if "layernorm" not in k},
+    **QK_NORM_WEIGHTS,
+    "post_attention_layernorm.weight": ("attn_out_norm", None),
+    "post_feedforward_layernorm.weight": ("mlp_out_norm", None),
+}
+
 # Our layer parameters that are RMSNorm weights (a family's norm offset applies to them).
 NORMS = frozenset({"input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm"})
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -74,8 +82,13 @@ class Family:
     longrope: bool = False
     # Older names of rope types in this family's configs (Phi-3's "su" and "yarn" are LongRoPE).
     rope_aliases: dict[str, str] = field(default_factory=dict)
-    # The sliding layers rotate with a RoPE base of their own, the global ones with the scaled one (Gemma 3).
+    # The sliding layers rotate with plain RoPE of their own base, the global ones with their own
+    # (scaled) parameters: per layer type in transformers 5's configs (Gemma 3, OLMo 3).
     local_rope: bool = False
+    # For older configs of such a family: every global_every-th layer is global when no layer_types
+    # are given, and the sliding layers' base without rope_local_base_freq (None: the global base).
+    global_every: int = 6
+    local_theta: float | None = 10000.0
     # Some layers take no position embedding at all (SmolLM3's NoPE layers).
     nope_layers: bool = False
 
@@ -118,13 +131,15 @@ FAMILIES: dict[str, Family] = {
     # Norms after attention and MLP only, none before; q and k each normed whole.
     "olmo2": Family(
         "OLMo 2",
-        weights={
-            **{k: v for k, v in LLAMA_WEIGHTS.items() if "layernorm" not in k},
-            **QK_NORM_WEIGHTS,
-            "post_attention_layernorm.weight": ("attn_out_norm", None),
-            "post_feedforward_layernorm.weight": ("mlp_out_norm", None),
-        },
+        weights=OLMO_WEIGHTS,
         qk_norm_full=True, pre_norms=False, sandwich_norms=True,
+    ),
+    # OLMo 2's layer with sliding windows on three layers of four, the others global (YaRN there).
+    "olmo3": Family(
+        "OLMo 3",
+        weights=OLMO_WEIGHTS,
+        qk_norm_full=True, pre_norms=False, sandwich_norms=True, window_layers="layer_types", local_rope=True,
+        global_every=4, local_theta=None,
     ),
     # Gemma 2's layer, with q/k norms instead of soft-caps, a global layer every few, each kind its own RoPE.
     "gemma3_text": Family(

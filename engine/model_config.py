@@ -98,12 +98,12 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         if family.local_rope and not cfg.get("layer_types"):
-            cfg = {**cfg, "layer_types": _gemma3_layer_types(cfg)}
+            cfg = {**cfg, "layer_types": _layer_types(cfg, family)}
         # transformers 5 keeps theta and scaling in ``rope_parameters``; older configs at top level.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         local_theta, local_layers = None, ()
         if family.local_rope:
-            rope, local_theta = _split_local_rope(cfg, rope)
+            rope, local_theta = _split_local_rope(cfg, rope, family)
             local_layers = tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention")
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -219,25 +219,27 @@ def _text_model(cfg: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-def _gemma3_layer_types(cfg: dict[str, Any]) -> list[str]:
-    """Older Gemma 3 configs name a pattern instead: every ``sliding_window_pattern``-th layer is global."""
-    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+def _layer_types(cfg: dict[str, Any], family: Family) -> list[str]:
+    """Older configs name a pattern instead: every ``sliding_window_pattern``-th layer is global."""
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or family.global_every)
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(cfg["num_hidden_layers"])]
 
 
-def _split_local_rope(cfg: dict[str, Any], rope: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """Gemma 3's global layers' rope parameters, and its sliding layers' base.
+def _split_local_rope(cfg: dict[str, Any], rope: dict[str, Any], family: Family) -> tuple[dict[str, Any], float]:
+    """The global layers' rope parameters, and the sliding layers' base (Gemma 3, OLMo 3).
 
     transformers 5 writes one parameter dict per layer type; older configs keep the global ones at
-    the top level and the local base as ``rope_local_base_freq``."""
+    the top level and the local base as ``rope_local_base_freq`` (or the family's default)."""
+    default = cfg.get("rope_local_base_freq") or family.local_theta
     if "full_attention" not in rope and "sliding_attention" not in rope:
-        return rope, float(cfg.get("rope_local_base_freq", 10000.0))
+        return rope, float(default or rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     local = dict(rope.get("sliding_attention") or {})
     if local.get("rope_type", local.get("type", "default")) != "default":
         raise ValueError(f"rope scaling {local.get('rope_type')!r} on sliding layers is not supported")
-    local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
-    return dict(rope.get("full_attention") or {}), float(local_theta)
+    global_rope = dict(rope.get("full_attention") or {})
+    local_theta = local.get("rope_theta") or default or global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return global_rope, float(local_theta)
 
 
 def _windows(cfg: dict[str, Any], family: Family) -> dict[str, Any]:

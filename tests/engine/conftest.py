@@ -25,6 +25,8 @@ from transformers import (
     GraniteForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -108,6 +110,13 @@ TINY_CONFIGS = {
                                                        residual_multiplier=0.5, attention_multiplier=0.1,
                                                        logits_scaling=2.0)),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)),
+    # A global layer (YaRN past a 16-token original context) between two windowed ones (plain RoPE).
+    "olmo3": (Olmo3Config, Olmo3ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                            "rope_theta": 10000.0}})),
     # The middle layer takes no RoPE and has the window (as SmolLM3's configs derive it).
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, no_rope_layer_interval=2,
                                                        use_sliding_window=True, sliding_window=5)),

@@ -22,7 +22,7 @@ from tests.lora_pool.conftest import ALL_TARGETS, save_random_lora
 
 BLOCK_SIZE = 4
 # phi4_mini: Phi-3's architecture with partial rotary and LongRoPE (engine/rope.py), here in its short regime.
-FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3", "olmo2"]
+FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3"]
 # Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters target the fused modules.
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
@@ -212,3 +212,11 @@ def test_smollm3s_nope_layers_and_granites_multipliers_are_read_from_their_confi
                                      "logits_scaling": 8.0})
     assert (granite.embedding_multiplier, granite.residual_multiplier, granite.attn_scale, granite.logits_scaling) == (
         12.0, 0.22, 0.0078125, 8.0)
+
+
+def test_olmo3s_older_configs_take_a_global_layer_every_fourth_and_the_global_base_for_sliding_layers():
+    base = dict(model_type="olmo3", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=8,
+                num_attention_heads=2, sliding_window=64, max_position_embeddings=8192, rope_theta=500000.0)
+    config = ModelConfig.from_dict(base)
+    assert config.sliding_layers == config.local_rope_layers == (0, 1, 2, 4, 5, 6)
+    assert config.local_rope_theta == config.rope_theta == 500000.0
