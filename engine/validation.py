@@ -8,9 +8,11 @@ submitted, so nothing invalid reaches the step loop whoever the caller.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from engine.request import EngineRequest
+from engine.request import EngineRequest, SamplingParams
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 class InvalidRequest(ValueError):
@@ -43,7 +45,9 @@ class RequestLimits:
         try:
             request.params.validate()
         except ValueError as e:
-            raise InvalidRequest(str(e)) from None
+            # SamplingParams.validate's messages start with the field they are about.
+            first_word = str(e).split(maxsplit=1)[0]
+            raise InvalidRequest(str(e), first_word if first_word in SAMPLING_FIELDS else None) from None
         if not 0 < request.tenant_weight < float("inf"):
             raise InvalidRequest(f"a tenant's weight must be positive and finite, not {request.tenant_weight!r}")
         fits = self.tier_capacity.get(request.tier)
