@@ -35,7 +35,7 @@ GEMMA_WEIGHTS = {
     "post_feedforward_layernorm.weight": ("mlp_out_norm", None),
 }
 
-# OLMo 2 and 3: no norm before attention or MLP, one after each, and norms over the whole of q and k.
+# OLMo 2 and 3 (and EXAONE 4): no norm before attention or MLP, one after each, and q/k norms.
 OLMO_WEIGHTS = {
     **{k: v for k, v in LLAMA_WEIGHTS.items() if "layernorm" not in k},
     **QK_NORM_WEIGHTS,
@@ -85,6 +85,8 @@ class Family:
     # The sliding layers rotate with plain RoPE of their own base, the global ones with their own
     # (scaled) parameters: per layer type in transformers 5's configs (Gemma 3, OLMo 3).
     local_rope: bool = False
+    # With a sliding window, the global layers take no RoPE (EXAONE 4's hybrid attention).
+    global_nope: bool = False
     # For older configs of such a family: every global_every-th layer is global when no layer_types
     # are given, and the sliding layers' base without rope_local_base_freq (None: the global base).
     global_every: int = 6
@@ -140,6 +142,11 @@ FAMILIES: dict[str, Family] = {
         weights=OLMO_WEIGHTS,
         qk_norm_full=True, pre_norms=False, sandwich_norms=True, window_layers="layer_types", local_rope=True,
         global_every=4, local_theta=None,
+    ),
+    # OLMo 2's norms but per-head q/k norms; windows on the sliding layers, no RoPE on the global ones.
+    "exaone4": Family(
+        "EXAONE 4", weights=OLMO_WEIGHTS, qk_norm=True, pre_norms=False, sandwich_norms=True,
+        window_layers="layer_types", global_nope=True, global_every=4,
     ),
     # Gemma 2's layer, with q/k norms instead of soft-caps, a global layer every few, each kind its own RoPE.
     "gemma3_text": Family(

@@ -97,7 +97,7 @@ class ModelConfig:
             raise ValueError(f"unsupported {family.activation_key} {activation!r}; supported: {', '.join(ACTIVATIONS)}")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        if family.local_rope and not cfg.get("layer_types"):
+        if (family.local_rope or family.global_nope) and not cfg.get("layer_types"):
             cfg = {**cfg, "layer_types": _layer_types(cfg, family)}
         # transformers 5 keeps theta and scaling in ``rope_parameters``; older configs at top level.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -196,8 +196,12 @@ def _attn_scale(cfg: dict[str, Any]) -> float | None:
 
 
 def _nope_layers(cfg: dict[str, Any], family: Family) -> tuple[int, ...]:
-    """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: rotate, 0: not), or every
-    ``no_rope_layer_interval``-th layer."""
+    """The layers without RoPE: EXAONE 4's global layers when it has windows; SmolLM3's from
+    ``no_rope_layers`` (1: rotate, 0: not), or every ``no_rope_layer_interval``-th layer."""
+    if family.global_nope:
+        if not cfg.get("sliding_window"):
+            return ()
+        return tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind == "full_attention")
     if not family.nope_layers:
         return ()
     flags = cfg.get("no_rope_layers")
@@ -220,10 +224,13 @@ def _text_model(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layer_types(cfg: dict[str, Any], family: Family) -> list[str]:
-    """Older configs name a pattern instead: every ``sliding_window_pattern``-th layer is global."""
-    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or family.global_every)
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(cfg["num_hidden_layers"])]
+    """Older configs name a pattern instead: every ``sliding_window_pattern``-th layer is global, or
+    a string of L (local) and G (global) that repeats (EXAONE 4's "LLLG")."""
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or family.global_every
+    layers = range(cfg["num_hidden_layers"])
+    if isinstance(pattern, str):
+        return ["full_attention" if pattern[i % len(pattern)] == "G" else "sliding_attention" for i in layers]
+    return ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in layers]
 
 
 def _split_local_rope(cfg: dict[str, Any], rope: dict[str, Any], family: Family) -> tuple[dict[str, Any], float]:

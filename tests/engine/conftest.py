@@ -17,6 +17,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Exaone4Config,
+    Exaone4ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -110,6 +112,10 @@ TINY_CONFIGS = {
                                                        residual_multiplier=0.5, attention_multiplier=0.1,
                                                        logits_scaling=2.0)),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)),
+    # A global layer, which takes no RoPE, between two windowed ones.
+    "exaone4": (Exaone4Config, Exaone4ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # A global layer (YaRN past a 16-token original context) between two windowed ones (plain RoPE).
     "olmo3": (Olmo3Config, Olmo3ForCausalLM, dict(
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, sliding_window=5,

@@ -22,7 +22,7 @@ from tests.lora_pool.conftest import ALL_TARGETS, save_random_lora
 
 BLOCK_SIZE = 4
 # phi4_mini: Phi-3's architecture with partial rotary and LongRoPE (engine/rope.py), here in its short regime.
-FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3"]
+FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "exaone4"]
 # Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters target the fused modules.
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
@@ -220,3 +220,11 @@ def test_olmo3s_older_configs_take_a_global_layer_every_fourth_and_the_global_ba
     config = ModelConfig.from_dict(base)
     assert config.sliding_layers == config.local_rope_layers == (0, 1, 2, 4, 5, 6)
     assert config.local_rope_theta == config.rope_theta == 500000.0
+
+
+def test_exaone4s_global_layers_take_no_rope_only_beside_windows_and_its_lg_pattern_is_read():
+    base = dict(model_type="exaone4", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=8,
+                num_attention_heads=2, max_position_embeddings=8192)
+    hybrid = ModelConfig.from_dict({**base, "sliding_window": 64, "sliding_window_pattern": "LLLG"})
+    assert hybrid.nope_layers == (3, 7) and hybrid.sliding_layers == (0, 1, 2, 4, 5, 6)
+    assert ModelConfig.from_dict({**base, "sliding_window": None}).nope_layers == ()
