@@ -70,7 +70,8 @@ class Family:
     # The config key naming the MLP activation.
     activation_key: str = "hidden_act"
     # Which layers use ``sliding_window``: "all", "layer_types" (the config's list, or for older
-    # configs Qwen's rule: layers from ``max_window_layers`` on), "alternate" (even layers).
+    # configs Qwen's rule, layers from ``max_window_layers`` on, where window_flag is set, else every
+    # layer), "alternate" (even layers).
     window_layers: str = "all"
     # Whether ``use_sliding_window`` must be true for the window to apply (Qwen).
     window_flag: bool = False
@@ -98,6 +99,8 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama 1-3.x"),
     "mistral": Family("Mistral"),
+    # Mistral's layer with windows on the layers layer_types names (all of them without).
+    "ministral": Family("Ministral", window_layers="layer_types"),
     # Llama with scalar multipliers on embeddings, residual branches, attention scores and logits (ModelConfig).
     "granite": Family("Granite 3.x"),
     # Llama with every few layers free of RoPE; windows, when on, as Qwen's.

@@ -264,7 +264,9 @@ def _windows(cfg: dict[str, Any], family: Family) -> dict[str, Any]:
         sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
     elif family.window_layers == "alternate":
         sliding = range(0, layers, 2)
-    else:
+    elif family.window_flag:  # Qwen's older configs: the layers from max_window_layers on
         sliding = range(int(cfg.get("max_window_layers", layers)), layers)
+    else:  # Ministral's: a window means every layer
+        sliding = range(layers)
     sliding = tuple(sliding)
     return {"sliding_window": int(window) if sliding else None, "sliding_layers": sliding}

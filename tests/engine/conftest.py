@@ -23,6 +23,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    MinistralConfig,
+    MinistralForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     Olmo2Config,
@@ -112,6 +114,9 @@ TINY_CONFIGS = {
                                                        residual_multiplier=0.5, attention_multiplier=0.1,
                                                        logits_scaling=2.0)),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)),
+    "ministral": (MinistralConfig, MinistralForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # A global layer, which takes no RoPE, between two windowed ones.
     "exaone4": (Exaone4Config, Exaone4ForCausalLM, dict(
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, sliding_window=5,

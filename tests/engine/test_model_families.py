@@ -22,7 +22,7 @@ from tests.lora_pool.conftest import ALL_TARGETS, save_random_lora
 
 BLOCK_SIZE = 4
 # phi4_mini: Phi-3's architecture with partial rotary and LongRoPE (engine/rope.py), here in its short regime.
-FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "exaone4"]
+FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "exaone4", "ministral"]
 # Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters target the fused modules.
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
@@ -171,6 +171,9 @@ def test_what_a_family_cannot_serve_is_refused_by_name(overrides, message):
         (dict(model_type="gemma2", sliding_window=4096), 4096, (0, 2)),
         (dict(model_type="gemma2", sliding_window=4096, layer_types=["full_attention", "sliding_attention"] * 2),
          4096, (1, 3)),
+        (dict(model_type="ministral", sliding_window=4096), 4096, (0, 1, 2, 3)),
+        (dict(model_type="ministral", sliding_window=4096, layer_types=["sliding_attention", "full_attention"] * 2),
+         4096, (0, 2)),
         # Gemma 3: from layer_types, or in older configs every sliding_window_pattern-th layer global.
         (dict(model_type="gemma3_text", sliding_window=512, layer_types=["sliding_attention", "full_attention"] * 2),
          512, (0, 2)),
