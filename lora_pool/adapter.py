@@ -31,9 +31,14 @@ _MODULES = {
     **{module: (parent, (proj,)) for proj, (module, parent) in PROJ_MODULES.items()},
     "qkv_proj": ("self_attn", ("q", "k", "v")), "gate_up_proj": ("mlp", ("gate", "up")),
 }
+# The text model's layers; image-text checkpoints (Gemma 3) put them under language_model, in either
+# of transformers' layouts.
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$"
+    r"^(?:base_model\.model\.)?(?:language_model\.)?model\.(?:language_model\.)?layers\.(\d+)\."
+    r"(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$"
 )
+# Weights for the vision tower of an image-text checkpoint: images are not served, so they change nothing.
+_VISION_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 # peft options that change what the adapter computes beyond y += B(A(x)) * scale.
 _VARIANT_OPTIONS = (
@@ -174,7 +179,10 @@ def inspect_adapter(name: str, path: str | Path, shapes: BaseShapes, max_rank: i
     except (OSError, SafetensorError) as exc:
         raise AdapterError(f"{path / WEIGHTS_FILE} is not a readable safetensors file: {exc}") from exc
     halves: dict[tuple[int, str], dict[str, list[int]]] = {}
+    stems: dict[tuple[int, str], str] = {}  # each module's name in the file, without peft's prefix
     for key, (dtype, shape) in header.items():
+        if _VISION_KEY.match(key):
+            continue
         match = _KEY.match(key)
         module = _MODULES.get(match.group(3)) if match else None
         if module is None or match.group(2) != module[0]:
@@ -186,6 +194,7 @@ def inspect_adapter(name: str, path: str | Path, shapes: BaseShapes, max_rank: i
             raise AdapterError(f"weight {key!r} is for layer {layer} but the base model has "
                                f"{shapes.num_layers} layers")
         halves.setdefault((layer, match.group(3)), {})[match.group(4)] = list(shape)
+        stems[(layer, match.group(3))] = key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
     if not halves:
         raise AdapterError(f"{path / WEIGHTS_FILE} holds no LoRA weights")
     modules, sources = {}, {}
@@ -209,7 +218,7 @@ def inspect_adapter(name: str, path: str | Path, shapes: BaseShapes, max_rank: i
             if (layer, proj) in modules:
                 raise AdapterError(f"{module_name} covers {proj}, which another module of layer {layer} covers too")
             modules[(layer, proj)] = (rank, _module_scale(config, module_name, rank))
-            sources[(layer, proj)] = (module_name, row, row + out)
+            sources[(layer, proj)] = (stems[(layer, module)], row, row + out)
             row += out
     rank = max(r for r, _ in modules.values())
     return AdapterSpec(name, path, rank, _module_scale(config, "", config["r"]), modules, sources)
