@@ -25,9 +25,9 @@ import torch
 
 from engine.events import EngineEvent, Listener, step_event
 from engine.grammar import mask_logits
-from engine.logit_adjustments import adjust_logits_, adjusts_logits
 from engine.in_flight import InFlight, Outgoing
 from engine.inbox import AbortRequest, AddRequest, Inbox, Message, UnregisterAdapter
+from engine.logit_adjustments import adjust_logits_, adjusts_logits
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.step_timer import StepTimer
