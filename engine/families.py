@@ -26,6 +26,7 @@ LLAMA_WEIGHTS: dict[str, tuple[str, str | None]] = {
     "mlp.down_proj.weight": ("down", None),
 }
 
+QKV_BIAS_WEIGHTS = {f"self_attn.{p}_proj.bias": ("qkv_bias", p) for p in "qkv"}
 QK_NORM_WEIGHTS = {"self_attn.q_norm.weight": ("q_norm", None), "self_attn.k_norm.weight": ("k_norm", None)}
 # Gemma's sandwich: its post_attention_layernorm is the attention output's norm, not the MLP's input norm.
 GEMMA_WEIGHTS = {
@@ -54,6 +55,8 @@ class Family:
     weights: dict[str, tuple[str, str | None]] = field(default_factory=lambda: dict(LLAMA_WEIGHTS))
     # q, k and v carry biases (added to the fused qkv output).
     qkv_bias: bool = False
+    # The config says so with attention_bias (Seed-OSS), which must then be true.
+    bias_flag: bool = False
     # Each head of q and k goes through its own RMSNorm before RoPE.
     qk_norm: bool = False
     # Instead, one RMSNorm spans all of q and one all of k (OLMo 2).
@@ -107,8 +110,14 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3", window_layers="layer_types", window_flag=True, nope_layers=True),
     "qwen2": Family(
         "Qwen2 / Qwen2.5",
-        weights={**LLAMA_WEIGHTS, **{f"self_attn.{p}_proj.bias": ("qkv_bias", p) for p in "qkv"}},
+        weights={**LLAMA_WEIGHTS, **QKV_BIAS_WEIGHTS},
         qkv_bias=True, window_layers="layer_types", window_flag=True,
+    ),
+    # Llama's layer with Qwen2's q/k/v biases.
+    "seed_oss": Family(
+        "Seed-OSS",
+        weights={**LLAMA_WEIGHTS, **QKV_BIAS_WEIGHTS},
+        qkv_bias=True, bias_flag=True,
     ),
     "qwen3": Family(
         "Qwen3",

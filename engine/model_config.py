@@ -90,8 +90,13 @@ class ModelConfig:
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(f"{family.name} configs with use_bidirectional_attention (embedding models) "
                              "are not served")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError(f"{family.name} configs with attention_bias or mlp_bias are not supported")
+        # Qwen2's q/k/v biases come with the family; Seed-OSS names them with attention_bias.
+        bias = cfg.get("attention_bias", family.qkv_bias if family.bias_flag else False)
+        if (bias and not family.qkv_bias) or cfg.get("mlp_bias") or cfg.get("attention_out_bias"):
+            raise ValueError(f"{family.name} configs with attention_bias, attention_out_bias or mlp_bias are not "
+                             "supported")
+        if family.bias_flag and not bias:
+            raise ValueError(f"{family.name} configs without attention_bias are not supported")
         activation = cfg.get(family.activation_key) or "silu"
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported {family.activation_key} {activation!r}; supported: {', '.join(ACTIVATIONS)}")

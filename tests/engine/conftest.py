@@ -41,6 +41,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SeedOssConfig,
+    SeedOssForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -114,6 +116,8 @@ TINY_CONFIGS = {
                                                        residual_multiplier=0.5, attention_multiplier=0.1,
                                                        logits_scaling=2.0)),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)),
+    "seed_oss": (SeedOssConfig, SeedOssForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                         pad_token_id=0)),
     "ministral": (MinistralConfig, MinistralForCausalLM, dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),

@@ -15,7 +15,7 @@ from engine.engine import Engine
 from engine.events import FinishEvent, StepEvent
 from engine.request import EngineRequest, SamplingParams
 
-FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "exaone4", "ministral"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "exaone4", "ministral", "seed_oss"]
 MAX_TOKENS = 10
 
 

@@ -22,7 +22,7 @@ from tests.lora_pool.conftest import ALL_TARGETS, save_random_lora
 
 BLOCK_SIZE = 4
 # phi4_mini: Phi-3's architecture with partial rotary and LongRoPE (engine/rope.py), here in its short regime.
-FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "exaone4", "ministral"]
+FAMILIES = ["llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "granite", "smollm3", "olmo2", "olmo3", "exaone4", "ministral", "seed_oss"]
 # Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters target the fused modules.
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
@@ -138,6 +138,8 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] 
         (dict(model_type="qwen2", partial_rotary_factor=0.75), "partial rotary.*not supported for Qwen2.*Phi-3"),
         (dict(model_type="phi3", partial_rotary_factor=0.7), "rotate an even number"),
         (dict(model_type="qwen3", attention_bias=True), "Qwen3 configs with attention_bias"),
+        (dict(model_type="seed_oss", attention_bias=False), "Seed-OSS configs without attention_bias"),
+        (dict(model_type="seed_oss", attention_out_bias=True), "Seed-OSS configs with attention_bias, attention_out"),
         (dict(model_type="gemma2", hidden_activation="gelu"), "unsupported hidden_activation 'gelu'"),
         (dict(model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "unsupported rope scaling 'dynamic'"),
         # Llama's HF model keeps the keys it cached under the short factors: not the rule we serve.
