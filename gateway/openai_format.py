@@ -11,11 +11,18 @@ from collections.abc import Sequence
 from engine.request import TokenLogprob, Usage
 
 DONE = b"data: [DONE]\n\n"
+# Characters that some clients' line splitting (Python's str.splitlines, so httpx's iter_lines) takes
+# for line breaks although SSE does not; JSON only allows them inside strings, where an escape means
+# the same, so every reader sees an event as one line.
+_UNICODE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(obj: dict) -> bytes:
     """One Server-Sent Event carrying ``obj`` as compact JSON (one line, so no field splitting is needed)."""
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    if "\x85" in text or "\u2028" in text or "\u2029" in text:  # rare: scanning is cheaper than translating
+        text = text.translate(_UNICODE_LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 def usage_dict(usage: Usage) -> dict:

@@ -20,6 +20,14 @@ def test_sse_event_is_one_data_line_even_with_newlines_in_text():
     assert json.loads(event[6:]) == {"text": "a\nb\n\nc"}
 
 
+def test_sse_event_stays_one_line_for_clients_that_split_on_unicode_line_breaks():
+    text = "a\u2028b\x85c\u2029d\re"
+    event = fmt.sse({"text": text}).decode()
+    line = event.removesuffix("\n\n")
+    assert line.splitlines() == [line]  # Python's splitlines, as httpx's iter_lines
+    assert json.loads(event.removeprefix("data: "))["text"] == text
+
+
 def test_chat_stream_opens_with_role_and_closes_with_usage_chunk():
     w = fmt.ChunkWriter("chat", "chatcmpl-1", 123, "m", include_usage=True)
     first = json.loads(events(w.first())[0][6:])
