@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.families import FAMILIES
+from engine.families import FAMILIES, Family
 from engine.model_config import ModelConfig
 
 # Tensors holding rope scaling (Llama 3's rope_freqs, Phi-3's LongRoPE factors): transformers reads none.
@@ -56,9 +56,13 @@ class GgufMetadata:
         return cls(arch, values, frozenset(t.name for t in reader.tensors), factors)
 
     @property
+    def family(self) -> Family | None:
+        """The served family of the file's architecture; None for one we do not serve."""
+        return FAMILIES.get(GGUF_MODEL_TYPES.get(self.architecture, self.architecture))
+
+    @property
     def family_name(self) -> str:
-        family = FAMILIES.get(GGUF_MODEL_TYPES.get(self.architecture, self.architecture))
-        return family.name if family else self.architecture
+        return self.family.name if self.family else self.architecture
 
 
 def complete_config(meta: GgufMetadata, config: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +86,7 @@ def complete_config(meta: GgufMetadata, config: dict[str, Any]) -> dict[str, Any
         if key in values:
             out[key] = float(values[key])
     window = values.get("attention.sliding_window")
-    family = FAMILIES.get(GGUF_MODEL_TYPES.get(meta.architecture, meta.architecture))
+    family = meta.family
     if window and window < out.get("max_position_embeddings", math.inf) and not (family and family.window_flag):
         out["sliding_window"] = int(window)
     if "rope_factors_long.weight" in meta.rope_factors and "rope_factors_short.weight" in meta.rope_factors:

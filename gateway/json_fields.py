@@ -50,10 +50,10 @@ def float_field(body: dict, name: str, default: float, lo: float, hi: float, lo_
     return float(v)
 
 
-def bool_field(body: dict, name: str) -> bool:
+def bool_field(body: dict, name: str, default: bool = False) -> bool:
     v = optional(body, name)
     if v is None:
-        return False
+        return default
     if not isinstance(v, bool):
         raise invalid_param(name, f"Invalid type for '{name}': expected a boolean, but got {type(v).__name__}.",
                             "invalid_type")

@@ -227,17 +227,13 @@ def _template_options(body: dict) -> ChatTemplateOptions:
     if reserved:
         raise invalid_param("chat_template_kwargs", f"Invalid value for 'chat_template_kwargs': {reserved[0]!r} is "
                             "set by the server (use the request's own field where there is one).", "invalid_value")
-    options = ChatTemplateOptions(add_generation_prompt=_bool_or(body, "add_generation_prompt", True),
+    options = ChatTemplateOptions(add_generation_prompt=bool_field(body, "add_generation_prompt", True),
                                   continue_final_message=bool_field(body, "continue_final_message"),
                                   variables=variables)
     if options.add_generation_prompt and options.continue_final_message:
         raise invalid_param("continue_final_message", "'continue_final_message' requires 'add_generation_prompt' "
                             "to be false.", "invalid_value")
     return options
-
-
-def _bool_or(body: dict, name: str, default: bool) -> bool:
-    return bool_field(body, name) if optional(body, name) is not None else default
 
 
 def _message_content(i: int, content: Any) -> str:
