@@ -26,8 +26,10 @@ def sample(body: str, name: str, **labels: str) -> float:
 def test_preemptions_and_recompute_are_counted_for_the_right_tiers(tmp_path):
     config = write_tiny_llama(tmp_path / "tiny")
     # 12 blocks of 16 tokens: two standard requests growing to 88 tokens each cannot both stay resident.
+    # No prefix cache: a victim preempted on a block boundary would find all it had computed cached
+    # and recompute nothing, and whether it is depends on when the premium request lands.
     engine = Engine(EngineConfig(model=f"dummy:{config}", num_kv_blocks=12, max_loras=0, max_model_len=256,
-                                 max_num_batched_tokens=64))
+                                 max_num_batched_tokens=64, enable_prefix_caching=False))
     metrics = GatewayMetrics(engine.config.tiers)
     events: list[StepEvent | FinishEvent] = []
     engine.add_listener(metrics.on_engine_event)
