@@ -224,7 +224,35 @@ class DecoderModel(nn.Module):
         long_rows: torch.Tensor | None = None,
         between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states of the ``sample_rows`` through the LM head: float32 ``[len(sample_rows), vocab]``.
+        """Hidden states of the ``sample_rows`` through the LM head: float32 ``[len(sample_rows), vocab]``."""
+        return self.head_logits(self.final_hidden(input_ids, positions, meta, kv_cache, sample_rows, lora, long_rows,
+                                                  between_layers))
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` of final-normed hidden states (``final_hidden``)."""
+        cfg = self.cfg
+        if isinstance(self.head, PackedWeight) or (self.head is not None and hidden.shape[0] < LM_HEAD_TRANSPOSED_MAX_ROWS):
+            logits = linear(hidden, self.head).float()
+        else:
+            logits = F.linear(hidden, self.lm_head).float()
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        if cfg.final_logit_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits
+
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        rows: torch.Tensor,
+        lora: LoraBatchLike | None = None,
+        long_rows: torch.Tensor | None = None,
+        between_layers: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """The last layer's hidden states of ``rows``, through the final norm: ``[len(rows), hidden]``.
 
         ``long_rows`` (LongRoPE models only): bool ``[T]``, the rows of sequences in the long regime.
         ``between_layers`` is called after every layer but the last; it may run a whole forward
@@ -302,13 +330,4 @@ class DecoderModel(nn.Module):
             if between_layers is not None and i < last:
                 between_layers()
 
-        h = rms_norm(h[sample_rows], self.norm, eps, fused)
-        if isinstance(self.head, PackedWeight) or (self.head is not None and h.shape[0] < LM_HEAD_TRANSPOSED_MAX_ROWS):
-            logits = linear(h, self.head).float()
-        else:
-            logits = F.linear(h, self.lm_head).float()
-        if cfg.logits_scaling != 1.0:
-            logits = logits / cfg.logits_scaling
-        if cfg.final_logit_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return logits
+        return rms_norm(h[rows], self.norm, eps, fused)

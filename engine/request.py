@@ -38,6 +38,9 @@ class SamplingParams:
     min_tokens: int = 0
     # None: no logprobs; 0: the chosen token's only; k: plus the top k alternatives.
     logprobs: int | None = None
+    # The same for every prompt token but the first (vLLM's prompt_logprobs, OpenAI's echo): how
+    # likely the model found it after the tokens before it (engine/prompt_scoring.py).
+    prompt_logprobs: int | None = None
     # Output constrained to a grammar (engine/grammar.py); None for free text.
     grammar: GrammarSpec | None = None
     n: int = 1  # choices sampled from the one prompt (engine/choices.py)
@@ -69,6 +72,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs must be between 0 and 20")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
 
@@ -89,8 +94,9 @@ class EngineRequest:
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
-    top: tuple[tuple[int, str, float], ...] = ()  # (token_id, token, logprob) alternatives
+    logprob: float | None  # None only for a prompt's first token, which nothing before it predicts
+    top: tuple[tuple[int, str, float], ...] = ()  # (token_id, token, logprob) alternatives, likeliest first
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt tokens only)
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ class Delta:
     text: str
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    # On the first delta of a request that asked for prompt logprobs: one per prompt token.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None

@@ -33,6 +33,8 @@ class RequestState:
     grammar: GrammarMatcher | None = None  # has accepted every output token so far
     index: int = 0  # which choice of an n > 1 request
     group: ChoiceGroup | None = None  # the choices of an n > 1 request
+    # Prompt logprobs scored so far (engine/prompt_scoring.py), the first token's first; None if not asked.
+    prompt_scores: list[TokenLogprob] | None = None
 
     @classmethod
     def create(cls, request: EngineRequest, sink: Callable[[Delta], None], index: int, tokenizer: TextTokenizer,
@@ -51,6 +53,11 @@ class RequestState:
             weight=request.tenant_weight,
             group=request.request_id if params.n > 1 else None,
         )
+        prompt_scores = None
+        if params.prompt_logprobs is not None and index == 0:  # later choices take the first's
+            first = seq.prompt_token_ids[0]
+            prompt_scores = [TokenLogprob(first, tokenizer.id_to_token_text(first), None)]
+            seq.reads_prefix_cache = seq.num_prompt_tokens == 1
         return cls(
             request=request,
             seq=seq,
@@ -59,6 +66,7 @@ class RequestState:
             generator=make_generator(params),
             grammar=grammars.matcher(params.grammar) if params.grammar else None,
             index=index,
+            prompt_scores=prompt_scores,
         )
 
     @property
@@ -72,8 +80,10 @@ class RequestState:
 
     def on_token(self, sampled: SampledToken, tokenizer: TextTokenizer, max_model_len: int) -> Delta:
         """Account one sampled token (already appended to the sequence) and build its delta."""
+        prompt_logprobs = None
         if self.first_token_at is None:
             self.first_token_at = time.time()
+            prompt_logprobs = tuple(self.prompt_scores) if self.prompt_scores is not None else None
         params = self.request.params
         token_id = sampled.token_id
         may_stop = len(self.seq.output_token_ids) >= params.min_tokens
@@ -97,6 +107,7 @@ class RequestState:
             text=text,
             token_ids=(token_id,),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             finish_reason=finish_reason,
             usage=self.usage() if finish_reason else None,
             index=self.index,

@@ -59,14 +59,26 @@ class ModelRunner:
         between_layers: Callable[[], None] | None = None,
         nested: bool = False,
     ) -> torch.Tensor:
-        """Float32 logits ``[chunks that sample, vocab]``, in plan order.
+        """Float32 logits ``[chunks that sample, vocab]``, in plan order."""
+        return self.execute_with_hidden(plan, [], lora, between_layers, nested)[0]
 
-        ``between_layers``: called between the model's layers (``DecoderModel.forward``).
+    def execute_with_hidden(
+        self,
+        plan: StepPlan,
+        hidden_rows: list[int],
+        lora: LoraBatchLike | None = None,
+        between_layers: Callable[[], None] | None = None,
+        nested: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling chunks' logits (as ``execute``) and the final hidden states of ``hidden_rows``
+        (indices into the step's tokens, chunk after chunk in plan order) for ``head_logits``.
+
+        ``between_layers``: called between the model's layers (``DecoderModel.final_hidden``).
         ``nested``: this step runs inside another's ``between_layers``; it keeps that step's
         thread count and is left out of the thread tuner's trials, as its time is of that step's.
         """
         if self.thread_tuner is None or nested:
-            return self._execute(plan, lora, between_layers)
+            return self._execute(plan, hidden_rows, lora, between_layers)
         paused = 0.0
 
         def timed_pause() -> None:
@@ -77,16 +89,23 @@ class ModelRunner:
 
         self.thread_tuner.before_step(plan.num_tokens)
         started = time.perf_counter()
-        logits = self._execute(plan, lora, timed_pause if between_layers is not None else None)
+        out = self._execute(plan, hidden_rows, lora, timed_pause if between_layers is not None else None)
         self.thread_tuner.after_step(time.perf_counter() - started - paused)
-        return logits
+        return out
+
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden states from ``execute_with_hidden``."""
+        return self.model.head_logits(hidden)
 
     @torch.inference_mode()
     def _execute(
-        self, plan: StepPlan, lora: LoraBatchLike | None, between_layers: Callable[[], None] | None = None
-    ) -> torch.Tensor:
+        self, plan: StepPlan, hidden_rows: list[int], lora: LoraBatchLike | None,
+        between_layers: Callable[[], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if plan.is_empty:
-            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+            return (torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device),
+                    torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device))
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -108,10 +127,9 @@ class ModelRunner:
         long_rows = self._long_rows(plan) if self.long_context_after is not None else None
         meta = AttentionMetadata.build(specs, self.block_size, self.device, self.decode_kernel, self.config.sliding_window,
                                        self.prefill_kernel)
-        return self.model(
-            as_tensor(token_ids), as_tensor(positions), meta, self.kv_cache, as_tensor(sample_rows), lora, long_rows,
-            between_layers,
-        )
+        hidden = self.model.final_hidden(as_tensor(token_ids), as_tensor(positions), meta, self.kv_cache,
+                                         as_tensor(sample_rows + hidden_rows), lora, long_rows, between_layers)
+        return self.model.head_logits(hidden[:len(sample_rows)]), hidden[len(sample_rows):]
 
     def _long_rows(self, plan: StepPlan) -> torch.Tensor | None:
         """Bool ``[T]``: the rows of sequences in the model's long-context regime (LongRoPE); None if none."""

@@ -28,6 +28,7 @@ from engine.grammar import mask_logits
 from engine.in_flight import InFlight, Outgoing
 from engine.inbox import AbortRequest, AddRequest, Inbox, Message, UnregisterAdapter
 from engine.logit_adjustments import adjust_logits_, adjusts_logits
+from engine.prompt_scoring import rows_to_score, score_prompts
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.step_timer import StepTimer
@@ -179,7 +180,10 @@ class StepLoop:
             lora_batch = None
             if self.lora_pool is not None:
                 lora_batch = self.lora_pool.batch_for([(c.seq.adapter, c.num_tokens) for c in plan.chunks])
-            logits = self.runner.execute(plan, lora_batch, between, nested)
+            scoring, hidden_rows = rows_to_score(plan.chunks, self.requests.get)
+            logits, hidden = self.runner.execute_with_hidden(plan, hidden_rows, lora_batch, between, nested)
+            if scoring:
+                score_prompts(hidden, scoring, self.runner.head_logits, self.tokenizer)
             states = [self.requests.get(c.seq.seq_id) for c in sampling]
             params = [s.request.params for s in states]
             if any(adjusts_logits(p) for p in params):

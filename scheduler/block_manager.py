@@ -124,7 +124,7 @@ class BlockManager:
         Stops short of the last token: the step that computes it produces the
         logits the sequence samples from.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         num_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(seq, num_blocks)

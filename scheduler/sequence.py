@@ -47,6 +47,9 @@ class Sequence:
     recompute_until: int = 0
     recompute_charged_tier: str | None = None
     num_preemptions: int = 0
+    # False while the request needs the logits of prompt positions it has not computed yet
+    # (prompt logprobs): a prefix-cache hit would skip them.
+    reads_prefix_cache: bool = True
     # Time spent in a waiting queue, first wait and waits after preemptions together.
     queue_time_s: float = 0.0
     waiting_since: float | None = None

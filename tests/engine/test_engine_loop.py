@@ -113,7 +113,7 @@ def test_abort_frees_the_requests_blocks_within_a_step(make_engine):
 
 def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(make_engine, hf_greedy, monkeypatch):
     engine, events = make_engine()
-    real_execute = engine.runner.execute
+    real_execute = engine.runner.execute_with_hidden
     calls = {"n": 0}
 
     def flaky_execute(plan, *args):
@@ -122,7 +122,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(make_engin
             raise RuntimeError("injected kernel failure")
         return real_execute(plan, *args)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky_execute)
+    monkeypatch.setattr(engine.runner, "execute_with_hidden", flaky_execute)
     collector_prompt = _prompts(1, seed=4)[0]
     with pytest.raises(Exception, match="injected kernel failure"):
         engine.generate_batch_sync([EngineRequest("doomed", collector_prompt, SamplingParams(max_tokens=4, **GREEDY))])

@@ -1,0 +1,90 @@
+"""Prompt logprobs: how likely the model found each prompt token after the tokens before it.
+
+vLLM's ``prompt_logprobs`` and OpenAI's ``echo`` with ``logprobs`` ask for them; evaluation
+harnesses score answers this way. The row of prompt position ``p`` predicts prompt token
+``p + 1``, so a request's scores arrive with its prefill chunks, whatever their size. Three rules
+keep them whole and cheap:
+
+- such a request reads nothing from the prefix cache until it has them all
+  (``Sequence.reads_prefix_cache``): a hit would skip the rows they come from, and would tell
+  its tenant what the cache holds;
+- rows recomputed after a preemption are not scored again (the request keeps what it has);
+- the LM head runs over ``SLICE_ROWS`` rows at a time, so a long prompt never holds a whole
+  ``[prompt, vocab]`` matrix beside a step's other work.
+
+Only the first choice of an n > 1 request scores; the gateway gives its scores to every choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import TokenLogprob
+from engine.request_state import RequestState
+from engine.tokenizer import TextTokenizer
+from scheduler.plan import ScheduledChunk
+
+SLICE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Rows of one request in this step that score its prompt: positions ``[first, first + count)``."""
+
+    state: RequestState
+    first: int
+    count: int
+
+
+def rows_to_score(chunks: Sequence[ScheduledChunk],
+                  state_of: Callable[[str], RequestState | None]) -> tuple[list[PromptRows], list[int]]:
+    """What this step's chunks score, and those rows' indices among the step's tokens (plan order)."""
+    wanted: list[PromptRows] = []
+    step_rows: list[int] = []
+    offset = 0
+    for chunk in chunks:
+        state = state_of(chunk.seq.seq_id)
+        scores = state.prompt_scores if state is not None else None
+        if scores is not None:
+            # Entry 0 is the first token's, which no row predicts: rows [0, len - 1) are scored.
+            first = max(chunk.start, len(scores) - 1)
+            end = min(chunk.end, chunk.seq.num_prompt_tokens - 1)
+            if first < end:
+                wanted.append(PromptRows(state, first, end - first))
+                step_rows.extend(range(offset + first - chunk.start, offset + end - chunk.start))
+        offset += chunk.num_tokens
+    return wanted, step_rows
+
+
+@torch.inference_mode()
+def score_prompts(hidden: torch.Tensor, wanted: Sequence[PromptRows],
+                  head_logits: Callable[[torch.Tensor], torch.Tensor], tokenizer: TextTokenizer) -> None:
+    """Append each request's scores for ``wanted`` rows (``hidden``: their final hidden states, in order)."""
+    targets = torch.tensor([t for w in wanted for t in w.state.seq.prompt_token_ids[w.first + 1:w.first + 1 + w.count]],
+                           dtype=torch.long, device=hidden.device)
+    top_k = max(w.state.request.params.prompt_logprobs or 0 for w in wanted)
+    chosen: list[float] = []
+    ranks: list[int] = []
+    top: list[list[tuple[int, float]]] = []
+    for lo in range(0, targets.shape[0], SLICE_ROWS):
+        logprobs = torch.log_softmax(head_logits(hidden[lo:lo + SLICE_ROWS]), dim=-1)
+        picked = logprobs.gather(1, targets[lo:lo + SLICE_ROWS, None])
+        chosen += picked.squeeze(1).tolist()
+        ranks += ((logprobs > picked).sum(dim=1) + 1).tolist()
+        if top_k:
+            values, ids = torch.topk(logprobs, top_k)
+            top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    row = 0
+    for w in wanted:
+        k = w.state.request.params.prompt_logprobs or 0
+        scores = w.state.prompt_scores
+        for token_id in w.state.seq.prompt_token_ids[w.first + 1:w.first + 1 + w.count]:
+            alternatives = tuple((tid, tokenizer.id_to_token_text(tid), lp) for tid, lp in top[row][:k]) if k else ()
+            scores.append(TokenLogprob(token_id, tokenizer.id_to_token_text(token_id), chosen[row], alternatives,
+                                       ranks[row]))
+            row += 1
+        if len(scores) == w.state.seq.num_prompt_tokens:
+            w.state.seq.reads_prefix_cache = True

@@ -1,0 +1,138 @@
+"""Prompt logprobs (vLLM's prompt_logprobs, OpenAI's echo): HF's scores, each delivered once,
+however the prompt is chunked, batched, cached or preempted."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.events import StepEvent
+from engine.prompt_scoring import rows_to_score
+from engine.request import Delta, EngineRequest, SamplingParams, TokenLogprob
+from scheduler.plan import ScheduledChunk
+from scheduler.sequence import Sequence
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 300) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def hf_scores(model_dir):
+    """HF's log-softmax rows of a whole prompt in one forward: row i scores token i + 1."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def score(prompt: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+
+    return score
+
+
+def _run(engine, requests: list[EngineRequest]) -> dict[str, list[Delta]]:
+    async def one(request: EngineRequest) -> list[Delta]:
+        return [delta async for delta in engine.generate(request)]
+
+    async def main():
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    return {r.request_id: deltas for r, deltas in zip(requests, asyncio.run(main()))}
+
+
+def _only_scores(deltas: list[Delta]) -> tuple[TokenLogprob, ...]:
+    carrying = [d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None]
+    assert len(carrying) == 1, f"prompt logprobs came in {len(carrying)} deltas"
+    return carrying[0]
+
+
+def _assert_hf_scores(scores: tuple[TokenLogprob, ...], prompt: list[int], reference: torch.Tensor, k: int) -> None:
+    assert [s.token_id for s in scores] == prompt
+    assert scores[0].logprob is None and scores[0].top == () and scores[0].rank is None
+    for i, s in enumerate(scores[1:]):
+        row = reference[i]
+        expected = row[prompt[i + 1]].item()
+        assert s.logprob == pytest.approx(expected, abs=1e-4), f"prompt token {i + 1}"
+        # Ties within float noise may fall either way between two implementations.
+        assert 1 + int((row > expected + 1e-4).sum()) <= s.rank <= 1 + int((row > expected - 1e-4).sum())
+        assert len(s.top) == k
+        values, _ = torch.topk(row, k)
+        assert [lp for _, _, lp in s.top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert [row[tid].item() for tid, _, _ in s.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_are_hfs_over_chunked_prefills_beside_other_requests(make_engine, hf_scores):
+    engine, events = make_engine()  # 64-token steps: this prompt takes three
+    prompt = _prompt(150, seed=1)
+    scored = EngineRequest("scored", prompt, SamplingParams(max_tokens=3, prompt_logprobs=3, **GREEDY))
+    neighbours = [EngineRequest(f"n{i}", _prompt(30, seed=10 + i), SamplingParams(max_tokens=20, **GREEDY))
+                  for i in range(3)]
+    out = _run(engine, [*neighbours, scored])
+
+    _assert_hf_scores(_only_scores(out["scored"]), prompt, hf_scores(prompt), k=3)
+    assert all(d.prompt_logprobs is None for n in neighbours for d in out[n.request_id])
+    chunks = [it for e in events if isinstance(e, StepEvent) for it in e.items if it.request_id == "scored"]
+    assert sum(it.tokens > 1 for it in chunks) >= 3, "the prompt was not prefilled in chunks"
+
+
+def test_a_request_scoring_its_prompt_reads_nothing_from_the_prefix_cache(make_engine, hf_scores):
+    engine, _ = make_engine()
+    prompt = _prompt(40, seed=2)
+
+    def usage(request_id: str, **params) -> tuple:
+        deltas = _run(engine, [EngineRequest(request_id, prompt, SamplingParams(max_tokens=2, **GREEDY, **params))])
+        return deltas[request_id][-1].usage, deltas[request_id]
+
+    usage("warm")
+    scored_usage, deltas = usage("scored", prompt_logprobs=0)
+    assert scored_usage.cached_tokens == 0
+    _assert_hf_scores(_only_scores(deltas), prompt, hf_scores(prompt), k=0)
+    assert usage("after")[0].cached_tokens > 0, "the cache held the prompt all along"
+
+
+def test_only_the_first_choice_scores_and_later_choices_still_read_its_cached_prompt(make_engine, hf_scores):
+    engine, events = make_engine()
+    prompt = _prompt(40, seed=3)
+    request = EngineRequest("two", prompt, SamplingParams(max_tokens=4, n=2, prompt_logprobs=1, temperature=1.0,
+                                                          seed=7, ignore_eos=True))
+    deltas = _run(engine, [request])["two"]
+    scores = _only_scores(deltas)
+    assert next(d.index for d in deltas if d.prompt_logprobs is not None) == 0
+    _assert_hf_scores(scores, prompt, hf_scores(prompt), k=1)
+    computed = sum(it.tokens for e in events if isinstance(e, StepEvent) for it in e.items if it.request_id == "two")
+    assert computed < 2 * len(prompt), "the second choice recomputed the prompt"
+
+
+def test_preempted_scoring_requests_deliver_each_score_once_and_equal_to_hfs(make_engine, hf_scores):
+    # 24 blocks of 4 tokens cannot hold eight 40-token sequences: requests are preempted and recompute.
+    engine, events = make_engine(num_kv_blocks=24, policy="fcfs")
+    prompts = [_prompt(random.Random(i).randrange(20, 30), seed=20 + i) for i in range(8)]
+    requests = [EngineRequest(f"p{i}", p, SamplingParams(max_tokens=16, prompt_logprobs=2, **GREEDY))
+                for i, p in enumerate(prompts)]
+    out = _run(engine, requests)
+    for request in requests:
+        _assert_hf_scores(_only_scores(out[request.request_id]), request.prompt_token_ids,
+                          hf_scores(request.prompt_token_ids), k=2)
+    assert any(e.preempted for e in events if isinstance(e, StepEvent))
+
+
+def test_rows_scored_before_a_preemption_are_not_scored_again():
+    seq = Sequence("s", list(range(10, 30)))  # 20 prompt tokens: rows 0..18 score tokens 1..19
+    scores = [TokenLogprob(10, "a", None)] + [TokenLogprob(t, "a", -1.0) for t in range(11, 18)]  # rows 0..6 scored
+    state = SimpleNamespace(prompt_scores=scores, seq=seq)
+    other = Sequence("o", [1, 2, 3])
+    plan = [ScheduledChunk(other, 0, 3), ScheduledChunk(seq, 0, 12)]  # the recompute starts over at 0
+    wanted, step_rows = rows_to_score(plan, {"s": state}.get)
+    assert [(w.first, w.count) for w in wanted] == [(7, 5)]
+    assert step_rows == [3 + 7, 3 + 8, 3 + 9, 3 + 10, 3 + 11]
+    # The chunk that ends the prompt scores up to its last token but one; the last row samples.
+    scores += [TokenLogprob(t, "a", -1.0) for t in range(18, 23)]
+    wanted, step_rows = rows_to_score([ScheduledChunk(seq, 12, 8)], {"s": state}.get)
+    assert [(w.first, w.count) for w in wanted] == [(12, 7)] and step_rows == list(range(0, 7))
