@@ -27,7 +27,7 @@ from gateway.logs import request_context
 from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
 from gateway.response_format import compile_grammar
-from gateway.schemas import parse_chat, parse_completion, parse_json_body
+from gateway.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_body
 from gateway.services import EngineFront, Gateway
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,19 @@ def default_max_tokens(prompt_len: int, max_model_len: int, default: int) -> int
     return max(1, min(default, max_model_len - prompt_len))
 
 
+def prompt_scores_wanted(req: GenerationRequest) -> int | None:
+    """How many alternatives the engine scores each prompt token with; None: it scores none.
+
+    ``echo`` with ``logprobs`` shows the prompt's tokens with the same logprobs as the completion's."""
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    return max(wanted, default=None)
+
+
+def echo_text(req: GenerationRequest, prompt: list[int], tokenizer) -> str:
+    """The prompt as ``echo`` gives it back: the client's own text, or its token ids decoded."""
+    return req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt)
+
+
 def check_request(engine: EngineFront, request: EngineRequest, max_tokens_given: bool) -> None:
     """The engine's own checks (engine/validation.py), as a 400; run before any limit is reserved."""
     try:
@@ -107,7 +120,7 @@ async def _generate(request: Request, kind: str) -> Response:
         # Sampling's fields carry SamplingParams' own names.
         params = SamplingParams(max_tokens=max_tokens, **vars(req.sampling), stop=req.stop,
                                 stop_token_ids=req.stop_token_ids, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
-                                grammar=req.grammar, n=req.n)
+                                grammar=req.grammar, n=req.n, prompt_logprobs=prompt_scores_wanted(req))
         engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
                                        tenant_weight=tenant.weight)
         check_request(gw.engine, engine_request, req.max_tokens is not None)
@@ -120,6 +133,8 @@ async def _generate(request: Request, kind: str) -> Response:
         reserved_tokens=len(prompt) + req.n * max_tokens,
         want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
         parse_tool_calls=req.tools is not None and req.tools.choice != "none", n=req.n,
+        top_logprobs=req.logprobs or 0, prompt_logprobs=req.prompt_logprobs,
+        echo_text=echo_text(req, prompt, gw.prompts.tokenizer) if req.echo else None,
     )
     # Refusals are counted (metrics) and billed (ledger) but not traced: a span costs about as much
     # as the rest of a 429, and a flood of 429s must stay cheap to answer.

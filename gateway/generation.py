@@ -50,6 +50,9 @@ class AdmittedRequest:
     include_usage: bool
     parse_tool_calls: bool = False  # the answer may hold tool calls (gateway/tools.py)
     n: int = 1  # choices
+    top_logprobs: int = 0  # alternatives shown beside each token's logprob
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
+    echo_text: str | None = None  # completions' echo: the prompt, given back before each choice's text
 
 
 class Generation:
@@ -117,9 +120,17 @@ class Generation:
             # durable (committed or spooled) before the first chunk.
             await asyncio.wrap_future(self.row_opened)
         yield b"".join(writer.first(index) for index in range(request.n))
+        echoed: set[int] = set()
+        prompt_scores: tuple[TokenLogprob, ...] = ()
         async for delta in self.stream:
             self._on_delta(delta)
             text, reason, index = delta.text, delta.finish_reason, delta.index
+            if delta.prompt_logprobs is not None:  # on the first choice's first delta, before any sibling's
+                prompt_scores = delta.prompt_logprobs
+            if request.echo_text is not None and index not in echoed:
+                echoed.add(index)
+                items = fmt.echo_items(prompt_scores, request.top_logprobs) if request.want_logprobs else ()
+                yield writer.delta(request.echo_text, items, request.want_logprobs, index=index)
             if request.parse_tool_calls:
                 parser = parsers.setdefault(index, ToolCallParser())
                 pieces = parser.feed(text) + (parser.finish() if reason is not None else [])
@@ -157,11 +168,14 @@ class Generation:
         logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
         reasons: dict[int, str] = {}
         last: Delta | None = None
+        prompt_scores: tuple[TokenLogprob, ...] = ()
         try:
             async for last in self.stream:
                 self._on_delta(last)
                 texts[last.index].append(last.text)
                 logprobs[last.index].extend(last.logprobs)
+                if last.prompt_logprobs is not None:
+                    prompt_scores = last.prompt_logprobs
                 if last.finish_reason is not None:
                     reasons[last.index] = last.finish_reason
                 if last.is_last:
@@ -177,22 +191,34 @@ class Generation:
             return JSONResponse({"error": {"message": "The engine failed while generating; the request was stopped.",
                                            "type": "server_error", "param": None, "code": "engine_error"}},
                                 status_code=500)
-        choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i])
+        choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i], prompt_scores)
                    for i in range(request.n)]
         usage = delta.usage or self._usage()
         if request.kind == "chat":
             body = fmt.chat_response(request.request_id, self.created, request.model, choices, usage)
+            if request.prompt_logprobs is not None:  # vLLM's place for them on chat: the response's
+                body["prompt_logprobs"] = fmt.prompt_logprobs(prompt_scores, request.prompt_logprobs)
         else:
             body = fmt.completion_response(request.request_id, self.created, request.model, choices, usage)
         return JSONResponse(body, headers=headers)
 
-    def _choice(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob]) -> dict:
-        if self.request.kind != "chat":
-            lp = fmt.completion_logprobs(logprobs, 0) if self.request.want_logprobs else None
-            return fmt.completion_choice(index, text, reason, lp)
-        lp = fmt.chat_logprobs(logprobs) if self.request.want_logprobs else None
+    def _choice(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob],
+                prompt_scores: tuple[TokenLogprob, ...]) -> dict:
+        request = self.request
+        if request.kind != "chat":
+            lp = None
+            if request.want_logprobs and request.echo_text is not None:
+                lp = fmt.echoed_completion_logprobs(prompt_scores, request.top_logprobs, len(request.echo_text),
+                                                    logprobs)
+            elif request.want_logprobs:
+                lp = fmt.completion_logprobs(logprobs, 0)
+            choice = fmt.completion_choice(index, (request.echo_text or "") + text, reason, lp)
+            if request.prompt_logprobs is not None:  # vLLM's place for them on completions: each choice's
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(prompt_scores, request.prompt_logprobs)
+            return choice
+        lp = fmt.chat_logprobs(logprobs) if request.want_logprobs else None
         content, calls = text, None
-        if self.request.parse_tool_calls:
+        if request.parse_tool_calls:
             content, calls = split_tool_calls(text)
             reason = "tool_calls" if reason == "stop" and calls else reason
         return fmt.chat_choice(index, content, reason, lp, calls)

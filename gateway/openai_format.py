@@ -5,6 +5,7 @@ Pure functions of the engine's deltas, so the shapes can be checked without a mo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -59,9 +60,36 @@ def completion_logprobs(items: Sequence[TokenLogprob], text_offset_start: int) -
     return {
         "tokens": [lp.token for lp in items],
         "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{t: p for _, t, p in lp.top} for lp in items],
+        # A prompt's first token has neither logprob nor alternatives: null, as OpenAI's echo gives it.
+        "top_logprobs": [None if lp.logprob is None else {t: p for _, t, p in lp.top} for lp in items],
         "text_offset": offsets,
     }
+
+
+def echo_items(prompt_scores: Sequence[TokenLogprob], top: int) -> list[TokenLogprob]:
+    """The prompt's tokens as ``echo`` lists them: with as many alternatives as the completion's."""
+    return [dataclasses.replace(s, top=s.top[:top]) for s in prompt_scores]
+
+
+def echoed_completion_logprobs(prompt_scores: Sequence[TokenLogprob], top: int, echo_len: int,
+                               items: Sequence[TokenLogprob]) -> dict:
+    """A completion's logprobs after its echoed prompt: the prompt's tokens first, the completion's
+    offsets counted from the end of the echoed text."""
+    head = completion_logprobs(echo_items(prompt_scores, top), 0)
+    tail = completion_logprobs(items, echo_len)
+    return {key: head[key] + tail[key] for key in head}
+
+
+def prompt_logprobs(prompt_scores: Sequence[TokenLogprob], top: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: null for the first token, then by token id (a string, as JSON keys are)
+    the prompt token's and its ``top`` alternatives' logprob, rank and text."""
+    out: list[dict | None] = [None]
+    for s in prompt_scores[1:]:
+        entry = {str(s.token_id): {"logprob": s.logprob, "rank": s.rank, "decoded_token": s.token}}
+        for rank, (token_id, token, logprob) in enumerate(s.top[:top], start=1):
+            entry.setdefault(str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": token})
+        out.append(entry)
+    return out
 
 
 def finish_reason(reason: str | None) -> str | None:

@@ -28,6 +28,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 16  # n: each choice is a sequence of its own in the KV pool
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -68,6 +69,8 @@ class GenerationRequest:
     sampling: Sampling = Sampling()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k: the chosen token plus k alternatives
+    prompt_logprobs: int | None = None  # vLLM's extension: the same for each prompt token
+    echo: bool = False  # completions: the prompt comes back before the completion (with logprobs, scored)
     user: str | None = None
     stream: bool = False
     include_usage: bool = False
@@ -141,7 +144,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 _SERVED_BY_BOTH = frozenset({
     "model", "n", "best_of", "stream", "stream_options", "stop", "user",
     "max_tokens", "max_completion_tokens", "logprobs", "response_format", "structured_outputs", "ignore_eos",
-    "stop_token_ids",
+    "stop_token_ids", "prompt_logprobs",
 }) | SAMPLING_FIELDS
 _SERVED = {
     "chat": _SERVED_BY_BOTH | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
@@ -192,6 +195,10 @@ def _common(body: dict) -> dict[str, Any]:
             raise invalid_param("stream_options", "The 'stream_options' parameter is only allowed when 'stream' "
                                 "is enabled.", "invalid_value")
         include_usage = bool_field(options, "include_usage")
+    prompt_logprobs = int_field(body, "prompt_logprobs", 0, MAX_PROMPT_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise invalid_param("prompt_logprobs", "The 'prompt_logprobs' parameter is not available when 'stream' is "
+                            "enabled.", "invalid_value")
     return dict(
         model=model,
         n=n or 1,
@@ -202,6 +209,7 @@ def _common(body: dict) -> dict[str, Any]:
         include_usage=include_usage,
         ignore_eos=bool_field(body, "ignore_eos"),
         stop_token_ids=_stop_token_ids(body),
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -346,6 +354,10 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
         return raw
     if isinstance(raw, list) and raw and all(is_int(t) and t >= 0 for t in raw):
         return tuple(raw)
+    # A batch of one (evaluation harnesses send their prompts so).
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], list) and raw[0] and all(
+            is_int(t) and t >= 0 for t in raw[0]):
+        return tuple(raw[0])
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
         return raw[0]
     if isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):
@@ -360,8 +372,6 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     common = _common(body)
     if optional(body, "suffix") is not None:
         raise invalid_param("suffix", "The 'suffix' parameter is not supported.", "invalid_value")
-    if bool_field(body, "echo"):
-        raise invalid_param("echo", "The 'echo' parameter is not supported.", "invalid_value")
     for name in ("tools", "tool_choice"):
         if optional(body, name) is not None:
             raise invalid_param(name, f"'{name}' is only supported on /v1/chat/completions.", "invalid_value")
@@ -373,5 +383,6 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
         prompt=_prompt(body),
         max_tokens=_max_tokens(body),
         logprobs=int_field(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS),
+        echo=bool_field(body, "echo"),
         **common,
     )

@@ -85,7 +85,10 @@ def test_bad_chat_field_is_400_naming_the_parameter(body, param):
         ({"model": "m", "prompt": [1, -2]}, "prompt"),
         ({**COMPLETION, "logprobs": 6}, "logprobs"),
         ({**COMPLETION, "logprobs": True}, "logprobs"),
-        ({**COMPLETION, "echo": True}, "echo"),
+        ({**COMPLETION, "echo": "yes"}, "echo"),
+        ({**COMPLETION, "prompt": [[1, 2], [3]]}, "prompt"),
+        ({**COMPLETION, "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({**COMPLETION, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({**COMPLETION, "best_of": 3}, "best_of"),
     ],
 )
@@ -94,9 +97,18 @@ def test_bad_completion_field_is_400_naming_the_parameter(body, param):
     assert e.status == 400 and e.param == param
 
 
-def test_token_id_prompts_and_single_string_lists_are_accepted():
+def test_token_id_prompts_and_batches_of_one_are_accepted():
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == (1, 2, 3)
     assert parse_completion({"model": "m", "prompt": ["one"]}).prompt == "one"
+    assert parse_completion({"model": "m", "prompt": [[4, 5]]}).prompt == (4, 5)
+
+
+@pytest.mark.parametrize("parse, base", [(parse_chat, CHAT), (parse_completion, COMPLETION)], ids=["chat", "completion"])
+def test_prompt_logprobs_is_read_on_both_endpoints_and_echo_on_completions(parse, base):
+    assert parse({**base, "prompt_logprobs": 3}).prompt_logprobs == 3
+    assert parse(base).prompt_logprobs is None
+    assert parse_completion({**COMPLETION, "echo": True}).echo is True
+    assert error_of(parse_chat, {**CHAT, "echo": True}).param == "echo"
 
 
 @pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b"\xff\xfe", b"null", b'"text"'])
@@ -114,7 +126,7 @@ def test_ignore_eos_is_accepted_as_vllms_extension_and_must_be_a_boolean():
 @pytest.mark.parametrize("parse, base", [(parse_chat, CHAT), (parse_completion, COMPLETION)], ids=["chat", "completion"])
 @pytest.mark.parametrize("name, value", [
     ("functions", [{"name": "f"}]), ("reasoning_effort", "high"), ("store", True), ("mirostat", 2),
-    ("typical_p", 0.9), ("prompt_logprobs", 1),
+    ("typical_p", 0.9),
 ])
 def test_an_argument_we_do_not_serve_is_400_naming_it(parse, base, name, value):
     with pytest.raises(APIError) as e:
