@@ -110,9 +110,28 @@ def test_only_the_first_choice_scores_and_later_choices_still_read_its_cached_pr
     assert computed < 2 * len(prompt), "the second choice recomputed the prompt"
 
 
+def _preempted_mid_prefill(events: list, prompts: dict[str, list[int]]) -> list[tuple[str, int]]:
+    """(request, prompt tokens it had computed) for each request first preempted before its prompt was done."""
+    computed: dict[str, int] = {}
+    done: set[str] = set()
+    found = []
+    for item in (it for e in events if isinstance(e, StepEvent) for it in e.items):
+        if item.request_id in done:  # preempted before: its recompute is not counted
+            continue
+        computed.setdefault(item.request_id, 0)
+        if item.is_recompute:
+            if computed[item.request_id] < len(prompts[item.request_id]):
+                found.append((item.request_id, computed[item.request_id]))
+            done.add(item.request_id)
+        else:
+            computed[item.request_id] += item.tokens
+    return found
+
+
 def test_preempted_scoring_requests_deliver_each_score_once_and_equal_to_hfs(make_engine, hf_scores):
-    # 24 blocks of 4 tokens cannot hold eight 40-token sequences: requests are preempted and recompute.
-    engine, events = make_engine(num_kv_blocks=24, policy="fcfs")
+    # 16 blocks of 4 tokens cannot hold eight 40-token sequences, and 16-token steps chunk every
+    # prompt: requests are preempted halfway through their prompts and recompute from the start.
+    engine, events = make_engine(num_kv_blocks=16, max_num_batched_tokens=16, policy="fcfs")
     prompts = [_prompt(random.Random(i).randrange(20, 30), seed=20 + i) for i in range(8)]
     requests = [EngineRequest(f"p{i}", p, SamplingParams(max_tokens=16, prompt_logprobs=2, **GREEDY))
                 for i, p in enumerate(prompts)]
@@ -120,7 +139,8 @@ def test_preempted_scoring_requests_deliver_each_score_once_and_equal_to_hfs(mak
     for request in requests:
         _assert_hf_scores(_only_scores(out[request.request_id]), request.prompt_token_ids,
                           hf_scores(request.prompt_token_ids), k=2)
-    assert any(e.preempted for e in events if isinstance(e, StepEvent))
+    halfway = _preempted_mid_prefill(events, {r.request_id: r.prompt_token_ids for r in requests})
+    assert any(computed > 1 for _, computed in halfway), "no request lost scored rows to a preemption"
 
 
 def test_rows_scored_before_a_preemption_are_not_scored_again():
