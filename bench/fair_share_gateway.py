@@ -277,9 +277,11 @@ def goals(by_policy: dict, rounds: list[dict]) -> list[dict]:
          "met": t_ratio <= 2},
         {"goal": "fcfs far worse (its p99 ratio over tiered's, at least 5; inf: none served)", "value": worse,
          "met": worse >= 5},
-        {"goal": "throughput beside the flood within 5% of fcfs (tiered / fcfs, median over rounds)",
+        # The goal guards against fair share costing throughput: serving more than fcfs (which
+        # preempts and recomputes more beside a flood) loses nothing.
+        {"goal": "throughput beside the flood at most 5% below fcfs (tiered / fcfs, median over rounds)",
          "value": throughput,
-         "met": abs(throughput - 1) <= 0.05},
+         "met": throughput >= 0.95},
     ]
 
 

@@ -172,8 +172,9 @@ def run(sc: Scenario, cost: CostModel) -> dict:
         {"goal": "fcfs far worse: its ratio at least 5x tiered's",
          "value": rows["fcfs"]["p99_ratio"] / rows["tiered"]["p99_ratio"],
          "met": rows["fcfs"]["p99_ratio"] >= 5 * rows["tiered"]["p99_ratio"]},
-        {"goal": "throughput beside the flood within 5% of fcfs (tiered / fcfs)", "value": throughput,
-         "met": abs(throughput - 1) <= 0.05},
+        # A loss is what the goal guards against: serving more than fcfs costs nothing.
+        {"goal": "throughput beside the flood at most 5% below fcfs (tiered / fcfs)", "value": throughput,
+         "met": throughput >= 0.95},
         {"goal": "fair share costs under 5% of throughput (tiered / tiered-nofair, same KV reserve)",
          "value": fairness_cost, "met": fairness_cost >= 0.95},
     ]
