@@ -120,10 +120,8 @@ void column(const Operands<scalar_t>& o, int64_t panel0, int64_t next_end) {
 }
 
 template <typename scalar_t>
-void multiply(const at::Tensor& x, const at::Tensor& panels, at::Tensor& out) {
-  const Operands<scalar_t> o{panels.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
-                             out.mutable_data_ptr<scalar_t>(), x.size(1), out.size(1), x.size(0), x.stride(0)};
-  const int64_t num_panels = panels.size(0), tiles = num_panels / TILE_PANELS;
+void multiply_block(const Operands<scalar_t>& o, int64_t num_panels) {
+  const int64_t tiles = num_panels / TILE_PANELS;
   if (o.rows == 1) {
     // One row does a single FMA per weight loaded: the call is a pure read of the weight, and a
     // thread reads its share fastest as one stream, panel after panel, not two panels abreast.
@@ -136,6 +134,28 @@ void multiply(const at::Tensor& x, const at::Tensor& panels, at::Tensor& out) {
     for (int64_t t = begin; t < end; ++t) column<scalar_t, TILE_PANELS>(o, t * TILE_PANELS, end * TILE_PANELS);
   });
   for (int64_t p = tiles * TILE_PANELS; p < num_panels; ++p) column<scalar_t, 1>(o, p, num_panels);
+}
+
+// Rows go through in blocks of about this many bytes of x: a block stays in L2 while every
+// panel passes over it, where all the rows of a long prefill chunk would be read again from L3
+// for each panel.
+constexpr int64_t ROW_BLOCK_BYTES = 256 * 1024;
+
+template <typename scalar_t>
+void multiply(const at::Tensor& x, const at::Tensor& panels, at::Tensor& out) {
+  const Operands<scalar_t> o{panels.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                             out.mutable_data_ptr<scalar_t>(), x.size(1), out.size(1), x.size(0), x.stride(0)};
+  // Blocks of equal size, whole tiles each: a short last block would run at a few rows' speed.
+  const int64_t fit = std::max<int64_t>(TILE_ROWS, ROW_BLOCK_BYTES / (o.in * int64_t(sizeof(scalar_t))));
+  const int64_t blocks = (o.rows + fit - 1) / fit;
+  const int64_t block_rows = ((o.rows + blocks - 1) / blocks + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+  for (int64_t row0 = 0; row0 < o.rows; row0 += block_rows) {
+    Operands<scalar_t> block = o;
+    block.x = o.x + row0 * o.x_stride;
+    block.out = o.out + row0 * o.out_features;
+    block.rows = std::min(block_rows, o.rows - row0);
+    multiply_block(block, panels.size(0));
+  }
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {

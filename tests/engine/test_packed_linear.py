@@ -40,10 +40,12 @@ def test_the_panel_kernel_builds_here_and_is_the_default_form():
     assert weight_form("cpu", torch.float32) == "panels"
 
 
-# Row counts across the kernel's tiles (1..12 rows a tile, then more tiles) and shapes whose
-# outputs are not a multiple of the 16-output panel, so the zero-padded last panel is read.
+# Row counts across the kernel's tiles (1..12 rows a tile, then more tiles), shapes whose
+# outputs are not a multiple of the 16-output panel, so the zero-padded last panel is read, and
+# inputs wide enough that the rows go through in several blocks (up to 256 KB of x each: 113 rows of
+# 576 inputs, 32 of 2048).
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 33, 130])
-@pytest.mark.parametrize("shape", [(64, 96), (96, 64), (100, 33), (576, 1536)])
+@pytest.mark.parametrize("shape", [(64, 96), (96, 64), (100, 33), (576, 1536), (2048, 40)])
 def test_every_form_of_a_projection_matches_a_float64_matmul(rows, shape):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(shape, generator=gen) * 0.1
@@ -63,6 +65,10 @@ def test_the_panel_kernel_reads_rows_with_a_stride_and_answers_an_empty_batch():
     strided = wide[:, 32:96]  # rows 128 floats apart
     assert torch.allclose(PanelWeight(weight)(strided), strided @ weight, atol=1e-5)
     assert PanelWeight(weight)(torch.empty(0, 64)).shape == (0, 40)
+    wide_weight = torch.randn(2048, 40)
+    strided = torch.randn(70, 4096)[:, 1024:3072]  # rows 4096 floats apart, in three row blocks
+    assert torch.allclose(PanelWeight(wide_weight)(strided).double(), strided.double() @ wide_weight.double(),
+                          atol=1e-4)
 
 
 def test_packing_is_off_for_cuda_other_dtypes_and_when_the_setting_says_so(monkeypatch):
