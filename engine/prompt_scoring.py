@@ -27,7 +27,7 @@ from engine.request_state import RequestState
 from engine.tokenizer import TextTokenizer
 from scheduler.plan import ScheduledChunk
 
-SLICE_ROWS = 64
+SLICE_ROWS = 128  # the panel kernel reads the head once per slice: more rows, fewer passes over it
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def score_prompts(hidden: torch.Tensor, wanted: Sequence[PromptRows],
         logprobs = torch.log_softmax(head_logits(hidden[lo:lo + SLICE_ROWS]), dim=-1)
         picked = logprobs.gather(1, targets[lo:lo + SLICE_ROWS, None])
         chosen += picked.squeeze(1).tolist()
-        ranks += ((logprobs > picked).sum(dim=1) + 1).tolist()
+        ranks += ((logprobs > picked).sum(dim=1, dtype=torch.int32) + 1).tolist()
         if top_k:
             values, ids = torch.topk(logprobs, top_k)
             top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
