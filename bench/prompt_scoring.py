@@ -49,13 +49,13 @@ def _score_rows(logits, targets):
     return float(chosen.sum()), int(greedy)
 
 
-def run_tiergate(prompts: list[list[int]]) -> tuple[float, list[float]]:
+def run_tiergate(prompts: list[list[int]], model: str = "bundled") -> tuple[float, list[float]]:
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import EngineRequest, SamplingParams
 
     longest = max(len(p) for p in prompts) + 1
-    engine = Engine(EngineConfig(model="bundled", policy="fcfs", num_kv_blocks=len(prompts) * -(-longest // 16),
+    engine = Engine(EngineConfig(model=model, policy="fcfs", num_kv_blocks=len(prompts) * -(-longest // 16),
                                  max_num_seqs=len(prompts), enable_prefix_caching=False)).start()
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     engine.generate_batch_sync([EngineRequest("warm-up", prompts[0][:16], params)])
@@ -79,12 +79,12 @@ def run_tiergate(prompts: list[list[int]]) -> tuple[float, list[float]]:
         engine.shutdown()
 
 
-def run_hf(prompts: list[list[int]], threads: int) -> tuple[float, list[float]]:
+def run_hf(prompts: list[list[int]], threads: int, model_dir: Path | None = None) -> tuple[float, list[float]]:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_files.hf_dir(), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir or model_files.hf_dir(), dtype=torch.float32).eval()
     with torch.inference_mode():
         model(torch.tensor([prompts[0][:16]]))
         began = time.perf_counter()

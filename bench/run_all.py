@@ -66,6 +66,8 @@ def benches() -> list[Bench]:
               quick_args=["--tokens", "32"]),
         Bench("projections", "A decode step's projections: the panel kernel vs oneDNN and torch.mm",
               quick_args=["--rows", "1,32", "--rounds", "2"]),
+        Bench("prompt_scoring", "Prompt scoring (prompt logprobs, echo): tiergate vs HF transformers and llama.cpp",
+              quick_args=["--prompts", "4", "--prompt-len", "32,64", "--rounds", "1"]),
         Bench("lora_throughput", "Multi-LoRA throughput", quick_args=[]),
         # Reads the step-cost model engine_throughput just fitted (when it ran); SLOs scaled to it.
         Bench("slo_sim", "SLO simulation on this CPU's cost model: tiered vs fcfs on a virtual clock", step_cost),
