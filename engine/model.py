@@ -213,21 +213,6 @@ class DecoderModel(nn.Module):
             self.lm_head = nn.Parameter(self.head.dense().t().contiguous(), requires_grad=False)
         self.head = None
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVCache,
-        sample_rows: torch.Tensor,
-        lora: LoraBatchLike | None = None,
-        long_rows: torch.Tensor | None = None,
-        between_layers: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
-        """Hidden states of the ``sample_rows`` through the LM head: float32 ``[len(sample_rows), vocab]``."""
-        return self.head_logits(self.final_hidden(input_ids, positions, meta, kv_cache, sample_rows, lora, long_rows,
-                                                  between_layers))
-
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` of final-normed hidden states (``final_hidden``)."""
         cfg = self.cfg

@@ -194,11 +194,17 @@ class Generation:
         choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i], prompt_scores)
                    for i in range(request.n)]
         usage = delta.usage or self._usage()
+        shown = None  # vLLM's prompt_logprobs: the response's on chat, each choice's on completions
+        if request.prompt_logprobs is not None:
+            shown = fmt.prompt_logprobs(prompt_scores, request.prompt_logprobs)
         if request.kind == "chat":
             body = fmt.chat_response(request.request_id, self.created, request.model, choices, usage)
-            if request.prompt_logprobs is not None:  # vLLM's place for them on chat: the response's
-                body["prompt_logprobs"] = fmt.prompt_logprobs(prompt_scores, request.prompt_logprobs)
+            if shown is not None:
+                body["prompt_logprobs"] = shown
         else:
+            if shown is not None:
+                for choice in choices:
+                    choice["prompt_logprobs"] = shown
             body = fmt.completion_response(request.request_id, self.created, request.model, choices, usage)
         return JSONResponse(body, headers=headers)
 
@@ -212,10 +218,7 @@ class Generation:
                                                     logprobs)
             elif request.want_logprobs:
                 lp = fmt.completion_logprobs(logprobs, 0)
-            choice = fmt.completion_choice(index, (request.echo_text or "") + text, reason, lp)
-            if request.prompt_logprobs is not None:  # vLLM's place for them on completions: each choice's
-                choice["prompt_logprobs"] = fmt.prompt_logprobs(prompt_scores, request.prompt_logprobs)
-            return choice
+            return fmt.completion_choice(index, (request.echo_text or "") + text, reason, lp)
         lp = fmt.chat_logprobs(logprobs) if request.want_logprobs else None
         content, calls = text, None
         if request.parse_tool_calls:
