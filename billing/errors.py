@@ -61,3 +61,15 @@ class MissingPrice(BillingError):
 
 class UnknownRequest(NotFound):
     pass
+
+
+class InvalidPrice(BillingError):
+    pass
+
+
+class InvalidBudget(BillingError):
+    pass
+
+
+class UnknownBudget(NotFound):
+    pass

@@ -170,3 +170,39 @@ def find_named(session: Session, model: type[Tenant] | type[Adapter], name: str,
     if row is None:
         raise unknown(f"unknown {model.__name__.lower()} {name!r}")
     return row
+
+
+class Price(Base):
+    """A tier's prices from ``effective_from`` on (until the tier's next row): a change never reprices the past."""
+
+    __tablename__ = "prices"
+    __table_args__ = (Index("ix_prices_tier_effective_from", "tier", "effective_from", unique=True),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tier: Mapped[str] = mapped_column(String(32))
+    effective_from: Mapped[datetime] = mapped_column(DateTime)
+    per_gpu_second: Mapped[float] = mapped_column(Float)
+    per_million_prompt_tokens: Mapped[float] = mapped_column(Float)
+    per_million_completion_tokens: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class Budget(Base):
+    """A tenant's spend limit in one unit over a period (billing.budgets); one per tenant and unit."""
+
+    __tablename__ = "budgets"
+    __table_args__ = (
+        Index("ix_budgets_tenant_id_unit", "tenant_id", "unit", unique=True),
+        CheckConstraint("unit IN ('tokens', 'gpu_seconds', 'usd')", name="unit"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    unit: Mapped[str] = mapped_column(String(16))
+    limit: Mapped[float] = mapped_column(Float)
+    period: Mapped[str] = mapped_column(String(16))  # "month" or "<N>d"
+    timezone: Mapped[str] = mapped_column(String(64))
+    soft: Mapped[float] = mapped_column(Float)  # fraction of the limit that warns
+    # An N-day period runs from this moment's day (in the budget's time zone) on, N days at a time.
+    anchored_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)

@@ -34,6 +34,9 @@ def as_dicts(rows: list[ReportRow]) -> list[dict]:
             "recompute_gpu_seconds": round(r.recompute_gpu_seconds, 6),
             "queue_seconds": round(r.queue_seconds, 6),
             "cost": round(r.cost, 6),
+            "gpu_usd": round(r.gpu_usd, 6),
+            "token_usd": round(r.token_usd, 6),
+            "usd": round(r.usd, 6),
         }
         for r in rows
     ]
@@ -64,6 +67,9 @@ def render_table(rows: list[ReportRow]) -> str:
             f"{r.recompute_gpu_seconds:.3f}",
             f"{r.queue_seconds:.3f}",
             f"{r.cost:.4f}",
+            f"{r.gpu_usd:.4f}",
+            f"{r.token_usd:.4f}",
+            f"{r.usd:.4f}",
         ]
         for r in rows
     ]

@@ -6,6 +6,11 @@ requests, shown but not in their cost: the payer of recompute is a tier, not a t
 queue_seconds is the time the group's requests waited in the engine's queue, so a report by tenant
 shows who waited behind whom.
 Buckets are in UTC; the range is [start, end).
+
+Money: ``cost`` is GPU-hours at the per-tier rates of TIERGATE_PRICES (recompute included, by
+payer, as above); ``gpu_usd``, ``token_usd`` and ``usd`` price each row's own GPU-seconds and
+tokens at the prices table's rates in effect at its ``finished_at`` (billing.prices), the way
+budgets and /v1/usage price them, so the same rows cost the same there and here.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from sqlalchemy.orm import Session
 from billing.db import create_engine_for
 from billing.errors import InvalidReport, MissingPrice
 from billing.models import RecomputeCharge, UsageEntry
+from billing.prices import PriceBook, load_price_book
+from billing.spend import interval_case
 
 GROUPS = ("tier", "tenant", "adapter")
 BUCKETS = ("hour", "day")
@@ -44,6 +51,9 @@ class ReportRow:
     recompute_gpu_seconds: float
     queue_seconds: float
     cost: float
+    gpu_usd: float = 0.0
+    token_usd: float = 0.0
+    usd: float = 0.0
 
 
 @dataclass
@@ -56,6 +66,9 @@ class _Totals:
     recompute_gpu_seconds: float = 0.0
     queue_seconds: float = 0.0
     cost: float = 0.0
+    gpu_usd: float = 0.0
+    token_usd: float = 0.0
+    usd: float = 0.0
 
 
 def default_prices() -> dict[str, float]:
@@ -88,8 +101,10 @@ def usage_report(
     group_by: str = "tier",
     bucket: str = "day",
     prices: Mapping[str, float] | None = None,
+    price_book: PriceBook | None = None,
 ) -> list[ReportRow]:
-    """Ledger totals of [start, end) per bucket and group, sorted; `prices` are per GPU-hour and tier."""
+    """Ledger totals of [start, end) per bucket and group, sorted; `prices` are per GPU-hour and tier,
+    `price_book` the prices table (read from the database when None)."""
     if group_by not in GROUPS:
         raise InvalidReport(f"group_by must be one of {', '.join(GROUPS)}, got {group_by!r}")
     if bucket not in BUCKETS:
@@ -99,18 +114,21 @@ def usage_report(
         raise InvalidReport(f"the report's end ({end}) must be after its start ({start})")
     prices = default_prices() if prices is None else prices
     if isinstance(db, Session):
-        return _report(db, start, end, group_by, bucket, prices)
+        book = price_book if price_book is not None else load_price_book(db.get_bind())
+        return _report(db, start, end, group_by, bucket, prices, book)
     engine = create_engine_for(db) if isinstance(db, str) else db
     try:
+        book = price_book if price_book is not None else load_price_book(engine)
         with Session(engine) as session:
-            return _report(session, start, end, group_by, bucket, prices)
+            return _report(session, start, end, group_by, bucket, prices, book)
     finally:
         if isinstance(db, str):
             engine.dispose()
 
 
 def _report(
-    session: Session, start: datetime, end: datetime, group_by: str, bucket: str, prices: Mapping[str, float]
+    session: Session, start: datetime, end: datetime, group_by: str, bucket: str, prices: Mapping[str, float],
+    book: PriceBook,
 ) -> list[ReportRow]:
     dialect = session.get_bind().dialect.name
     ledger = UsageEntry.__table__.c
@@ -118,11 +136,15 @@ def _report(
     group = ledger[group_by]
     # Grouping by tier too (whatever the report groups by) lets cost use each row's tier price.
     keys = (when, group) if group_by == "tier" else (when, group, ledger.tier)
+    # Split where a price changes, so each piece of a bucket is priced at one rate per tier.
+    pieces = [start, *book.changes_within(start, end), end]
+    piece = interval_case(ledger.finished_at, pieces).label("piece")
     usage = session.execute(
         select(
             when,
             group.label("grp"),
             ledger.tier.label("tier"),
+            piece,
             func.sum(case((ledger.status == "rejected", 0), else_=1)),
             func.sum(case((ledger.status == "rejected", 1), else_=0)),
             func.sum(ledger.prompt_tokens),
@@ -132,10 +154,10 @@ def _report(
             func.sum(ledger.queue_seconds),
         )
         .where((ledger.finished_at >= start) & (ledger.finished_at < end))
-        .group_by(*keys)
+        .group_by(*keys, piece)
     )
     totals: dict[tuple[Any, str | None], _Totals] = defaultdict(_Totals)
-    for when_value, group_value, tier, served, rejected, prompt, completion, gpu, recompute, queued in usage:
+    for when_value, group_value, tier, piece_index, served, rejected, prompt, completion, gpu, recompute, queued in usage:
         t = totals[when_value, group_value]
         t.queue_seconds += queued
         t.requests += served
@@ -144,6 +166,10 @@ def _report(
         t.completion_tokens += completion
         t.gpu_seconds += gpu
         t.cost += gpu * _price(prices, tier) / 3600
+        rate = book.at(tier, pieces[piece_index])
+        t.gpu_usd += rate.cost(gpu, 0, 0)
+        t.token_usd += rate.cost(0.0, prompt, completion)
+        t.usd = t.gpu_usd + t.token_usd
         if group_by != "tier":
             t.recompute_gpu_seconds += recompute
     if group_by == "tier":

@@ -33,6 +33,8 @@ from gateway import admin
 from gateway.access_log import AccessLogMiddleware
 from gateway.load_shedding import LoadShedder, SheddingPolicy
 from gateway.auth import DATABASE_RETRY_S, Authenticator, database_unavailable
+from gateway import budget_admin, usage_api
+from gateway.budget_gate import BudgetGate, make_budget_store
 from gateway.completions import chat_completions, completions
 from gateway.errors import APIError
 from gateway.lifecycle import Lifecycle
@@ -155,6 +157,9 @@ def create_app(
         tracing=tracing or Tracing(),
         prompts=PromptEncoder(engine, settings.tokenizer_threads),
     )
+    gw.budgets = BudgetGate(db, make_budget_store(settings.redis_url, settings.redis_key_prefix),
+                            registry=metrics.registry, webhook_url=settings.budget_webhook_url)
+    gw.usage.on_final = gw.budgets.settle
     engine.add_listener(gw.usage.on_engine_event)  # the meter's, through the recorder that takes its records
     engine.add_listener(metrics.on_engine_event)
     engine.add_listener(gw.tracing.on_engine_event)
@@ -195,6 +200,8 @@ def create_app(
         background += [
             asyncio.create_task(gw.usage.run_background(settings.ledger_checkpoint_s, settings.ledger_orphan_after_s)),
             asyncio.create_task(gw.auth.watch_revocations(lambda: revocation_mark(db), settings.auth_revocation_poll_s)),
+            asyncio.create_task(gw.budgets.run_background(settings.budget_poll_s, settings.ledger_orphan_after_s)),
+            asyncio.create_task(gw.budgets.notifier.run()),
         ]
         # What startup built (torch, the model, tokenizers) lives as long as the app; frozen out of
         # the collector, it no longer makes each full collection a long pause of the event loop
@@ -208,6 +215,7 @@ def create_app(
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await gw.limiter.close()
+            await gw.budgets.close()
             await anyio.to_thread.run_sync(engine.shutdown)
             gw.usage.write_unclaimed()
             gw.prompts.close()
@@ -223,6 +231,8 @@ def create_app(
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         *admin.routes,
+        *budget_admin.routes,
+        *usage_api.routes,
     ]
     app = Starlette(
         routes=routes,

@@ -1,4 +1,4 @@
-"""The ``tiergate`` command: serve, db, tenants, keys, adapters, report.
+"""The ``tiergate`` command: serve, db, tenants, keys, adapters, report, budgets, prices.
 
 Every command that fails on bad input prints one line on stderr and exits
 non-zero, never a traceback: scripts check the exit code, people read the line.
@@ -16,6 +16,7 @@ from typing import NoReturn
 from sqlalchemy.exc import SQLAlchemyError
 
 from billing.errors import BillingError
+from gateway import budget_cli
 from gateway.adapter_dirs import AdapterDirError
 from gateway.settings import Settings, SettingsError, load_settings
 
@@ -120,6 +121,7 @@ def build_parser() -> OneLineParser:
     r.add_argument("--group-by", choices=["tier", "tenant", "adapter"], default="tier")
     r.add_argument("--format", choices=["table", "csv", "json"], default="table")
     r.add_argument("--bucket", choices=["hour", "day"], default="day")
+    budget_cli.add_parsers(sub, positive_float, positive_int)
     return p
 
 
@@ -240,6 +242,8 @@ COMMANDS = {
     "keys": cmd_keys,
     "adapters": cmd_adapters,
     "report": cmd_report,
+    "budgets": lambda args, settings: budget_cli.cmd_budgets(args, settings, _db(settings), _table),
+    "prices": lambda args, settings: budget_cli.cmd_prices(args, settings, _db(settings), _table),
 }
 
 

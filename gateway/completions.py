@@ -188,7 +188,26 @@ async def _admit(gw: Gateway, admitted: AdmittedRequest, tenant) -> Decision:
         gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise APIError(429, _limit_message(decision, admitted.reserved_tokens), type=decision.reason,
                        code="rate_limit_exceeded", headers=decision.headers())
+    if gw.budgets is not None:
+        await _admit_budget(gw, admitted)
     return decision
+
+
+async def _admit_budget(gw: Gateway, admitted: AdmittedRequest) -> None:
+    """Reserve against the tenant's budgets (gateway/budget_gate.py); a refusal gives the rate limits back."""
+    try:
+        await gw.budgets.admit(admitted.request_id, admitted.tenant, admitted.tier, admitted.queued_at,
+                               admitted.prompt_tokens, admitted.reserved_tokens - admitted.prompt_tokens)
+    except BaseException as e:
+        await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
+        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
+        if isinstance(e, APIError):
+            gw.metrics.count_rejection(admitted.tier, "budget")
+        elif isinstance(e, LimiterUnavailable):
+            log.warning("budget store unavailable; refusing %s", admitted.request_id, exc_info=True)
+            raise service_unavailable("The budget store is unavailable; retry shortly.",
+                                      headers=retry_headers(LIMITER_RETRY_S)) from None
+        raise
 
 
 async def _count_refusal(gw: Gateway, tenant, request_id: str, adapter: str | None, queued_at: float) -> None:
@@ -222,6 +241,8 @@ async def _submit(gw: Gateway, admitted: AdmittedRequest, request: EngineRequest
         gw.usage.meter.forget(admitted.request_id)
         trace.finish(error=str(e))
         await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
+        if gw.budgets is not None:
+            await gw.budgets.release(admitted.request_id)
         if admitted.adapter is not None and admitted.adapter not in gw.engine.list_adapters():
             raise model_not_found(admitted.model) from None
         if isinstance(e, InvalidRequest):

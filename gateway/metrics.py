@@ -48,8 +48,8 @@ STEP_BUCKETS = (
 # interrupted: still running at a drain's deadline, ended by the server's shutdown.
 REQUEST_STATUSES = ("ok", "cancelled", "error", "interrupted")
 # rpm/tpm/concurrency: the tenant's rate limits; slo: predicted TTFT over the
-# tier's SLO (admission control); overload: the engine's queue is full.
-REJECTION_REASONS = ("rpm", "tpm", "concurrency", "slo", "overload")
+# tier's SLO (admission control); overload: the engine's queue is full; budget: a tenant's spend limit.
+REJECTION_REASONS = ("rpm", "tpm", "concurrency", "slo", "overload", "budget")
 TOKEN_KINDS = ("prompt", "completion", "cached", "recompute")
 
 

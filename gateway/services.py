@@ -15,6 +15,7 @@ from scheduler import TierLoad
 
 from gateway.load_shedding import LoadShedder
 from gateway.auth import Authenticator
+from gateway.budget_gate import BudgetGate
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
@@ -73,3 +74,4 @@ class Gateway:
     ids: random.Random = field(default_factory=random.Random)
     started_at: float = 0.0  # time.time() when the app started; the `created` of /v1/models entries
     database_ready: bool = True  # False from startup until the database answered and was set up
+    budgets: BudgetGate | None = None  # tenants' spend limits (gateway/budget_gate.py); None: not enforced

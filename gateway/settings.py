@@ -69,6 +69,10 @@ class Settings:
     # Also export the endpoint picker's series under vLLM's names (vllm:num_requests_waiting, ...),
     # so default EPP, KEDA and HPA configurations work unchanged.
     vllm_metric_names: bool = False
+    # Budgets: how often every replica checks the database for changed budgets and prices, and where
+    # soft-threshold warnings are POSTed (None: only logged and counted).
+    budget_poll_s: float = 1.0
+    budget_webhook_url: str | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -97,7 +101,7 @@ class Settings:
                      "max_connections"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
-        for name in ("auth_revocation_poll_s", "ledger_checkpoint_s"):
+        for name in ("auth_revocation_poll_s", "ledger_checkpoint_s", "budget_poll_s"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be positive, not {getattr(self, name)}")
         if not self.ledger_orphan_after_s > 2 * self.ledger_checkpoint_s:

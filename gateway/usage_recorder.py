@@ -26,7 +26,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -58,6 +58,8 @@ class UsageRecorder:
         self._running: dict[str, Callable[[], int]] = {}
         # Open rows not written yet (see open()): written by the next progress save unless finished first.
         self._unopened: dict[str, UsageRecord] = {}
+        # Called with each final row once it is durable (the budgets settle from it); must not raise.
+        self.on_final: Callable[[UsageRecord], Awaitable[None]] | None = None
 
     # -- open rows --------------------------------------------------------
 
@@ -136,6 +138,20 @@ class UsageRecorder:
 
     async def finish(self, request_id: str, fallback: UsageRecord, status: str | None = None) -> UsageRecord:
         """Wait for the request's finish event, then for its row to be durable; returns the row.
+
+        Then ``on_final`` gets the row, shielded like the write.
+        """
+        record = await self._finish(request_id, fallback, status)
+        if self.on_final is not None:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.on_final(record)
+                except Exception:  # a budget store outage must not fail a finished response
+                    log.exception("settling %s against its budgets failed", request_id)
+        return record
+
+    async def _finish(self, request_id: str, fallback: UsageRecord, status: str | None = None) -> UsageRecord:
+        """finish() up to the durable row.
 
         ``status`` replaces the engine's when the gateway knows better why a request ended (an
         abort the server made while stopping is ``interrupted``, not ``cancelled``). Not

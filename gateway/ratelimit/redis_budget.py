@@ -144,20 +144,27 @@ return renewed
 """
 
 
+def redis_client(url: str) -> aioredis.Redis:
+    """A client for the shared budgets: it fails fast, and reconnects once at once after a Redis restart.
+
+    A connection error is retried once, at once, on a fresh connection: after Redis restarts, every
+    pooled connection is dead and only the retry tells "stale" from "down". Timeouts are not
+    retried: the script may have run, and running it twice would reserve twice.
+    """
+    return aioredis.Redis.from_url(
+        url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
+        retry=Retry(NoBackoff(), retries=1), retry_on_error=[RedisConnectionError],
+        health_check_interval=HEALTH_CHECK_INTERVAL_S,
+    )
+
+
 class RedisLimiter:
     def __init__(self, url: str, window_s: float = 60.0, key_prefix: str = "tiergate:rl",
                  lease_s: float = DEFAULT_LEASE_S) -> None:
         self.window_s = window_s
         self.lease_s = lease_s
         self.key_prefix = key_prefix
-        # A connection error is retried once, at once, on a fresh connection: after Redis restarts,
-        # every pooled connection is dead and only the retry tells "stale" from "down". Timeouts are
-        # not retried: the script may have run, and running it twice would reserve tokens twice.
-        self.client = aioredis.Redis.from_url(
-            url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
-            retry=Retry(NoBackoff(), retries=1), retry_on_error=[RedisConnectionError],
-            health_check_interval=HEALTH_CHECK_INTERVAL_S,
-        )
+        self.client = redis_client(url)
         self._acquire = self.client.register_script(ACQUIRE)
         self._release = self.client.register_script(RELEASE)
         self._renew = self.client.register_script(RENEW)
