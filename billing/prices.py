@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
@@ -20,6 +20,9 @@ from billing.errors import InvalidPrice
 from billing.models import Price, utcnow
 
 PRICED_TIERS = ("premium", "standard", "batch")
+# A price set "now" takes effect this much later, so that every replica (each polls the table every
+# second or so) prices the first request under it by it, never by the price before.
+LEAD_S = 5.0
 MAX_PRICE = 1e9  # per unit; beyond this it is surely a typo
 
 
@@ -61,9 +64,9 @@ class PriceBook:
         """Moments in (start, end) where some tier's price changes: where usage must be split to be priced."""
         return sorted({s for starts in self._starts.values() for s in starts if start < s < end})
 
-    def current(self) -> list[TierPrice]:
-        now = utcnow()
-        return [self.at(tier, now) for tier in sorted(self._by_tier) if self.at(tier, now) is not FREE]
+    def history(self) -> list[TierPrice]:
+        """Every row, by tier then date: past, current and scheduled prices."""
+        return [p for tier in sorted(self._by_tier) for p in self._by_tier[tier]]
 
     def __len__(self) -> int:
         return sum(len(rows) for rows in self._by_tier.values())
@@ -72,7 +75,8 @@ class PriceBook:
 def set_price(engine: Engine, tier: str, per_gpu_second: float, per_million_prompt_tokens: float,
               per_million_completion_tokens: float, effective_from: datetime | None = None,
               allow_past: bool = False) -> TierPrice:
-    """Record a tier's new prices from ``effective_from`` (default now); a later row of the same moment replaces it.
+    """Record a tier's new prices from ``effective_from`` (default: LEAD_S from now); a row set again for the
+    same moment replaces it.
 
     A moment in the past is refused unless ``allow_past`` (imports of history): it would reprice usage
     already recorded.
@@ -86,8 +90,8 @@ def set_price(engine: Engine, tier: str, per_gpu_second: float, per_million_prom
                 or not 0 <= value <= MAX_PRICE:
             raise InvalidPrice(f"{name} must be a number from 0 to {MAX_PRICE:g}, got {value!r}")
     now = utcnow()
-    when = now if effective_from is None else effective_from
-    if when < now and not allow_past and effective_from is not None:
+    when = now + timedelta(seconds=LEAD_S) if effective_from is None else effective_from
+    if when < now and not allow_past:
         raise InvalidPrice(f"a price cannot take effect in the past ({when.isoformat()}): that would reprice "
                            "usage already recorded")
     with Session(engine) as session:

@@ -102,7 +102,7 @@ async def put_price(request: Request) -> Response:
 async def list_prices(request: Request) -> Response:
     gw = _gateway(request)
     book = await _call(load_price_book, gw.db)
-    return JSONResponse({"data": [price_dict(p) for p in book.current()]})
+    return JSONResponse({"data": [price_dict(p) for p in book.history()]})
 
 
 routes = [

@@ -44,13 +44,13 @@ def add_parsers(sub, positive_float, positive_int) -> None:
     bd.add_argument("--unit", required=True, choices=["tokens", "gpu_seconds", "usd"])
 
     p = sub.add_parser("prices", help="prices per tier").add_subparsers(dest="action", required=True, metavar="ACTION")
-    ps = p.add_parser("set", help="set a tier's prices from now (or --from a later moment)")
+    ps = p.add_parser("set", help="set a tier's prices from a few seconds from now (or --from a later moment)")
     ps.add_argument("tier")
     ps.add_argument("--per-gpu-second", type=non_negative_float, required=True)
     ps.add_argument("--per-million-prompt-tokens", type=non_negative_float, required=True)
     ps.add_argument("--per-million-completion-tokens", type=non_negative_float, required=True)
     ps.add_argument("--from", dest="effective_from", type=moment, help="when they take effect (default now)")
-    p.add_parser("list", help="the prices in effect now")
+    p.add_parser("list", help="every tier's prices: past, current and scheduled")
 
 
 def cmd_budgets(args: argparse.Namespace, settings: Settings, db, table) -> None:
@@ -88,5 +88,5 @@ def cmd_prices(args: argparse.Namespace, settings: Settings, db, table) -> None:
               "million completion tokens")
     else:
         rows = [(p.tier, p.effective_from.isoformat(), f"{p.per_gpu_second:g}", f"{p.per_million_prompt_tokens:g}",
-                 f"{p.per_million_completion_tokens:g}") for p in load_price_book(db).current()]
+                 f"{p.per_million_completion_tokens:g}") for p in load_price_book(db).history()]
         print(table(("TIER", "FROM", "PER_GPU_SECOND", "PER_M_PROMPT", "PER_M_COMPLETION"), rows))

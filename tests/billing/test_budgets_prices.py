@@ -60,7 +60,9 @@ def test_a_price_change_mid_month_prices_each_request_by_its_own_date(engine, le
 
 def test_a_price_set_now_does_not_reprice_the_past_and_none_before_costs_nothing(engine, ledger, acme):
     ledger.write(_rec("old", datetime(2026, 1, 5)))
+    ledger.write(_rec("just-now", datetime.now(UTC).replace(tzinfo=None)))
     set_price(engine, "premium", 1.0, 1.0, 1.0)
+    assert usage_report(engine, JAN, datetime(2027, 1, 1), "tier", "day")[-1].usd == 0.0  # from LEAD_S on
     rows = usage_report(engine, JAN, datetime(2026, 2, 1), "tenant", "day")
     assert [r.usd for r in rows] == [0.0]
     with pytest.raises(InvalidPrice, match="past"):
