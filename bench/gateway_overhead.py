@@ -15,12 +15,18 @@ the email package, about 0.2 ms a request on this CPU, which is the client's
 cost (``--client http.client`` measures through it instead).
 Then a tenant over its RPM floods the server and we count 429s per second.
 
+Budgets: a tenant with a budget in each unit (tokens, GPU-seconds, USD: every reservation and
+settlement a request can cost) and one without alternate on the same server, on one keep-alive
+connection each; the budgets' added latency is the difference of their p50s. Budgets are held in
+process, or in Redis with ``--redis-url`` (the server's rate limits then go there too, for both).
+
 The server logs as ``tiergate serve`` does by default: JSON lines at level info,
 one access-log line per request (here to a file); ``--log-level warning`` drops
 the access log, which is worth about a fifth of the 429 rate on this CPU.
 
     python -m bench.gateway_overhead [--requests 1000] [--flood-seconds 3] [--client raw|http.client]
-                                     [--log-level info|warning] [--out bench/out/gateway_overhead.json]
+                                     [--log-level info|warning] [--redis-url URL]
+                                     [--out bench/out/gateway_overhead.json]
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from pathlib import Path
 
 from bench.stats import percentile
 
-GOALS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "rejections_per_s": 2000}
+GOALS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "rejections_per_s": 2000, "budget_added_p50_ms": 0.2}
 TINY_CONFIG = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -55,7 +61,8 @@ def engine_config(model_dir: str):
     return EngineConfig(model=f"dummy:{model_dir}", num_kv_blocks=256, max_model_len=256, max_loras=0)
 
 
-def run_child(model_dir: str, database_url: str, port: int, spool: str, log_level: str, log_path: str) -> None:
+def run_child(model_dir: str, database_url: str, port: int, spool: str, log_level: str, log_path: str,
+              redis_url: str | None = None) -> None:
     """The server: the whole gateway on the tiny model, under uvicorn as ``tiergate serve`` runs it."""
     import uvicorn
 
@@ -68,15 +75,20 @@ def run_child(model_dir: str, database_url: str, port: int, spool: str, log_leve
     from gateway.settings import Settings
 
     configure_logging(log_level, stream=open(log_path, "a", encoding="utf-8"))  # noqa: SIM115 (the process's life)
-    settings = Settings(database_url=database_url, port=port, spool_path=spool, log_level=log_level)
+    settings = Settings(database_url=database_url, port=port, spool_path=spool, log_level=log_level,
+                        redis_url=redis_url or None, redis_key_prefix=f"bench:{os.getpid()}")
     db = create_engine_for(database_url)
     app = create_app(settings, Engine(engine_config(model_dir)), db, Ledger(db, spool))
     uvicorn.Server(uvicorn_config(settings, app)).run()
 
 
-def set_up(tmp: Path) -> tuple[str, str, str, str]:
+def set_up(tmp: Path) -> tuple[str, str, str, str, str]:
+    from datetime import datetime
+
+    from billing.budgets import set_budget
     from billing.db import create_engine_for, upgrade
     from billing.keys import create_key
+    from billing.prices import set_price
     from billing.tenants import create_tenant
 
     model_dir = tmp / "tiny"
@@ -87,7 +99,12 @@ def set_up(tmp: Path) -> tuple[str, str, str, str]:
     db = create_engine_for(url)
     create_tenant(db, "bench", "premium", rpm=1_000_000, tpm=1_000_000_000, max_concurrent=1000)
     create_tenant(db, "flood", "standard", rpm=1, tpm=1_000_000, max_concurrent=1000)
-    return str(model_dir), url, create_key(db, "bench")[1], create_key(db, "flood")[1]
+    create_tenant(db, "budgeted", "premium", rpm=1_000_000, tpm=1_000_000_000, max_concurrent=1000)
+    for unit, limit in (("tokens", 1e12), ("gpu_seconds", 1e9), ("usd", 1e9)):
+        set_budget(db, "budgeted", unit, limit)
+    set_price(db, "premium", 0.002, 0.5, 1.5, effective_from=datetime(2026, 1, 1), allow_past=True)
+    return (str(model_dir), url, create_key(db, "bench")[1], create_key(db, "flood")[1],
+            create_key(db, "budgeted")[1])
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -184,6 +201,28 @@ def measure_latency(port: int, key: str, engine, n: int, client: str = "raw") ->
     return via_http, direct
 
 
+def measure_budget_overhead(port: int, plain_key: str, budgeted_key: str, model: str, n: int,
+                            client: str = "raw") -> tuple[list[float], list[float]]:
+    """Seconds per request of a tenant without budgets and of one with three, alternating on one server."""
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+    kind = RawClient if client == "raw" else HttpClientPost
+    clients = [kind(port, "/v1/completions", {"authorization": f"Bearer {key}", "content-type": "application/json"},
+                    body) for key in (plain_key, budgeted_key)]
+    seconds: list[list[float]] = [[], []]
+    try:
+        for _ in range(n):
+            for i, c in enumerate(clients):
+                t0 = time.perf_counter()
+                status = c.post()
+                seconds[i].append(time.perf_counter() - t0)
+                if status != 200:
+                    raise RuntimeError(f"budget bench request failed: {status}")
+    finally:
+        for c in clients:
+            c.close()
+    return seconds[0], seconds[1]
+
+
 def measure_direct(engine, n: int) -> list[float]:
     """Seconds per direct call, back to back: the engine with its caches warm."""
     call_direct = direct_caller(engine)
@@ -248,11 +287,12 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the HTTP client that times the gateway (see the module's docstring)")
     p.add_argument("--log-level", choices=["info", "warning"], default="info",
                    help="the server's; info (tiergate serve's default) writes an access-log line per request")
+    p.add_argument("--redis-url", default="", help="hold rate limits and budgets in this Redis (default: in process)")
     p.add_argument("--out", default="bench/out/gateway_overhead.json")
     p.add_argument("--child", nargs=5, metavar=("MODEL_DIR", "DB_URL", "PORT", "SPOOL", "LOG"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        run_child(*args.child[:2], int(args.child[2]), args.child[3], args.log_level, args.child[4])
+        run_child(*args.child[:2], int(args.child[2]), args.child[3], args.log_level, args.child[4], args.redis_url)
         return {}
 
     from engine.cpu_build import cpu_kernels_loaded
@@ -261,13 +301,13 @@ def main(argv: list[str] | None = None) -> dict:
     cpu_kernels_loaded()  # a first run builds the CPU kernels here, not inside the server's readiness wait
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        model_dir, url, bench_key, flood_key = set_up(tmp)
+        model_dir, url, bench_key, flood_key, budgeted_key = set_up(tmp)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         child = subprocess.Popen(
-            [sys.executable, "-m", "bench.gateway_overhead", "--log-level", args.log_level, "--child", model_dir, url,
-             str(port), str(tmp / "spool.jsonl"), str(tmp / "server.log")],
+            [sys.executable, "-m", "bench.gateway_overhead", "--log-level", args.log_level, "--redis-url",
+             args.redis_url, "--child", model_dir, url, str(port), str(tmp / "spool.jsonl"), str(tmp / "server.log")],
             cwd=Path(__file__).resolve().parent.parent, env={**os.environ},
         )
         try:
@@ -276,7 +316,11 @@ def main(argv: list[str] | None = None) -> dict:
             measure_latency(port, bench_key, engine, 30, args.client)  # warm up both paths
             via_http, direct = measure_latency(port, bench_key, engine, args.requests, args.client)
             direct_back_to_back = measure_direct(engine, min(args.requests, 300))
+            model = engine.model_name
             engine.shutdown()
+            measure_budget_overhead(port, bench_key, budgeted_key, model, 30, args.client)  # warm up
+            no_budget, with_budgets = measure_budget_overhead(port, bench_key, budgeted_key, model, args.requests,
+                                                              args.client)
             commits = measure_ledger_commit(url, str(tmp / "bench-spool.jsonl"), min(args.requests, 200))
             rejected, other, elapsed = asyncio.run(
                 flood(port, flood_key, engine.model_name, args.flood_seconds, args.connections)
@@ -300,6 +344,10 @@ def main(argv: list[str] | None = None) -> dict:
         "ledger_commit_p50_ms": ms(commits, 50), "ledger_commit_p99_ms": ms(commits, 99),
         "rejections": rejected, "non_429_during_flood": other,
         "rejections_per_s": rejected / elapsed,
+        "budget_store": "redis" if args.redis_url else "in process",
+        "no_budget_p50_ms": ms(no_budget, 50), "three_budgets_p50_ms": ms(with_budgets, 50),
+        "no_budget_p99_ms": ms(no_budget, 99), "three_budgets_p99_ms": ms(with_budgets, 99),
+        "budget_added_p50_ms": ms(with_budgets, 50) - ms(no_budget, 50),
         "goals": GOALS,
     }  # fmt: skip
     print(f"gateway overhead ({args.requests} requests, 1 token each, tiny model, this CPU, "
@@ -314,6 +362,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"p50 {result['ledger_commit_p50_ms']:.3f} ms  p99 {result['ledger_commit_p99_ms']:.3f} ms")
     print(f"  429s: {result['rejections_per_s']:.0f}/s from one process (goal >= {GOALS['rejections_per_s']}), "
           f"{other} other responses")
+    print(f"  budgets ({result['budget_store']}, {args.requests} requests each, alternating): no budget p50 "
+          f"{result['no_budget_p50_ms']:.3f} ms p99 {result['no_budget_p99_ms']:.3f} ms; tokens + GPU-seconds + USD "
+          f"budgets p50 {result['three_budgets_p50_ms']:.3f} ms p99 {result['three_budgets_p99_ms']:.3f} ms; added p50 "
+          f"{result['budget_added_p50_ms']:.3f} ms (goal < {GOALS['budget_added_p50_ms']})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import anyio.to_thread
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine, select
 
 from billing.budgets import BudgetSettings, budgets_mark, list_budgets
@@ -30,6 +30,7 @@ from billing.prices import PriceBook, load_price_book, prices_mark
 from billing.spend import row_amount, spend_by_interval
 from billing.usage_record import UsageRecord, utc_datetime
 from gateway.budget_alerts import WebhookNotifier
+from gateway.budget_metrics import BudgetMetrics
 from gateway.errors import APIError
 from gateway.ratelimit.base import retry_headers
 from gateway.ratelimit.budget_store import BudgetKey, BudgetStore, InProcessBudgetStore, Settlement
@@ -78,13 +79,7 @@ class BudgetGate:
         self._mark: object = None
         self._reserved: dict[str, _Reserved] = {}
         self._gpu_per_token: dict[str, float] = {}
-        registry = registry if registry is not None else CollectorRegistry()
-        # One series per tenant with a budget and unit: bounded by the budgets finance sets.
-        self.spent_ratio = Gauge("tiergate_budget_spent_ratio", "Spent fraction of each budget in its period.",
-                                 ["tenant", "unit"], registry=registry)
-        self.warnings = Counter("tiergate_budget_soft_threshold_crossings_total",
-                                "Budgets that crossed their soft threshold (once per period).", ["unit"],
-                                registry=registry)
+        self.metrics = BudgetMetrics(registry if registry is not None else CollectorRegistry())
 
     # -- configuration ----------------------------------------------------
 
@@ -100,7 +95,7 @@ class BudgetGate:
         gone = {(t, b.unit) for t, bs in self.budgets.items() for b in bs} - \
             {(t, b.unit) for t, bs in budgets.items() for b in bs}
         for labels in gone:
-            self.spent_ratio.remove(*labels)
+            self.metrics.forget(*labels)
         self.budgets, self._mark = budgets, mark
         return True
 
@@ -184,9 +179,9 @@ class BudgetGate:
             self._gpu_per_token[record.tier] = per_token if old is None else old + EMA_ALPHA * (per_token - old)
 
     async def _observe_spent(self, budget: BudgetSettings, key: BudgetKey, spent: float) -> None:
-        self.spent_ratio.labels(budget.tenant, budget.unit).set(spent / budget.limit)
+        self.metrics.observe(budget.tenant, budget.unit, spent / budget.limit)
         if spent >= budget.soft * budget.limit and await self.store.first_soft_crossing(key):
-            self.warnings.labels(budget.unit).inc()
+            self.metrics.soft_crossings.labels(budget.unit).inc()
             log.warning("budget: tenant %s has spent %s of its %s %s budget (soft threshold %.0f%%) in the period "
                         "from %s", budget.tenant, _fmt(spent), _fmt(budget.limit), UNIT_NAMES[budget.unit],
                         100 * budget.soft, key.start.isoformat())
@@ -257,7 +252,7 @@ class BudgetGate:
             for b in budgets:
                 state = await self.store.state(budget_key(b, moment))
                 if state is not None:
-                    self.spent_ratio.labels(b.tenant, b.unit).set(state[0] / b.limit)
+                    self.metrics.observe(b.tenant, b.unit, state[0] / b.limit)
 
     async def close(self) -> None:
         await self.store.close()
