@@ -33,7 +33,7 @@ from gateway.budget_alerts import WebhookNotifier
 from gateway.budget_metrics import BudgetMetrics
 from gateway.errors import APIError
 from gateway.ratelimit.base import retry_headers
-from gateway.ratelimit.budget_store import BudgetKey, BudgetStore, InProcessBudgetStore, Settlement
+from gateway.ratelimit.budget_store import Ask, BudgetKey, BudgetStore, InProcessBudgetStore, Reservation, Settlement
 
 log = logging.getLogger(__name__)
 
@@ -111,20 +111,19 @@ class BudgetGate:
             return
         now = self.clock()
         moment = utc_datetime(now)
-        reserved = _Reserved(tenant, tier, queued_at)
-        self._reserved[request_id] = reserved
-        for budget in budgets:
-            key = budget_key(budget, moment)
-            amount = self._worst_case(budget.unit, tier, moment, prompt_tokens, max_completion_tokens)
-            decision = await self.store.reserve(key, request_id, amount, budget.limit, now)
-            if decision is None:
-                await self._load(key, now)
-                decision = await self.store.reserve(key, request_id, amount, budget.limit, now)
-            if decision is None or not decision.allowed:
-                await self.release(request_id)
-                spent, held = (decision.spent, decision.held) if decision else (0.0, 0.0)
-                raise budget_exceeded(budget, key, spent, held, amount)
-            reserved.keys[budget.unit] = key
+        asks = [Ask(budget_key(b, moment), self._worst_case(b.unit, tier, moment, prompt_tokens,
+                                                            max_completion_tokens), b.limit) for b in budgets]
+        out = await self.store.reserve_all(asks, request_id, now)
+        if out.missing:  # a new period, or a state Redis lost: from the ledger, then once more
+            for i in out.missing:
+                await self._load(asks[i].key, now)
+            out = await self.store.reserve_all(asks, request_id, now)
+        if not out.allowed:
+            i = next((i for i, d in enumerate(out.decisions) if not d.allowed), 0)
+            d = out.decisions[i] if out.decisions else Reservation(False, 0.0, 0.0)
+            raise budget_exceeded(budgets[i], asks[i].key, d.spent, d.held, asks[i].amount)
+        self._reserved[request_id] = _Reserved(tenant, tier, queued_at,
+                                               {b.unit: a.key for b, a in zip(budgets, asks)})
 
     async def release(self, request_id: str) -> None:
         """Give back what a request reserved when it used nothing (it never reached the engine)."""
@@ -159,17 +158,19 @@ class BudgetGate:
             return
         self._observe_gpu(record)
         finished = utc_datetime(record.finished_at)
+        settlements = []
         for budget in budgets:
-            final = budget_key(budget, finished)
             hold = reserved.keys.get(budget.unit) if reserved else None
             if require_hold:
                 hold = budget_key(budget, utc_datetime(record.queued_at))
             actual = row_amount(budget.unit, record.tier, finished, record.prompt_tokens, record.completion_tokens,
                                 record.gpu_seconds, self.prices)
-            spent = await self.store.settle(Settlement(record.request_id, actual, record.queued_at,
-                                                       record.finished_at, hold, final, require_hold))
-            if spent is not None and final.start <= utc_datetime(self.clock()) < final.end:
-                await self._observe_spent(budget, final, spent)
+            settlements.append(Settlement(record.request_id, actual, record.queued_at, record.finished_at, hold,
+                                          budget_key(budget, finished), require_hold))
+        now = utc_datetime(self.clock())
+        for budget, st, spent in zip(budgets, settlements, await self.store.settle_all(settlements)):
+            if spent is not None and st.final_key.start <= now < st.final_key.end:
+                await self._observe_spent(budget, st.final_key, spent)
 
     def _observe_gpu(self, record: UsageRecord) -> None:
         tokens = record.prompt_tokens + record.completion_tokens

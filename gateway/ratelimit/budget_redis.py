@@ -17,21 +17,35 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.ratelimit.base import LimiterUnavailable
-from gateway.ratelimit.budget_store import EPSILON, BudgetKey, Hold, Reservation, Settlement
+from gateway.ratelimit.budget_store import EPSILON, Ask, BudgetKey, Hold, Reservation, Reservations, Settlement
 from gateway.ratelimit.redis_budget import redis_client
 
 KEEP_AFTER_PERIOD_S = 7 * 86400
 
-# KEYS: the period's hash; ARGV: request id, amount, limit, now
+# All of a request's budgets in one script, all or nothing.
+# KEYS: the periods' hashes; ARGV: request id, now, then amount and limit per key
+# Returns {'load', i...} (states to load first), or {'0'|'1', allowed_i, spent_i, held_i...}
 RESERVE = """
-if redis.call('HEXISTS', KEYS[1], 'loaded') == 0 then return {'load'} end
-local v = redis.call('HMGET', KEYS[1], 'spent', 'held')
-local spent, held, amount = tonumber(v[1]), tonumber(v[2]), tonumber(ARGV[2])
-if spent + held + amount > tonumber(ARGV[3]) then
-  return {'0', v[1], v[2]}
+local missing = {'load'}
+for i = 1, #KEYS do
+  if redis.call('HEXISTS', KEYS[i], 'loaded') == 0 then missing[#missing + 1] = tostring(i - 1) end
 end
-redis.call('HSET', KEYS[1], 'h:' .. ARGV[1], ARGV[2] .. '|' .. ARGV[4])
-return {'1', v[1], redis.call('HINCRBYFLOAT', KEYS[1], 'held', ARGV[2])}
+if #missing > 1 then return missing end
+local out, all = {'1'}, true
+for i = 1, #KEYS do
+  local v = redis.call('HMGET', KEYS[i], 'spent', 'held')
+  local fits = tonumber(v[1]) + tonumber(v[2]) + tonumber(ARGV[1 + 2 * i]) <= tonumber(ARGV[2 + 2 * i])
+  all = all and fits
+  out[#out + 1] = fits and '1' or '0'
+  out[#out + 1] = v[1]
+  out[#out + 1] = v[2]
+end
+if not all then out[1] = '0'; return out end
+for i = 1, #KEYS do
+  redis.call('HSET', KEYS[i], 'h:' .. ARGV[1], ARGV[1 + 2 * i] .. '|' .. ARGV[2])
+  out[3 * i + 1] = redis.call('HINCRBYFLOAT', KEYS[i], 'held', ARGV[1 + 2 * i])
+end
+return out
 """
 
 # KEYS: the period's hash; ARGV: spent, loaded_at, cutoff, seconds to keep it, then the counted request ids
@@ -43,31 +57,44 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return 1
 """
 
-# KEYS: the hash it reserved in (the final one when it reserved nothing), the hash of the period it ended in
-# ARGV: request id, actual, queued_at, finished_at, reserved here (0/1), require the hold (0/1)
+# One request's end in each of its budgets, in one script.
+# KEYS: per budget, the hash it reserved in (the final one when it reserved nothing) and the hash of the
+# period it ended in. ARGV: request id, queued_at, finished_at, require the hold (0/1), then per budget
+# its actual cost and whether it reserved there (0/1). Returns each final period's spend, or '' for none.
 SETTLE = """
 local id = ARGV[1]
-local hold = false
-if ARGV[5] == '1' then
-  local h = redis.call('HGET', KEYS[1], 'h:' .. id)
-  if h then
-    redis.call('HDEL', KEYS[1], 'h:' .. id)
-    redis.call('HINCRBYFLOAT', KEYS[1], 'held', '-' .. string.match(h, '^([^|]+)'))
-    hold = true
+local out = {}
+for i = 1, #KEYS / 2 do
+  local held_in, final = KEYS[2 * i - 1], KEYS[2 * i]
+  local actual, reserved = ARGV[3 + 2 * i], ARGV[4 + 2 * i]
+  local hold = false
+  if reserved == '1' then
+    local h = redis.call('HGET', held_in, 'h:' .. id)
+    if h then
+      redis.call('HDEL', held_in, 'h:' .. id)
+      redis.call('HINCRBYFLOAT', held_in, 'held', '-' .. string.match(h, '^([^|]+)'))
+      hold = true
+    end
   end
-end
-if (not hold and ARGV[6] == '1') or redis.call('HEXISTS', KEYS[2], 'loaded') == 0 then return false end
-if hold and KEYS[1] == KEYS[2] then
-  return redis.call('HINCRBYFLOAT', KEYS[2], 'spent', ARGV[2])
-end
-if redis.call('HEXISTS', KEYS[2], 'c:' .. id) == 0 then
-  local f = redis.call('HMGET', KEYS[2], 'loaded_at', 'cutoff')
-  if (hold or tonumber(ARGV[3]) < tonumber(f[1])) and tonumber(ARGV[4]) >= tonumber(f[2]) then
-    redis.call('HSET', KEYS[2], 'c:' .. id, '1')
-    return redis.call('HINCRBYFLOAT', KEYS[2], 'spent', ARGV[2])
+  local spent = ''
+  if not ((not hold and ARGV[4] == '1') or redis.call('HEXISTS', final, 'loaded') == 0) then
+    if hold and held_in == final then
+      spent = redis.call('HINCRBYFLOAT', final, 'spent', actual)
+    elseif redis.call('HEXISTS', final, 'c:' .. id) == 0 then
+      local f = redis.call('HMGET', final, 'loaded_at', 'cutoff')
+      if (hold or tonumber(ARGV[2]) < tonumber(f[1])) and tonumber(ARGV[3]) >= tonumber(f[2]) then
+        redis.call('HSET', final, 'c:' .. id, '1')
+        spent = redis.call('HINCRBYFLOAT', final, 'spent', actual)
+      else
+        spent = redis.call('HGET', final, 'spent')
+      end
+    else
+      spent = redis.call('HGET', final, 'spent')
+    end
   end
+  out[i] = spent
 end
-return redis.call('HGET', KEYS[2], 'spent')
+return out
 """
 
 # KEYS: the period's hash; ARGV: request id
@@ -104,16 +131,24 @@ class RedisBudgetStore:
         start = calendar.timegm(key.start.timetuple())
         return f"{self.key_prefix}:{{{key.tenant}}}:budget:{key.unit}:{key.period}:{start}"
 
-    async def reserve(self, key: BudgetKey, request_id: str, amount: float, limit: float,
-                      now: float) -> Reservation | None:
+    async def reserve_all(self, asks: list[Ask], request_id: str, now: float) -> Reservations:
+        args = [request_id, _num(now)]
+        for a in asks:
+            args += [_num(a.amount), _num(a.limit + EPSILON * a.limit)]
         try:
-            out = await self._reserve(keys=[self.name(key)],
-                                      args=[request_id, _num(amount), _num(limit + EPSILON * limit), _num(now)])
+            out = await self._reserve(keys=[self.name(a.key) for a in asks], args=args)
         except (RedisConnectionError, RedisTimeoutError) as e:
             raise LimiterUnavailable(str(e)) from e  # fail closed, as the rate limiter does
         if out[0] == b"load":
-            return None
-        return Reservation(out[0] == b"1", float(out[1]), max(0.0, float(out[2])))
+            return Reservations([int(i) for i in out[1:]], [])
+        return Reservations([], [Reservation(out[i] == b"1", float(out[i + 1]), max(0.0, float(out[i + 2])))
+                                 for i in range(1, len(out), 3)])
+
+    async def reserve(self, key: BudgetKey, request_id: str, amount: float, limit: float,
+                      now: float) -> Reservation | None:
+        """reserve_all of one ask; None if its state is not loaded."""
+        out = await self.reserve_all([Ask(key, amount, limit)], request_id, now)
+        return None if out.missing else out.decisions[0]
 
     async def load(self, key: BudgetKey, spent: float, counted: list[str], loaded_at: float,
                    cutoff: float) -> None:
@@ -121,15 +156,20 @@ class RedisBudgetStore:
         keep = math.ceil(max(0.0, calendar.timegm(key.end.timetuple()) - loaded_at) + KEEP_AFTER_PERIOD_S)
         await self._load(keys=[self.name(key)], args=[_num(spent), _num(loaded_at), _num(cutoff), keep, *counted])
 
+    async def settle_all(self, settlements: list[Settlement]) -> list[float | None]:
+        """One request's settlements (same id, times and sweep flag), in one script."""
+        first = settlements[0]
+        keys, args = [], [first.request_id, _num(first.queued_at), _num(first.finished_at),
+                          "1" if first.require_hold else "0"]
+        for st in settlements:
+            final = self.name(st.final_key)
+            keys += [final if st.hold_key is None else self.name(st.hold_key), final]
+            args += [_num(st.actual), "0" if st.hold_key is None else "1"]
+        out = await self._settle(keys=keys, args=args)
+        return [float(v) if v not in (b"", None) else None for v in out]
+
     async def settle(self, settlement: Settlement) -> float | None:
-        st = settlement
-        final = self.name(st.final_key)
-        out = await self._settle(
-            keys=[final if st.hold_key is None else self.name(st.hold_key), final],
-            args=[st.request_id, _num(st.actual), _num(st.queued_at), _num(st.finished_at),
-                  "0" if st.hold_key is None else "1", "1" if st.require_hold else "0"],
-        )
-        return None if out is None else float(out)
+        return (await self.settle_all([settlement]))[0]
 
     async def release(self, key: BudgetKey, request_id: str) -> None:
         await self._release(keys=[self.name(key)], args=[request_id])

@@ -45,6 +45,31 @@ class Reservation:
 
 
 @dataclass(frozen=True)
+class Ask:
+    """One budget's part of a reservation."""
+
+    key: BudgetKey
+    amount: float
+    limit: float
+
+
+@dataclass(frozen=True)
+class Reservations:
+    """A request's reservation in all its budgets at once: held in every one, or in none.
+
+    ``missing``: indexes of states not loaded yet (nothing was checked); else one Reservation per
+    ask, all allowed, or at least one refused (and nothing held anywhere).
+    """
+
+    missing: list[int]
+    decisions: list[Reservation]
+
+    @property
+    def allowed(self) -> bool:
+        return not self.missing and all(d.allowed for d in self.decisions)
+
+
+@dataclass(frozen=True)
 class Hold:
     request_id: str
     amount: float
@@ -65,9 +90,8 @@ class Settlement:
 
 
 class BudgetStore(Protocol):
-    async def reserve(self, key: BudgetKey, request_id: str, amount: float, limit: float,
-                      now: float) -> Reservation | None:
-        """Hold ``amount`` if spent + held + amount <= limit; None if the state is not loaded yet."""
+    async def reserve_all(self, asks: list[Ask], request_id: str, now: float) -> Reservations:
+        """Hold each ask's amount if, in every one, spent + held + amount <= limit (one atomic step)."""
         ...
 
     async def load(self, key: BudgetKey, spent: float, counted: list[str], loaded_at: float,
@@ -75,8 +99,9 @@ class BudgetStore(Protocol):
         """Set a state from the ledger, unless another replica loaded it first."""
         ...
 
-    async def settle(self, settlement: Settlement) -> float | None:
-        """Apply one request's end (see the module docstring); the final period's spend, None if not loaded."""
+    async def settle_all(self, settlements: list[Settlement]) -> list[float | None]:
+        """Apply one request's end to each of its budgets (see the module docstring); each final period's
+        spend, None where it is not loaded (or, for the sweep, where the hold was gone)."""
         ...
 
     async def release(self, key: BudgetKey, request_id: str) -> None:
@@ -113,16 +138,24 @@ class InProcessBudgetStore:
     def __init__(self) -> None:
         self._states: dict[BudgetKey, _State] = {}
 
+    async def reserve_all(self, asks: list[Ask], request_id: str, now: float) -> Reservations:
+        states = [self._states.get(a.key) for a in asks]
+        missing = [i for i, s in enumerate(states) if s is None]
+        if missing:
+            return Reservations(missing, [])
+        fits = [s.spent + s.held + a.amount <= a.limit * (1 + EPSILON) for s, a in zip(states, asks)]
+        if not all(fits):
+            return Reservations([], [Reservation(ok, s.spent, s.held) for ok, s in zip(fits, states)])
+        for s, a in zip(states, asks):
+            s.holds[request_id] = Hold(request_id, a.amount, now)
+            s.held += a.amount
+        return Reservations([], [Reservation(True, s.spent, s.held) for s in states])
+
     async def reserve(self, key: BudgetKey, request_id: str, amount: float, limit: float,
                       now: float) -> Reservation | None:
-        s = self._states.get(key)
-        if s is None:
-            return None
-        if s.spent + s.held + amount > limit * (1 + EPSILON):
-            return Reservation(False, s.spent, s.held)
-        s.holds[request_id] = Hold(request_id, amount, now)
-        s.held += amount
-        return Reservation(True, s.spent, s.held)
+        """reserve_all of one ask; None if its state is not loaded."""
+        out = await self.reserve_all([Ask(key, amount, limit)], request_id, now)
+        return None if out.missing else out.decisions[0]
 
     async def load(self, key: BudgetKey, spent: float, counted: list[str], loaded_at: float,
                    cutoff: float) -> None:
@@ -131,6 +164,9 @@ class InProcessBudgetStore:
         for old in [k for k in self._states if k.tenant == key.tenant and k.unit == key.unit and k.end < key.start]:
             if not self._states[old].holds:
                 del self._states[old]
+
+    async def settle_all(self, settlements: list[Settlement]) -> list[float | None]:
+        return [await self.settle(st) for st in settlements]
 
     async def settle(self, settlement: Settlement) -> float | None:
         st = settlement

@@ -9,7 +9,7 @@ from datetime import datetime
 import pytest
 
 from gateway.ratelimit.budget_redis import RedisBudgetStore
-from gateway.ratelimit.budget_store import BudgetKey, InProcessBudgetStore, Settlement
+from gateway.ratelimit.budget_store import Ask, BudgetKey, InProcessBudgetStore, Settlement
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NOV = BudgetKey("acme", "tokens", "month@UTC", datetime(2026, 11, 1), datetime(2026, 12, 1))
@@ -124,4 +124,22 @@ def test_release_gives_the_whole_hold_back(kind):
         await store.release(NOV, "r1")
         await store.release(NOV, "r1")
         assert await store.state(NOV) == (0, 0) and (await store.reserve(NOV, "r2", 10, 10, T0 + 2)).allowed
+    run(kind, go)
+
+
+def test_a_request_holds_in_all_its_budgets_or_in_none(kind):
+    usd = BudgetKey("acme", "usd", "month@UTC", NOV.start, NOV.end)
+
+    async def go(store):
+        out = await store.reserve_all([Ask(NOV, 10, 100), Ask(usd, 2, 5)], "r1", T0)
+        assert out.missing == [0, 1] and not out.allowed
+        await store.load(NOV, 0.0, [], T0, T0 - 30)
+        await store.load(usd, 4.0, [], T0, T0 - 30)
+        out = await store.reserve_all([Ask(NOV, 10, 100), Ask(usd, 2, 5)], "r1", T0)
+        assert not out.allowed and [d.allowed for d in out.decisions] == [True, False]
+        assert await store.state(NOV) == (0, 0)
+        out = await store.reserve_all([Ask(NOV, 10, 100), Ask(usd, 1, 5)], "r1", T0)
+        assert out.allowed and [(d.spent, d.held) for d in out.decisions] == [(0, 10), (4, 1)]
+        assert await store.settle_all([Settlement("r1", 7, T0, T0 + 1, NOV, NOV),
+                                       Settlement("r1", 0.5, T0, T0 + 1, usd, usd)]) == [7, 4.5]
     run(kind, go)

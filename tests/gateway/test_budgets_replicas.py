@@ -56,6 +56,8 @@ def test_64_concurrent_requests_on_three_replicas_spend_no_more_than_the_token_b
     replicas = [serve(redis_url=REDIS_URL, redis_key_prefix=prefix) for _ in range(3)]
     key = replicas[0].add_tenant("metered", "standard", rpm=100_000, tpm=100_000_000, max_concurrent=1000)
     set_budget(replicas[0].db, "metered", "tokens", BUDGET)
+    for replica in replicas:  # each reads budgets afresh for /v1/usage (else within its poll, budget_poll_s)
+        assert httpx.get(f"{replica.url}/v1/usage", headers={"authorization": f"Bearer {key}"}).json()["budgets"]
     responses = asyncio.run(_fire([r.url for r in replicas], key, replicas[0].engine.model_name, 64))
     codes = [r.status_code for r in responses]
     # Each admission holds 10 tokens and uses all 10: exactly BUDGET / 10 get through, whichever replica.
