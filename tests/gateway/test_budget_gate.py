@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 import redis
+from bench.faults import PrivateRedis
 
 from billing.budgets import set_budget
 from billing.db import create_engine_for, upgrade
@@ -45,10 +46,15 @@ def db(tmp_path):
     engine.dispose()
 
 
-@pytest.fixture(params=["memory", "redis"])
-def make_store(request):
-    """A store factory and a way to lose every state (a Redis restart; a process restart in process)."""
+@pytest.fixture(params=["memory", "redis", "redis-restarted"])
+def make_store(request, tmp_path):
+    """A store factory and a way to lose every state: a process restart in process; in Redis, its keys
+    deleted, or a private redis-server (no persistence) really restarted."""
     prefix = f"test-gate:{uuid.uuid4().hex}"
+    if request.param == "redis-restarted":
+        server = PrivateRedis(tmp_path)
+        request.addfinalizer(server.stop)
+        return (lambda: RedisBudgetStore(server.url, key_prefix=prefix)), lambda gate: server.restart()
     if request.param == "memory":
         holder = {}
 
