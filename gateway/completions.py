@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -199,7 +200,10 @@ async def _admit_budget(gw: Gateway, admitted: AdmittedRequest) -> None:
         await gw.budgets.admit(admitted.request_id, admitted.tenant, admitted.tier, admitted.queued_at,
                                admitted.prompt_tokens, admitted.reserved_tokens - admitted.prompt_tokens)
     except BaseException as e:
-        await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
+        with anyio.CancelScope(shield=True):  # a caller gone meanwhile must not keep its rate-limit slot
+            await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
+        if not isinstance(e, Exception):
+            raise
         gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         if isinstance(e, APIError):
             gw.metrics.count_rejection(admitted.tier, "budget")
