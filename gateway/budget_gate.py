@@ -153,10 +153,12 @@ class BudgetGate:
     async def settle(self, record: UsageRecord, require_hold: bool = False) -> None:
         """Count a finished request's row in every budget of its tenant (idempotent per request id)."""
         reserved = self._reserved.pop(record.request_id, None)
-        budgets = self.budgets.get(record.tenant or "", [])
-        if record.status in ("open", "rejected") or not budgets:
+        if record.status in ("open", "rejected"):
             return
-        self._observe_gpu(record)
+        self._observe_gpu(record)  # every tenant's requests teach the estimate, budgets or not
+        budgets = self.budgets.get(record.tenant or "", [])
+        if not budgets:
+            return
         finished = utc_datetime(record.finished_at)
         settlements = []
         for budget in budgets:
