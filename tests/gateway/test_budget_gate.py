@@ -194,3 +194,22 @@ def test_the_sweep_settles_a_dead_processs_hold_from_its_closed_row(db, make_sto
 def _key(gate: BudgetGate, clock) -> BudgetKey:
     """The state of the tenant's first budget (by unit) in the period of the clock's time."""
     return budget_key(gate.budgets["acme"][0], utc_datetime(clock()))
+
+
+def test_a_gpu_seconds_budget_reserves_twice_what_the_tiers_finished_requests_cost_per_token(db, tmp_path):
+    set_budget(db, "acme", "gpu_seconds", 5.0)
+    clock = Clock(datetime(2026, 6, 10, 12))
+
+    async def go():
+        gate = BudgetGate(db, InProcessBudgetStore(), clock=clock)
+        seen = UsageRecord("seen", "other", "premium", None, "ok", clock(), clock(), prompt_tokens=60,
+                           completion_tokens=40, gpu_seconds=1.0)
+        await gate.settle(seen)  # 0.01 GPU-second per token, from a tenant without budgets
+        await gate.admit("r1", "acme", "premium", clock(), 50, 50)  # holds 100 x 0.01 x 2 = 2
+        await gate.admit("r2", "acme", "premium", clock(), 50, 50)  # 4
+        with pytest.raises(APIError, match="needs up to 2"):
+            await gate.admit("r3", "acme", "premium", clock(), 50, 50)
+        assert await gate.store.state(_key(gate, clock)) == (0, pytest.approx(4.0))
+        await gate.close()
+
+    asyncio.run(go())
