@@ -1,5 +1,8 @@
 """POST /v1/chat/completions and /v1/completions: the admission path from bytes to an engine request.
 
+Every endpoint that generates takes this one path (``generate`` with its ``Endpoint``); the Responses
+API (gateway/responses_api.py) is a chat request on it with a framing of its own.
+
 Order matters: cheap checks that touch nothing come first (draining, key,
 body, model, context length), then admission control (it reserves nothing),
 then the rate limiter (it reserves budget), and only then the engine. A
