@@ -186,7 +186,7 @@ def _string(item: dict, name: str, param: str) -> str:
 
 def _tools(body: dict) -> list[dict] | None:
     raw = optional(body, "tools")
-    if raw is None:
+    if raw is None or raw == []:  # chat has no empty tool list: no tools is the same request
         return None
     if not isinstance(raw, list):
         raise invalid_param("tools", "Invalid type for 'tools': expected an array.", "invalid_type")
