@@ -80,6 +80,7 @@ def largest_difference(a: list[list[float]], b: list[list[float]]) -> float:
 def run(args: argparse.Namespace) -> dict:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     runs: dict[int, list[dict]] = {b: [] for b in sizes}
+    described = machine.describe()  # its load average is the one at the start
     with tempfile.TemporaryDirectory(prefix="tiergate-lm-eval-") as tmp:
         task_dir = write_task(Path(tmp), args.questions)
         env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{tmp}/tiergate.db",
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
             "wall_s": statistics.median(r["wall_s"] for r in rs), "rounds_wall_s": [r["wall_s"] for r in rs],
             "acc": rs[0]["acc"], "max_abs_diff": max(largest_difference(reference, r["loglikelihoods"]) for r in rs),
         }
-    return {"machine": machine.describe(), "model": model, "questions": args.questions, "choices": 4,
+    return {"machine": described, "model": model, "questions": args.questions, "choices": 4,
             "rounds": args.rounds, "reference_batch_size": sizes[0], "batch_sizes": by_size}
 
 
