@@ -250,7 +250,7 @@ def _response_format(form: dict) -> dict:
 # The chat parser's parameter names, and what they are called in a Responses body.
 _RENAMES = [
     (re.compile(r"^messages.*"), "input"),
-    (re.compile(r"^max_completion_tokens$"), "max_output_tokens"),
+    (re.compile(r"^max_(completion_)?tokens$"), "max_output_tokens"),
     (re.compile(r"^response_format\.json_schema"), "text.format"),
     (re.compile(r"^response_format"), "text.format"),
     (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),
@@ -299,7 +299,10 @@ RESPONSES = Endpoint("chat", parse_responses, "resp_", "chat", _response_generat
 
 
 async def create_response(request: Request) -> Response:
-    return await generate(request, RESPONSES)
+    try:
+        return await generate(request, RESPONSES)
+    except APIError as e:  # the engine's checks name the chat request's parameters too
+        raise _renamed(e) from None
 
 
 routes = [Route("/v1/responses", create_response, methods=["POST"])]

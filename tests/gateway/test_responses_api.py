@@ -128,6 +128,8 @@ def test_a_json_schema_format_makes_a_random_model_answer_json_valid_for_the_sch
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "fooo"}}}}, "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x" * 400}, "input"),
+    ({"max_output_tokens": 300}, "max_output_tokens"),
     ({"frequency_penalty": 1}, "frequency_penalty"),
 ])
 def test_what_is_not_served_is_a_400_naming_the_parameter(server, extra, param):
