@@ -1,14 +1,16 @@
-"""Parallel sampling (n > 1): one request's choices as sibling sequences that share its prompt.
+"""Parallel sampling (n > 1) and list prompts: one request's sequences, n sibling choices per prompt.
 
-The first choice goes to the scheduler alone; its siblings follow once its
-prompt is computed, so their full prompt blocks come from the prefix cache
-(reference-counted, shared) and only the last, partial block is each sibling's
+Choices are numbered prompt-major, as OpenAI orders a list prompt's choices:
+choice ``p * n + j`` is the j-th of prompt p. The first choice of each prompt
+(its lead) goes to the scheduler alone, as a sequence of its own; its siblings
+follow once its prompt is computed, so their full prompt blocks come from the
+prefix cache (reference-counted, shared) and only the last, partial block is each sibling's
 own: copy-on-write done by recomputing those few tokens rather than copying the
 block, so the scheduler's one-owner-or-refcounted invariant holds unchanged.
-They join their admitted request (``Scheduler.add(..., sibling_of=...)``): first
+They join their admitted lead (``Scheduler.add(..., sibling_of=...)``): first
 in their queue, in its place in arrival order, admitted before anything queued.
 The group is one request to everything outside the engine: one id, one finish
-event with the sum of its tokens, and its step items under that id.
+event with the sum of its tokens (each prompt's counted once), and its step items under that id.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def choice_seq_id(request_id: str, index: int) -> str:
 class ChoiceGroup:
     request_id: str
     states: list  # RequestState of each choice, by index
-    waiting: list = field(default_factory=list)  # siblings not yet given to the scheduler
+    n: int = 1  # choices per prompt
+    waiting: dict[int, list] = field(default_factory=dict)  # by lead index: siblings not yet given to the scheduler
     unfinished: int = 0
     reasons: dict[int, str] = field(default_factory=dict)  # finish_reason by index
 
@@ -36,12 +39,21 @@ class ChoiceGroup:
         self.unfinished = len(self.states)
 
     @classmethod
-    def link(cls, states: list) -> ChoiceGroup:
-        """Group the states of one request's choices; all but the first wait for its prompt."""
-        group = cls(states[0].request_id, states, waiting=states[1:])
+    def link(cls, states: list, n: int) -> ChoiceGroup:
+        """Group the states of one request's choices (``n`` per prompt); siblings wait for their lead's prompt."""
+        waiting = {lead: states[lead + 1:lead + n] for lead in range(0, len(states), n)} if n > 1 else {}
+        group = cls(states[0].request_id, states, n, waiting=waiting)
         for state in states:
             state.group = group
         return group
+
+    def leads(self) -> list:
+        """The first choice of each prompt: the states that go to the scheduler first."""
+        return self.states[::self.n]
+
+    def take_siblings(self, index: int) -> list:
+        """The waiting siblings of lead ``index`` (none for any other choice), no longer waiting."""
+        return self.waiting.pop(index, [])
 
     def end_choice(self, index: int, status: str, finish_reason: str) -> list[str]:
         """Account a choice's end; the sequence ids of siblings to abort with it (a failed or
@@ -55,10 +67,10 @@ class ChoiceGroup:
         return [s.seq.seq_id for s in self.states if s.index != index]
 
     def usage(self) -> Usage:
-        first = self.states[0].usage()
+        prompts = [s.usage() for s in self.leads()]
         completion = sum(len(s.seq.output_token_ids) for s in self.states)
-        return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
-                     cached_tokens=first.cached_tokens)
+        return Usage(prompt_tokens=sum(u.prompt_tokens for u in prompts), completion_tokens=completion,
+                     cached_tokens=sum(u.cached_tokens for u in prompts))
 
     def finish_event(self, status: str) -> FinishEvent:
         """The first choice's event, with the whole request's tokens and times."""
@@ -66,7 +78,9 @@ class ChoiceGroup:
         starts = [s.first_token_at for s in self.states if s.first_token_at is not None]
         return dataclasses.replace(
             self.states[0].finish_event(status, self.reasons.get(0, "abort")),
+            prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
             first_token_at=min(starts, default=None),
             queue_s=max(s.seq.queue_time_s for s in self.states),
         )

@@ -209,10 +209,11 @@ class Engine:
     def _admit(self, request: EngineRequest, sink: Callable[[Delta], None]) -> None:
         self.check(request)
         # A grammar is compiled on the caller's thread unless cached (the gateway compiles it off its loop first).
-        states = [RequestState.create(request, sink, i, self.tokenizer, self.grammars) for i in range(request.params.n)]
+        states = [RequestState.create(request, sink, i, self.tokenizer, self.grammars)
+                  for i in range(request.num_sequences)]
         state = states[0]
         if len(states) > 1:
-            ChoiceGroup.link(states)
+            ChoiceGroup.link(states, request.params.n)
         if request.adapter is None:
             self._enqueue(state)
         else:

@@ -27,7 +27,7 @@ class InFlight:
         self._emit = emit
         self._publish = publish  # the engine's snapshots, refreshed before a caller hears of an end
         self._states: dict[str, RequestState] = {}  # by sequence id
-        self._groups: dict[str, ChoiceGroup] = {}  # n > 1 requests by request id
+        self._groups: dict[str, ChoiceGroup] = {}  # n > 1 and list-prompt requests by request id
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states or request_id in self._groups
@@ -45,19 +45,26 @@ class InFlight:
         return state.request_id if state is not None else seq_id
 
     def add(self, state: RequestState) -> None:
-        """Hand a request (its first choice) to the scheduler; ValueError if the scheduler refuses it."""
-        self.scheduler.add(state.seq)
-        self._states[state.seq.seq_id] = state
+        """Hand a request (the first choice of each of its prompts) to the scheduler; ValueError, with
+        nothing left queued, if the scheduler refuses one."""
+        leads = state.group.leads() if state.group is not None else [state]
+        try:
+            for lead in leads:
+                self.scheduler.add(lead.seq)
+                self._states[lead.seq.seq_id] = lead
+        except ValueError:
+            for lead in leads:
+                if self._states.pop(lead.seq.seq_id, None) is not None:
+                    self.scheduler.abort(lead.seq.seq_id)
+            raise
         if state.group is not None:
             self._groups[state.request_id] = state.group
 
-    def release_siblings(self, group: ChoiceGroup) -> None:
-        """The first choice's prompt is computed and cached: its siblings can share it now."""
-        first = group.states[0].seq.seq_id
-        for sibling in group.waiting:
-            self.scheduler.add(sibling.seq, sibling_of=first)
+    def release_siblings(self, lead: RequestState) -> None:
+        """A lead's prompt is computed and cached: its siblings can share it now (none: nothing to do)."""
+        for sibling in lead.group.take_siblings(lead.index) if lead.group is not None else ():
+            self.scheduler.add(sibling.seq, sibling_of=lead.seq.seq_id)
             self._states[sibling.seq.seq_id] = sibling
-        group.waiting.clear()
 
     def abort(self, request_id: str) -> None:
         group = self._groups.get(request_id)
@@ -104,7 +111,7 @@ class InFlight:
             self.end(seq_id, status, finish_reason, error=error)
 
     def _end_choice(self, state: RequestState, status: str, last: Delta) -> Delta:
-        """One choice of an n > 1 request ended; the request's usage and finish event come with its last."""
+        """One choice of an n > 1 or list-prompt request ended; the request's usage and finish event come with its last."""
         group = state.group
         for seq_id in group.end_choice(state.index, status, last.finish_reason):
             if self._states.pop(seq_id, None) is not None:

@@ -43,7 +43,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Output constrained to a grammar (engine/grammar.py); None for free text.
     grammar: GrammarSpec | None = None
-    n: int = 1  # choices sampled from the one prompt (engine/choices.py)
+    n: int = 1  # choices sampled from each prompt (engine/choices.py)
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -88,6 +88,17 @@ class EngineRequest:
     # Opaque: whose request it is, for fair share in its tier and the prefix cache's scope.
     tenant: str | None = None
     tenant_weight: float = 1.0
+    # A list prompt's entries after the first (OpenAI's completions take up to 2048): each runs as
+    # ``params.n`` sequences of this one request, choices numbered prompt-major (engine/choices.py).
+    more_prompts: tuple[list[int], ...] = ()
+
+    @property
+    def prompts(self) -> tuple[list[int], ...]:
+        return (self.prompt_token_ids, *self.more_prompts)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.params.n * (1 + len(self.more_prompts))
 
 
 @dataclass(frozen=True)

@@ -31,30 +31,34 @@ class RequestState:
     first_token_at: float | None = None
     finished: bool = False
     grammar: GrammarMatcher | None = None  # has accepted every output token so far
-    index: int = 0  # which choice of an n > 1 request
-    group: ChoiceGroup | None = None  # the choices of an n > 1 request
+    index: int = 0  # which choice of an n > 1 or list-prompt request
+    group: ChoiceGroup | None = None  # the choices of an n > 1 or list-prompt request
     # Prompt logprobs scored so far (engine/prompt_scoring.py), the first token's first; None if not asked.
     prompt_scores: list[TokenLogprob] | None = None
 
     @classmethod
     def create(cls, request: EngineRequest, sink: Callable[[Delta], None], index: int, tokenizer: TextTokenizer,
                grammars: GrammarCompiler) -> RequestState:
-        """The state of choice ``index`` of ``request`` (0 unless n > 1)."""
+        """The state of choice ``index`` of ``request``: the ``index % n``-th choice of its ``index // n``-th prompt."""
         params = request.params
-        if index and params.seed is not None:  # seeded choices are reproducible, and differ from each other
-            params = dataclasses.replace(params, seed=params.seed + index)
+        prompt, choice = divmod(index, params.n)
+        # Seeded choices are reproducible and differ from each other; a list prompt's entry gets the
+        # choices it would get alone.
+        if choice and params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + choice)
         seq = Sequence(
-            seq_id=choice_seq_id(request.request_id, index) if params.n > 1 else request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
+            seq_id=choice_seq_id(request.request_id, index) if request.num_sequences > 1 else request.request_id,
+            prompt_token_ids=list(request.prompts[prompt]),
             tier=request.tier,
             adapter=request.adapter,
             max_tokens=params.max_tokens,
             tenant=request.tenant,
             weight=request.tenant_weight,
-            group=request.request_id if params.n > 1 else None,
+            # One prompt's choices are preempted together; a list prompt's entries each finish on their own.
+            group=f"{request.request_id}/{prompt}" if params.n > 1 else None,
         )
         prompt_scores = None
-        if params.prompt_logprobs is not None and index == 0:  # later choices take the first's
+        if params.prompt_logprobs is not None and choice == 0:  # later choices take their lead's
             first = seq.prompt_token_ids[0]
             prompt_scores = [TokenLogprob(first, tokenizer.id_to_token_text(first), None)]
             seq.reads_prefix_cache = seq.num_prompt_tokens == 1

@@ -220,7 +220,7 @@ class StepLoop:
             if state is None:  # a sibling choice failed earlier in this step and took it along
                 continue
             if state.group is not None and state.group.waiting:
-                self.requests.release_siblings(state.group)
+                self.requests.release_siblings(state)
             if state.grammar is not None and not state.grammar.accept(token.token_id):
                 error = "the sampled token is outside the request's grammar"
                 self.requests.end(seq_id, "error", "error", error=error, outgoing=outgoing)

@@ -32,9 +32,10 @@ class RequestLimits:
 
     def check(self, request: EngineRequest, adapters: Collection[str]) -> None:
         """Raise InvalidRequest naming the first problem of ``request``."""
-        prompt_len = len(request.prompt_token_ids)
         max_tokens = request.params.max_tokens
-        if prompt_len == 0:
+        # A list prompt's longest entry is the one that must fit.
+        prompt_len = max(len(p) for p in request.prompts)
+        if min(len(p) for p in request.prompts) == 0:
             raise InvalidRequest("the prompt is empty", "prompt")
         if prompt_len >= self.max_model_len or prompt_len + max_tokens > self.max_model_len:
             raise InvalidRequest(
@@ -57,7 +58,7 @@ class RequestLimits:
             raise InvalidRequest(
                 f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the {fits} tokens a "
                 f"{request.tier} request can hold in this server's KV cache", "max_tokens")
-        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= self.vocab_size:
+        if any(min(p) < 0 or max(p) >= self.vocab_size for p in request.prompts):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if any(not 0 <= token < self.vocab_size for token, _ in request.params.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")

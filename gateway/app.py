@@ -43,6 +43,7 @@ from gateway.prompts import PromptEncoder
 from gateway.ratelimit import RateLimiter, make_limiter
 from gateway.services import Gateway
 from gateway.settings import Settings
+from gateway import responses_api, tokenizer_routes
 from gateway.tracing import Tracing
 from gateway.usage_recorder import UsageRecorder
 
@@ -227,6 +228,8 @@ def create_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        *responses_api.routes,
+        *tokenizer_routes.routes,
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

@@ -1,5 +1,8 @@
 """POST /v1/chat/completions and /v1/completions: the admission path from bytes to an engine request.
 
+Every endpoint that generates takes this one path (``generate`` with its ``Endpoint``); the Responses
+API (gateway/responses_api.py) is a chat request on it with a framing of its own.
+
 Order matters: cheap checks that touch nothing come first (draining, key,
 body, model, context length), then admission control (it reserves nothing),
 then the rate limiter (it reserves budget), and only then the engine. A
@@ -12,7 +15,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
@@ -25,6 +30,7 @@ from gateway.generation import AdmittedRequest, Generation, GenerationStream
 from gateway.http_protocol import ON_DISCONNECT
 from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
+from gateway.prompt_lists import list_token_ids
 from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
 from gateway.response_format import compile_grammar
@@ -78,9 +84,17 @@ def prompt_scores_wanted(req: GenerationRequest) -> int | None:
     return max(wanted, default=None)
 
 
-def echo_text(req: GenerationRequest, prompt: list[int], tokenizer) -> str:
-    """The prompt as ``echo`` gives it back: the client's own text, or its token ids decoded."""
-    return req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt)
+def echo_texts(req: GenerationRequest, prompts: list[list[int]], tokenizer) -> tuple[str, ...]:
+    """Each prompt as ``echo`` gives it back: the client's own text, or its token ids decoded."""
+    given = (req.prompt, *req.more_prompts)
+    return tuple(p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(given, prompts))
+
+
+async def prompt_token_ids(gw: Gateway, req: GenerationRequest) -> list[list[int]]:
+    """The token ids of each of the request's prompts (one, unless a list prompt)."""
+    if not req.more_prompts:
+        return [await gw.prompts.token_ids(req)]
+    return await list_token_ids(gw.prompts, (req.prompt, *req.more_prompts), gw.settings.max_prompt_list_tokens)
 
 
 def check_request(engine: EngineFront, request: EngineRequest, max_tokens_given: bool) -> None:
@@ -93,56 +107,82 @@ def check_request(engine: EngineFront, request: EngineRequest, max_tokens_given:
         raise APIError(400, str(e), param=param, code=e.code) from None
 
 
+def _plain_generation(admitted: AdmittedRequest, stream: AsyncIterator[Delta], gw: Gateway, trace,
+                      req: GenerationRequest) -> Generation:
+    return Generation(admitted, stream, gw, trace)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What differs between the endpoints that generate: how a body parses, request ids, the trace's
+    operation, and what frames the answer (gateway/generation.py's chat or completion objects, or another
+    framing built on them, such as gateway/responses_api.py's)."""
+
+    kind: str  # "chat" or "completion": the GenerationRequest and the Generation's framing
+    parse: Callable[[dict[str, Any]], GenerationRequest]
+    id_prefix: str
+    operation: str  # OpenTelemetry's gen_ai.operation.name
+    generation: Callable[..., Generation] = _plain_generation  # (admitted, stream, gw, trace, req)
+
+
+CHAT = Endpoint("chat", parse_chat, "chatcmpl-", "chat")
+COMPLETION = Endpoint("completion", parse_completion, "cmpl-", "text_completion")
+
+
 async def chat_completions(request: Request) -> Response:
-    return await _generate(request, "chat")
+    return await generate(request, CHAT)
 
 
 async def completions(request: Request) -> Response:
-    return await _generate(request, "completion")
+    return await generate(request, COMPLETION)
 
 
-async def _generate(request: Request, kind: str) -> Response:
+async def generate(request: Request, endpoint: Endpoint) -> Response:
+    """The one admission path of every endpoint that generates."""
     gw: Gateway = request.app.state.gateway
     arrived, queued_at = time.monotonic(), time.time()
+    kind = endpoint.kind
     if gw.lifecycle.draining:
         raise service_unavailable("The server is shutting down; retry on another replica.",
                                   headers=retry_headers(DRAIN_RETRY_S))
     tenant = await gw.auth.authenticate(request)
     body = parse_json_body(await read_body(request, gw.settings.max_body_bytes))
-    req = parse_chat(body) if kind == "chat" else parse_completion(body)
+    req = endpoint.parse(body)
     adapter = resolve_adapter(req.model, tenant, gw.engine)
-    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{gw.ids.getrandbits(128):032x}"
+    request_id = f"{endpoint.id_prefix}{gw.ids.getrandbits(128):032x}"
     try:
         if req.grammar is not None:  # compiling costs CPU like tokenizing: a refusal counts the same
             await compile_grammar(gw.engine, req.grammar, req.grammar_param)
-        prompt = await gw.prompts.token_ids(req)
-        max_tokens = req.max_tokens or default_max_tokens(len(prompt), gw.engine.max_model_len,
+        prompts = await prompt_token_ids(gw, req)
+        prompt = prompts[0]
+        max_tokens = req.max_tokens or default_max_tokens(max(map(len, prompts)), gw.engine.max_model_len,
                                                           gw.settings.default_max_tokens)
         # Sampling's fields carry SamplingParams' own names.
         params = SamplingParams(max_tokens=max_tokens, **vars(req.sampling), stop=req.stop,
                                 stop_token_ids=req.stop_token_ids, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
                                 grammar=req.grammar, n=req.n, prompt_logprobs=prompt_scores_wanted(req))
         engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
-                                       tenant_weight=tenant.weight)
+                                       tenant_weight=tenant.weight, more_prompts=tuple(prompts[1:]))
         check_request(gw.engine, engine_request, req.max_tokens is not None)
     except APIError:
         await _count_refusal(gw, tenant, request_id, adapter, queued_at)
         raise
+    prompt_tokens = sum(map(len, prompts))
     admitted = AdmittedRequest(
         request_id=request_id, kind=kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier, adapter=adapter,
-        queued_at=queued_at, arrived=arrived, prompt_tokens=len(prompt),
-        reserved_tokens=len(prompt) + req.n * max_tokens,
+        queued_at=queued_at, arrived=arrived, prompt_tokens=prompt_tokens,
+        reserved_tokens=prompt_tokens + len(prompts) * req.n * max_tokens, prompts=len(prompts),
         want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
         parse_tool_calls=req.tools is not None and req.tools.choice != "none", n=req.n,
         top_logprobs=req.logprobs or 0, prompt_logprobs=req.prompt_logprobs,
-        echo_text=echo_text(req, prompt, gw.prompts.tokenizer) if req.echo else None,
+        echo_texts=echo_texts(req, prompts, gw.prompts.tokenizer) if req.echo else (),
     )
     # Refusals are counted (metrics) and billed (ledger) but not traced: a span costs about as much
     # as the rest of a 429, and a flood of 429s must stay cheap to answer.
     decision = await _admit(gw, admitted, tenant)
     sampling = req.sampling
     trace = gw.tracing.start_request(
-        request_id=request_id, operation="chat" if kind == "chat" else "text_completion", model=req.model,
+        request_id=request_id, operation=endpoint.operation, model=req.model,
         tenant=tenant.tenant, tier=tenant.tier, adapter=adapter, max_tokens=max_tokens,
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
         presence_penalty=sampling.presence_penalty or None, frequency_penalty=sampling.frequency_penalty or None,
@@ -153,9 +193,9 @@ async def _generate(request: Request, kind: str) -> Response:
         # engine thread needs for its step, until it awaits the first delta.
         headers = {"x-request-id": request_id, **decision.headers()}
         stream = await _submit(gw, admitted, engine_request, trace)
-        generation = Generation(admitted, stream, gw, trace)
+        generation = endpoint.generation(admitted, stream, gw, trace, req)
         generation.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at,
-                                              len(prompt), lambda: generation.completion_tokens, now=req.stream)
+                                              prompt_tokens, lambda: generation.completion_tokens, now=req.stream)
         if req.stream:
             return GenerationStream(generation, headers)
         # Starlette notices a client that leaves only on streams; the server's disconnect hook

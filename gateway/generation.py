@@ -49,10 +49,19 @@ class AdmittedRequest:
     want_logprobs: bool
     include_usage: bool
     parse_tool_calls: bool = False  # the answer may hold tool calls (gateway/tools.py)
-    n: int = 1  # choices
+    n: int = 1  # choices per prompt
     top_logprobs: int = 0  # alternatives shown beside each token's logprob
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
-    echo_text: str | None = None  # completions' echo: the prompt, given back before each choice's text
+    # completions' echo: each prompt, given back before its choices' text; empty: no echo
+    echo_texts: tuple[str, ...] = ()
+    prompts: int = 1  # a list prompt's entries: choice i is choice i % n of prompt i // n
+
+    @property
+    def choices(self) -> int:
+        return self.n * self.prompts
+
+    def echo_of(self, index: int) -> str | None:
+        return self.echo_texts[index // self.n] if self.echo_texts else None
 
 
 class Generation:
@@ -119,18 +128,20 @@ class Generation:
             # Once a client has seen a request's id, a crash must leave a row for it: the open row is
             # durable (committed or spooled) before the first chunk.
             await asyncio.wrap_future(self.row_opened)
-        yield b"".join(writer.first(index) for index in range(request.n))
+        yield b"".join(writer.first(index) for index in range(request.choices))
         echoed: set[int] = set()
-        prompt_scores: tuple[TokenLogprob, ...] = ()
+        prompt_scores: dict[int, tuple[TokenLogprob, ...]] = {}  # by prompt
         async for delta in self.stream:
             self._on_delta(delta)
             text, reason, index = delta.text, delta.finish_reason, delta.index
-            if delta.prompt_logprobs is not None:  # on the first choice's first delta, before any sibling's
-                prompt_scores = delta.prompt_logprobs
-            if request.echo_text is not None and index not in echoed:
+            if delta.prompt_logprobs is not None:  # on a prompt's first choice's first delta, before its siblings'
+                prompt_scores[index // request.n] = delta.prompt_logprobs
+            echo = request.echo_of(index)
+            if echo is not None and index not in echoed:
                 echoed.add(index)
-                items = fmt.echo_items(prompt_scores, request.top_logprobs) if request.want_logprobs else ()
-                yield writer.delta(request.echo_text, items, request.want_logprobs, index=index)
+                items = fmt.echo_items(prompt_scores.get(index // request.n, ()), request.top_logprobs) \
+                    if request.want_logprobs else ()
+                yield writer.delta(echo, items, request.want_logprobs, index=index)
             if request.parse_tool_calls:
                 parser = parsers.setdefault(index, ToolCallParser())
                 pieces = parser.feed(text) + (parser.finish() if reason is not None else [])
@@ -168,14 +179,14 @@ class Generation:
         logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
         reasons: dict[int, str] = {}
         last: Delta | None = None
-        prompt_scores: tuple[TokenLogprob, ...] = ()
+        prompt_scores: dict[int, tuple[TokenLogprob, ...]] = {}  # by prompt
         try:
             async for last in self.stream:
                 self._on_delta(last)
                 texts[last.index].append(last.text)
                 logprobs[last.index].extend(last.logprobs)
                 if last.prompt_logprobs is not None:
-                    prompt_scores = last.prompt_logprobs
+                    prompt_scores[last.index // request.n] = last.prompt_logprobs
                 if last.finish_reason is not None:
                     reasons[last.index] = last.finish_reason
                 if last.is_last:
@@ -191,20 +202,21 @@ class Generation:
             return JSONResponse({"error": {"message": "The engine failed while generating; the request was stopped.",
                                            "type": "server_error", "param": None, "code": "engine_error"}},
                                 status_code=500)
-        choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i], prompt_scores)
-                   for i in range(request.n)]
+        choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i],
+                                prompt_scores.get(i // request.n, ())) for i in range(request.choices)]
         usage = delta.usage or self._usage()
-        shown = None  # vLLM's prompt_logprobs: the response's on chat, each choice's on completions
+        shown = None  # vLLM's prompt_logprobs, by prompt: the response's on chat, each choice's on completions
         if request.prompt_logprobs is not None:
-            shown = fmt.prompt_logprobs(prompt_scores, request.prompt_logprobs)
+            shown = [fmt.prompt_logprobs(prompt_scores.get(p, ()), request.prompt_logprobs)
+                     for p in range(request.prompts)]
         if request.kind == "chat":
             body = fmt.chat_response(request.request_id, self.created, request.model, choices, usage)
             if shown is not None:
-                body["prompt_logprobs"] = shown
+                body["prompt_logprobs"] = shown[0]
         else:
             if shown is not None:
                 for choice in choices:
-                    choice["prompt_logprobs"] = shown
+                    choice["prompt_logprobs"] = shown[choice["index"] // request.n]
             body = fmt.completion_response(request.request_id, self.created, request.model, choices, usage)
         return JSONResponse(body, headers=headers)
 
@@ -213,12 +225,12 @@ class Generation:
         request = self.request
         if request.kind != "chat":
             lp = None
-            if request.want_logprobs and request.echo_text is not None:
-                lp = fmt.echoed_completion_logprobs(prompt_scores, request.top_logprobs, len(request.echo_text),
-                                                    logprobs)
+            echo = request.echo_of(index)
+            if request.want_logprobs and echo is not None:
+                lp = fmt.echoed_completion_logprobs(prompt_scores, request.top_logprobs, len(echo), logprobs)
             elif request.want_logprobs:
                 lp = fmt.completion_logprobs(logprobs, 0)
-            return fmt.completion_choice(index, (request.echo_text or "") + text, reason, lp)
+            return fmt.completion_choice(index, (echo or "") + text, reason, lp)
         lp = fmt.chat_logprobs(logprobs) if request.want_logprobs else None
         content, calls = text, None
         if request.parse_tool_calls:

@@ -63,6 +63,16 @@ class PromptEncoder:
             raise invalid_param(param, "The prompt is empty.", "invalid_value")
         return ids
 
+    async def encode_texts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Texts tokenized as completion prompts are: inline when short together, else in one hop to the pool.
+
+        The caller bounds their size (a list prompt's or /tokenize's checks)."""
+        def encode() -> list[list[int]]:
+            return [self.tokenizer.encode(t, add_special_tokens) for t in texts]
+        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+            return encode()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -19,6 +19,7 @@ from engine.grammar import GrammarSpec
 from engine.request import MAX_STOP_CHARS
 from gateway.errors import APIError, invalid_param
 from gateway.json_fields import bool_field, int_field, is_int, optional, str_field
+from gateway.prompt_lists import check_sequences, parse_prompts
 from gateway.response_format import parse_output_grammar
 from gateway.sampling import SAMPLING_FIELDS, Sampling, parse_sampling
 from gateway.tools import ToolRequest, parse_tools
@@ -65,6 +66,7 @@ class GenerationRequest:
     model: str
     messages: tuple[Message, ...] = ()
     prompt: str | tuple[int, ...] = ""
+    more_prompts: tuple[str | tuple[int, ...], ...] = ()  # a list prompt's entries after the first
     max_tokens: int | None = None
     sampling: Sampling = Sampling()
     stop: tuple[str, ...] = ()
@@ -346,27 +348,6 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     )
 
 
-def _prompt(body: dict) -> str | tuple[int, ...]:
-    raw = optional(body, "prompt")
-    if raw is None:
-        raise invalid_param("prompt", "Missing required parameter: 'prompt'.", "missing_required_parameter")
-    if isinstance(raw, str):
-        return raw
-    if isinstance(raw, list) and raw and all(is_int(t) and t >= 0 for t in raw):
-        return tuple(raw)
-    # A batch of one (evaluation harnesses send their prompts so).
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], list) and raw[0] and all(
-            is_int(t) and t >= 0 for t in raw[0]):
-        return tuple(raw[0])
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-        return raw[0]
-    if isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):
-        raise invalid_param("prompt", "Batched prompts are not supported; send one prompt per request.",
-                            "invalid_value")
-    raise invalid_param("prompt", "Invalid type for 'prompt': expected a string or an array of token ids.",
-                        "invalid_type")
-
-
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     _refuse_unserved(body, "completion")
     common = _common(body)
@@ -376,11 +357,14 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
         if optional(body, name) is not None:
             raise invalid_param(name, f"'{name}' is only supported on /v1/chat/completions.", "invalid_value")
     grammar, grammar_param = parse_output_grammar(body)
+    prompts = parse_prompts(body)
+    check_sequences(len(prompts), common["n"])
     return GenerationRequest(
         kind="completion",
         grammar=grammar,
         grammar_param=grammar_param,
-        prompt=_prompt(body),
+        prompt=prompts[0],
+        more_prompts=prompts[1:],
         max_tokens=_max_tokens(body),
         logprobs=int_field(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS),
         echo=bool_field(body, "echo"),

@@ -45,6 +45,8 @@ class Settings:
     default_max_tokens: int = 256  # when a request names none: bounds what TPM reserves for it
     max_body_bytes: int = 1 << 20
     tokenizer_threads: int = 2  # long prompts are tokenized on this many threads, off the event loop
+    # The tokens a list prompt's entries (or one /tokenize call) may hold together (gateway/prompt_lists.py).
+    max_prompt_list_tokens: int = 1 << 17
     # Slow clients: a request's head must arrive within header_timeout_s of the connection (or of its
     # first byte on a kept-alive one), its body within body_timeout_s of the head; else 408 and close.
     header_timeout_s: float = 10.0
@@ -98,7 +100,7 @@ class Settings:
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be positive, not {getattr(self, name)}")
         for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued", "tokenizer_threads",
-                     "max_connections"):
+                     "max_connections", "max_prompt_list_tokens"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
         for name in ("auth_revocation_poll_s", "ledger_checkpoint_s", "budget_poll_s"):

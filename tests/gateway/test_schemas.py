@@ -81,12 +81,16 @@ def test_bad_chat_field_is_400_naming_the_parameter(body, param):
     [
         ({"model": "m"}, "prompt"),
         ({"model": "m", "prompt": 3}, "prompt"),
-        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": ["a", [1]]}, "prompt"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": ["a"] * 2049}, "prompt"),
+        ({"model": "m", "prompt": ["a"] * 200, "n": 11}, "n"),
         ({"model": "m", "prompt": [1, -2]}, "prompt"),
         ({**COMPLETION, "logprobs": 6}, "logprobs"),
         ({**COMPLETION, "logprobs": True}, "logprobs"),
         ({**COMPLETION, "echo": "yes"}, "echo"),
-        ({**COMPLETION, "prompt": [[1, 2], [3]]}, "prompt"),
+        ({**COMPLETION, "prompt": [[1, 2], []]}, "prompt[1]"),
+        ({**COMPLETION, "prompt": [[1, 2], [3, -1]]}, "prompt[1]"),
         ({**COMPLETION, "prompt_logprobs": 21}, "prompt_logprobs"),
         ({**COMPLETION, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({**COMPLETION, "best_of": 3}, "best_of"),
@@ -101,6 +105,13 @@ def test_token_id_prompts_and_batches_of_one_are_accepted():
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt == (1, 2, 3)
     assert parse_completion({"model": "m", "prompt": ["one"]}).prompt == "one"
     assert parse_completion({"model": "m", "prompt": [[4, 5]]}).prompt == (4, 5)
+
+
+def test_list_prompts_keep_their_entries_in_order():
+    texts = parse_completion({"model": "m", "prompt": ["a", "b", "c"]})
+    assert (texts.prompt, texts.more_prompts) == ("a", ("b", "c"))
+    ids = parse_completion({"model": "m", "prompt": [[1, 2], [3]], "n": 2})
+    assert (ids.prompt, ids.more_prompts, ids.n) == ((1, 2), ((3,),), 2)
 
 
 @pytest.mark.parametrize("parse, base", [(parse_chat, CHAT), (parse_completion, COMPLETION)], ids=["chat", "completion"])
