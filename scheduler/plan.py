@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from scheduler.step_budget import StepTimeBound
 
 
 @dataclass
@@ -55,7 +59,7 @@ class StepBuilder:
     """The plan under construction and what it has used so far."""
 
     plan: StepPlan
-    budget: int
+    tokens_left: int  # of the step's token budget
     # charge(seq, start, num_tokens, sign): the policy's fair-share charge for planned tokens.
     charge: Callable[[Sequence, int, int, int], None]
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
@@ -64,6 +68,22 @@ class StepBuilder:
     admission_closed: bool = False
     # Queues whose prefill this step is only their express tenants' (the policy's ``express``).
     held: dict[str, set[str | None]] = field(default_factory=dict)
+    # The inter-token latency bound, set once the step's decodes are planned (scheduler/step_budget.py).
+    time: StepTimeBound | None = None
+    room_at_bound: int = 0  # the prefill room the bound left when it was set
+
+    @property
+    def budget(self) -> int:
+        """Tokens the step may still take: its token budget, and under a time bound what fits the target."""
+        if self.time is None:
+            return self.tokens_left
+        return min(self.tokens_left, self.time.room(self.plan))
+
+    def room(self, start: int, keep: int = 0) -> int:
+        """Tokens a chunk computing from position ``start`` may take, ``keep`` left for worse queues."""
+        if self.time is None:
+            return self.tokens_left - keep
+        return min(self.tokens_left, self.time.room(self.plan, start)) - keep
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         chunk = self.chunks.get(seq.seq_id)
@@ -73,11 +93,11 @@ class StepBuilder:
             self.plan.chunks.append(chunk)
         self.charge(seq, chunk.end, num_tokens, 1)
         chunk.num_tokens += num_tokens
-        self.budget -= num_tokens
+        self.tokens_left -= num_tokens
 
     def drop(self, seq: Sequence) -> None:
         chunk = self.chunks.pop(seq.seq_id, None)
         if chunk is not None:
             self.plan.chunks.remove(chunk)
-            self.budget += chunk.num_tokens
+            self.tokens_left += chunk.num_tokens
             self.charge(seq, chunk.start, chunk.num_tokens, -1)
