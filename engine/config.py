@@ -39,6 +39,10 @@ class EngineConfig:
     # rather than after it (engine/step_loop.py).
     express_between_layers: bool = True
     express_spare_blocks: int = 4  # left free for them by other admissions (scheduler/config.py)
+    # The inter-token latency bound (scheduler/step_budget.py): while streams decode, no step is planned
+    # longer than this or than a decoding tier's tpot_slo_s (``tiers``). None: only the tiers' bounds.
+    max_step_s: float | None = None
+    min_prefill_chunk: int | None = None  # prefill tokens a bounded step still takes; None: one block
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "tenant"  # "tenant" or "shared" (see scheduler/block_manager.py)
     max_loras: int = 4
@@ -57,7 +61,8 @@ class EngineConfig:
             max_loras=self.max_loras, enable_prefix_caching=self.enable_prefix_caching,
             prefix_cache_scope=self.prefix_cache_scope, policy=self.policy, fair_share=self.fair_share,
             tiers=self.tiers, standard_min_share=self.standard_min_share, long_context_after=long_context_after,
-            express_spare_blocks=self.express_spare_blocks if self.express_steps_on else 0)
+            express_spare_blocks=self.express_spare_blocks if self.express_steps_on else 0,
+            max_step_s=self.max_step_s, min_prefill_chunk=self.min_prefill_chunk)
 
     @property
     def express_steps_on(self) -> bool:

@@ -252,7 +252,7 @@ class StepLoop:
     def _account_step(self, plan: StepPlan, started_at: float, duration: float) -> None:
         self.busy_seconds += duration
         prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
-        self.scheduler.observe_step(duration, plan.num_tokens, prefill_tokens)
+        self.scheduler.observe_step(duration, plan.num_tokens, prefill_tokens, plan)
         self.emit(step_event(plan, started_at, duration, self.requests.request_id_of))
 
     def publish(self) -> None:

@@ -70,6 +70,7 @@ class Generation:
         self.row_opened: Future[bool] | None = None  # the open row's write, set by the admission path
         self.closed = False
         self._first_token_mono: float | None = None
+        self._last_delta_mono: dict[int, float] = {}  # by choice index: when its last tokens came
         self.interrupted = False  # by a drain's deadline: ends as a server shutdown
         gateway.lifecycle.enter(self)
 
@@ -86,6 +87,11 @@ class Generation:
             self.first_token_at = time.time()
             self.gw.metrics.observe_ttft(self.request.tier, self._first_token_mono - self.request.arrived)
             self.trace.mark_first_token()
+        if delta.token_ids:
+            now, last = time.monotonic(), self._last_delta_mono.get(delta.index)
+            if last is not None:  # the gap this choice's client waited (scheduler/step_budget.py bounds it)
+                self.gw.metrics.observe_inter_token(self.request.tier, now - last)
+            self._last_delta_mono[delta.index] = now
         self.completion_tokens += len(delta.token_ids)
 
     def _cut_by_shutdown(self, last: Delta) -> bool:

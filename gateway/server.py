@@ -44,7 +44,16 @@ class Built:
 
 def tiers(settings: Settings) -> tuple[TierConfig, ...]:
     """The two tiers billing knows, with the premium SLO and reserve the settings give."""
-    return default_tiers(premium_slo_s=settings.premium_slo_s, premium_kv_reserve=settings.premium_kv_reserve)
+    return default_tiers(premium_slo_s=settings.premium_slo_s, premium_kv_reserve=settings.premium_kv_reserve,
+                         premium_tpot_slo_s=settings.premium_tpot_s)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's part of the settings."""
+    return EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
+                        policy=settings.scheduler_policy, express_between_layers=settings.express_steps,
+                        prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
+                        max_loras=settings.max_loras, tiers=tiers(settings), max_step_s=settings.step_bound_s)
 
 
 def build(settings: Settings, migrate: bool = True,
@@ -57,10 +66,7 @@ def build(settings: Settings, migrate: bool = True,
     from engine.engine import Engine  # torch is imported only by commands that serve
 
     db = create_engine_for(settings.database_url)
-    engine = Engine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
-                                 policy=settings.scheduler_policy, express_between_layers=settings.express_steps,
-                                 prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
-                                 max_loras=settings.max_loras, tiers=tiers(settings)))
+    engine = Engine(engine_config(settings))
     ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))
     if settings.spool_path is None:
         adopt_orphans(ledger.spool)  # before start(): the ledger replays them with its own

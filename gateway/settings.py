@@ -38,6 +38,13 @@ class Settings:
     # GPU, 2 s on a CPU, where one step of the bundled model at full batch takes ~0.3 s.
     premium_ttft_slo_s: float | None = None
     premium_kv_reserve: float = 0.30
+    # The inter-token latency bound (scheduler/step_budget.py): while streams decode, a step's prefill is
+    # cut so that the step is predicted to last at most max_step_s, and at most premium_tpot_slo_s while a
+    # premium stream decodes (the tightest decoding tier sets it). None: the device's default (CPU 0.1 s
+    # and 0.075 s: a prefill chunk of about a hundred tokens of the bundled model; GPU 0.05 s and
+    # 0.025 s); 0: no bound.
+    max_step_s: float | None = None
+    premium_tpot_slo_s: float | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int = 2048
@@ -84,6 +91,9 @@ class Settings:
             raise SettingsError(f"port must be in 1..65535, not {self.port}")
         if self.premium_ttft_slo_s is not None and not self.premium_ttft_slo_s > 0:
             raise SettingsError(f"premium_ttft_slo_s must be positive, not {self.premium_ttft_slo_s}")
+        for name in ("max_step_s", "premium_tpot_slo_s"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+                raise SettingsError(f"{name} must be zero (no bound) or positive, not {getattr(self, name)}")
         if not 0 <= self.premium_kv_reserve < 1:
             raise SettingsError(f"premium_kv_reserve must be in [0, 1), not {self.premium_kv_reserve}")
         if not self.drain_timeout_s >= 0:
@@ -112,8 +122,24 @@ class Settings:
             return self.premium_ttft_slo_s
         return 2.0 if self.device == "cpu" else 0.5
 
+    @property
+    def step_bound_s(self) -> float | None:
+        """The longest step planned while any stream decodes (None: unbounded)."""
+        return _bound(self.max_step_s, 0.1 if self.device == "cpu" else 0.05)
 
-_KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float}
+    @property
+    def premium_tpot_s(self) -> float | None:
+        """The longest step planned while a premium stream decodes (None: only ``step_bound_s``)."""
+        return _bound(self.premium_tpot_slo_s, 0.075 if self.device == "cpu" else 0.025)
+
+
+def _bound(setting: float | None, default: float) -> float | None:
+    if setting is None:
+        return default
+    return setting or None  # 0 turns the bound off
+
+
+_KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float, "max_step_s": float, "premium_tpot_slo_s": float}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
