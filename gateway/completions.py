@@ -4,7 +4,9 @@ Order matters: cheap checks that touch nothing come first (draining, key,
 body, model, context length), then admission control (it reserves nothing),
 then the rate limiter (it reserves budget), and only then the engine. A
 request refused for its prompt (gateway/prompts.py) is the exception: it is
-counted against its tenant's RPM, so refusals are not free to send.
+counted against its tenant's RPM, so refusals are not free to send. Every
+refusal after the key is known (400, 404, 413, 429, 503) writes the request's
+one ledger row, status ``rejected``, through one ``Refusal``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from gateway.logs import request_context
 from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
 from gateway.response_format import compile_grammar
+from gateway.response_size import check_prompt_scores
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_body
 from gateway.services import EngineFront, Gateway
+from gateway.usage_recorder import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +111,30 @@ async def _generate(request: Request, kind: str) -> Response:
         raise service_unavailable("The server is shutting down; retry on another replica.",
                                   headers=retry_headers(DRAIN_RETRY_S))
     tenant = await gw.auth.authenticate(request)
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{gw.ids.getrandbits(128):032x}"
+    # From here every refusal, whichever check makes it, leaves the request's one ledger row.
+    refusal = Refusal(gw.usage, request_id, tenant.tenant, tenant.tier, queued_at)
+    try:
+        return await _serve(request, kind, gw, tenant, request_id, refusal, arrived, queued_at)
+    except APIError:
+        refusal.record()
+        raise
+    except Exception:
+        refusal.record("error")
+        raise
+
+
+async def _serve(request: Request, kind: str, gw: Gateway, tenant, request_id: str, refusal: Refusal,
+                 arrived: float, queued_at: float) -> Response:
     body = parse_json_body(await read_body(request, gw.settings.max_body_bytes))
     req = parse_chat(body) if kind == "chat" else parse_completion(body)
-    adapter = resolve_adapter(req.model, tenant, gw.engine)
-    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{gw.ids.getrandbits(128):032x}"
+    adapter = refusal.adapter = resolve_adapter(req.model, tenant, gw.engine)
     try:
+        gw.prompts.check_size(req)  # before any cost that grows with the prompt: the template's, the tokenizer's
         if req.grammar is not None:  # compiling costs CPU like tokenizing: a refusal counts the same
             await compile_grammar(gw.engine, req.grammar, req.grammar_param)
         prompt = await gw.prompts.token_ids(req)
+        check_prompt_scores(req, len(prompt), gw.engine.max_model_len)
         max_tokens = req.max_tokens or default_max_tokens(len(prompt), gw.engine.max_model_len,
                                                           gw.settings.default_max_tokens)
         # Sampling's fields carry SamplingParams' own names.
@@ -125,7 +145,7 @@ async def _generate(request: Request, kind: str) -> Response:
                                        tenant_weight=tenant.weight)
         check_request(gw.engine, engine_request, req.max_tokens is not None)
     except APIError:
-        await _count_refusal(gw, tenant, request_id, adapter, queued_at)
+        await _count_refusal(gw, tenant, request_id)
         raise
     admitted = AdmittedRequest(
         request_id=request_id, kind=kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier, adapter=adapter,
@@ -153,6 +173,7 @@ async def _generate(request: Request, kind: str) -> Response:
         headers = {"x-request-id": request_id, **decision.headers()}
         stream = await _submit(gw, admitted, engine_request, trace)
         generation = Generation(admitted, stream, gw, trace)
+        refusal.admitted()  # from now on the generation owns the row
         generation.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at,
                                               len(prompt), lambda: generation.completion_tokens, now=req.stream)
         if req.stream:
@@ -168,11 +189,11 @@ async def _generate(request: Request, kind: str) -> Response:
 
 
 async def _admit(gw: Gateway, admitted: AdmittedRequest, tenant) -> Decision:
-    """Admission control, then the tenant's rate limits; a refusal is counted, billed as rejected, and raised."""
+    """Admission control, then the tenant's rate limits; a refusal is counted and raised (its row: the caller's
+    ``Refusal``)."""
     refusal = gw.shedder.check(admitted.tier, gw.engine.load(), admitted.tenant)
     if refusal is not None:
         gw.metrics.count_rejection(admitted.tier, refusal.reason)
-        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise APIError(429, refusal.message, type="overloaded", code="overloaded",
                        headers=retry_headers(refusal.retry_after_s))
     limits = Limits(tenant.rpm, tenant.tpm, tenant.max_concurrent)
@@ -180,18 +201,16 @@ async def _admit(gw: Gateway, admitted: AdmittedRequest, tenant) -> Decision:
         decision = await gw.limiter.acquire(admitted.tenant, limits, admitted.request_id, admitted.reserved_tokens)
     except LimiterUnavailable:
         log.warning("rate limiter unavailable; refusing %s", admitted.request_id, exc_info=True)
-        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise service_unavailable("The rate limiter is unavailable; retry shortly.",
                                   headers=retry_headers(LIMITER_RETRY_S)) from None
     if not decision.allowed:
         gw.metrics.count_rejection(admitted.tier, REJECTION_REASON[decision.reason])
-        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise APIError(429, _limit_message(decision, admitted.reserved_tokens), type=decision.reason,
                        code="rate_limit_exceeded", headers=decision.headers())
     return decision
 
 
-async def _count_refusal(gw: Gateway, tenant, request_id: str, adapter: str | None, queued_at: float) -> None:
+async def _count_refusal(gw: Gateway, tenant, request_id: str) -> None:
     """A request refused for its prompt counts against its tenant's RPM (a 429 once over it).
 
     Reading and measuring a prompt we then refuse is work: were it free, a tenant could
@@ -206,7 +225,6 @@ async def _count_refusal(gw: Gateway, tenant, request_id: str, adapter: str | No
     except LimiterUnavailable:
         return  # the refusal stands as it is: a limiter that is down must not turn a 400 into a 503
     gw.metrics.count_rejection(tenant.tier, REJECTION_REASON[decision.reason])
-    gw.usage.reject(request_id, tenant.tenant, tenant.tier, adapter, queued_at)
     raise APIError(429, _limit_message(decision, 0), type=decision.reason, code="rate_limit_exceeded",
                    headers=decision.headers())
 

@@ -9,6 +9,7 @@ is written and the unused token reservation and the concurrency slot go back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -17,7 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import anyio
-from starlette.responses import JSONResponse, StreamingResponse
+import anyio.to_thread
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.request import Delta, TokenLogprob, Usage
@@ -26,6 +28,7 @@ from gateway.errors import APIError
 from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
 from gateway.ratelimit.base import retry_headers
+from gateway.response_size import OFF_LOOP_ENTRIES, json_response
 from gateway.tool_calls import ToolCallParser, split_tool_calls
 from gateway.usage_recorder import gateway_record
 
@@ -136,7 +139,11 @@ class Generation:
             if request.echo_text is not None and index not in echoed:
                 echoed.add(index)
                 items = fmt.echo_items(prompt_scores, request.top_logprobs) if request.want_logprobs else ()
-                yield writer.delta(request.echo_text, items, request.want_logprobs, index=index)
+                echo = functools.partial(writer.delta, request.echo_text, items, request.want_logprobs, index=index)
+                if len(items) * (request.top_logprobs + 1) > OFF_LOOP_ENTRIES:  # a long prompt's scores
+                    yield await anyio.to_thread.run_sync(echo)
+                else:
+                    yield echo()
             if request.parse_tool_calls:
                 parser = parsers.setdefault(index, ToolCallParser())
                 pieces = parser.feed(text) + (parser.finish() if reason is not None else [])
@@ -168,7 +175,7 @@ class Generation:
             yield fmt.DONE
             return
 
-    async def collect(self, headers: dict[str, str] | None = None) -> JSONResponse:
+    async def collect(self, headers: dict[str, str] | None = None) -> Response:
         request = self.request
         texts: dict[int, list[str]] = defaultdict(list)  # by choice index
         logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
@@ -197,22 +204,28 @@ class Generation:
             return JSONResponse({"error": {"message": "The engine failed while generating; the request was stopped.",
                                            "type": "server_error", "param": None, "code": "engine_error"}},
                                 status_code=500)
-        choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i], prompt_scores)
-                   for i in range(request.n)]
         usage = delta.usage or self._usage()
-        shown = None  # vLLM's prompt_logprobs: the response's on chat, each choice's on completions
-        if request.prompt_logprobs is not None:
-            shown = fmt.prompt_logprobs(prompt_scores, request.prompt_logprobs)
-        if request.kind == "chat":
-            body = fmt.chat_response(request.request_id, self.created, request.model, choices, usage)
-            if shown is not None:
-                body["prompt_logprobs"] = shown
-        else:
+
+        def body() -> dict:
+            choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i],
+                                    prompt_scores) for i in range(request.n)]
+            shown = None  # vLLM's prompt_logprobs: the response's on chat, each choice's on completions
+            if request.prompt_logprobs is not None:
+                shown = fmt.prompt_logprobs(prompt_scores, request.prompt_logprobs)
+            if request.kind == "chat":
+                out = fmt.chat_response(request.request_id, self.created, request.model, choices, usage)
+                if shown is not None:
+                    out["prompt_logprobs"] = shown
+                return out
             if shown is not None:
                 for choice in choices:
                     choice["prompt_logprobs"] = shown
-            body = fmt.completion_response(request.request_id, self.created, request.model, choices, usage)
-        return JSONResponse(body, headers=headers)
+            return fmt.completion_response(request.request_id, self.created, request.model, choices, usage)
+
+        # An upper bound of the scores and alternatives the body holds (gateway/response_size.py).
+        alternatives = max(request.top_logprobs, request.prompt_logprobs or 0) + 1
+        entries = (sum(map(len, logprobs.values())) + len(prompt_scores) * request.n) * alternatives
+        return await json_response(body, entries, headers)
 
     def _choice(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob],
                 prompt_scores: tuple[TokenLogprob, ...]) -> dict:
