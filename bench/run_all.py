@@ -73,6 +73,9 @@ def benches() -> list[Bench]:
         Bench("slo_sim", "SLO simulation on this CPU's cost model: tiered vs fcfs on a virtual clock", step_cost),
         Bench("slo_sim_gpu", "SLO simulation on stated H100 coefficients: tiered vs fcfs on a virtual clock",
               module="slo_sim"),
+        # Both the H100 coefficients and this CPU's fitted cost (when engine_throughput wrote it).
+        Bench("slo_long_prompts", "Long prompts beside premium streams: the inter-token latency bound off and on",
+              step_cost, ["--requests", "60", *step_cost]),
         Bench("slo_sweep", "SLO sweep through the real gateway: tiered vs fcfs",
               quick_args=["--rates", "0.5", "--requests", "8"], timeout_s=900),
         # Like for like with fcfs: no premium KV reserve (it would idle with no premium traffic).
@@ -159,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec(bench.module_name) is None:
             print(f"run_all: {bench.module_name} is not in this checkout; skipped", file=sys.stderr)
             continue
-        if bench.name == "slo_sim":  # engine_throughput may have just written the cost model
-            bench.args = next(b for b in benches() if b.name == "slo_sim").args
+        if bench.name in ("slo_sim", "slo_long_prompts"):  # engine_throughput may have just written the cost model
+            bench.args = next(b for b in benches() if b.name == bench.name).args
         run = reuse_bench(bench) if args.render_only else run_bench(bench, args.quick)
         if run is None:
             continue

@@ -40,9 +40,9 @@ class Settings:
     premium_kv_reserve: float = 0.30
     # The inter-token latency bound (scheduler/step_budget.py): while streams decode, a step's prefill is
     # cut so that the step is predicted to last at most max_step_s, and at most premium_tpot_slo_s while a
-    # premium stream decodes (the tightest decoding tier sets it). None: the device's default (CPU 0.1 s
-    # and 0.075 s: a prefill chunk of about a hundred tokens of the bundled model; GPU 0.05 s and
-    # 0.025 s); 0: no bound.
+    # premium stream decodes (the tightest decoding tier sets it). None: the device's default (CPU 0.15 s
+    # and 0.1 s, prefill chunks of one to two hundred tokens of the bundled model; GPU 0.05 s and
+    # 0.025 s: bench/slo_long_prompts.py weighs them against throughput); 0: no bound.
     max_step_s: float | None = None
     premium_tpot_slo_s: float | None = None
     host: str = "127.0.0.1"
@@ -125,12 +125,12 @@ class Settings:
     @property
     def step_bound_s(self) -> float | None:
         """The longest step planned while any stream decodes (None: unbounded)."""
-        return _bound(self.max_step_s, 0.1 if self.device == "cpu" else 0.05)
+        return _bound(self.max_step_s, 0.15 if self.device == "cpu" else 0.05)
 
     @property
     def premium_tpot_s(self) -> float | None:
         """The longest step planned while a premium stream decodes (None: only ``step_bound_s``)."""
-        return _bound(self.premium_tpot_slo_s, 0.075 if self.device == "cpu" else 0.025)
+        return _bound(self.premium_tpot_slo_s, 0.1 if self.device == "cpu" else 0.025)
 
 
 def _bound(setting: float | None, default: float) -> float | None:

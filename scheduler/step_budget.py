@@ -3,7 +3,8 @@
 As Sarathi-Serve sizes its chunks to a time-between-tokens SLO: every running stream waits for
 the whole step before its next token, so a step that carries a long prompt's chunk of hundreds of
 tokens makes every stream's gap that long. Once a step's decodes are planned, its prefill is cut
-so that the step's predicted time (scheduler/step_cost.py) stays under a target: the tightest of
+so that the step's predicted time (scheduler/step_cost.py) stays under a target (planned to
+``PLAN_TO`` of it): the tightest of
 ``SchedulerConfig.max_step_s`` and the ``tpot_slo_s`` of every tier with a sequence decoding in
 it. The first ``min_chunk`` prefill tokens of a step are granted whatever the prediction, so the
 prompt at the head of the line advances every step and always finishes. A step with nobody
@@ -20,6 +21,10 @@ from scheduler.config import SchedulerConfig, StepCost
 from scheduler.plan import StepPlan
 from scheduler.sequence import Sequence
 from scheduler.step_cost import predict, step_features
+
+# A step is planned to this share of its target: the rest is for the fit's error (a few percent
+# on a steady machine) and for what a step does beside the work the cost model counts.
+PLAN_TO = 0.95
 
 
 def step_target_s(config: SchedulerConfig, decoding: Iterable[Sequence]) -> float | None:
@@ -43,7 +48,7 @@ class StepTimeBound:
         """Prefill tokens ``plan`` may still take in a new chunk beginning at position ``start``
         (None: leave out the chunk's fixed context cost, for an estimate of what is left)."""
         features = step_features(plan)
-        left = self.target_s - predict(self.cost, features) - self.cost.per_context_token_s * (start or 0)
+        left = PLAN_TO * self.target_s - predict(self.cost, features) - self.cost.per_context_token_s * (start or 0)
         per_token = self.cost.per_prefill_token_s + self.cost.per_context_token_s
         # Rounded a little past the floor: a prediction that lands on the target exactly must fit.
         fits = math.floor(left / per_token + 1e-9) if per_token > 0 else math.inf

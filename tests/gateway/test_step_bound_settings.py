@@ -16,7 +16,7 @@ def scheduler_bounds(environ: dict[str, str]) -> tuple[float | None, float | Non
 
 
 def test_the_bound_is_on_by_default_and_tighter_for_premium():
-    assert scheduler_bounds({}) == (0.1, 0.075, None)  # this CPU
+    assert scheduler_bounds({}) == (0.15, 0.1, None)  # this CPU
     assert scheduler_bounds({"TIERGATE_DEVICE": "cuda"}) == (0.05, 0.025, None)
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
 from scheduler.config import StepCost, TierConfig
-from scheduler.step_budget import step_target_s
+from scheduler.step_budget import PLAN_TO, step_target_s
 from scheduler.step_cost import StepCostModel, StepFeatures, predict, step_features
 
 from scheduler_driver import engine_step, fake_token
@@ -78,9 +78,9 @@ def test_beside_decoding_streams_a_long_prompt_chunk_fits_the_step_target():
     assert features.decode_rows == 4
     # Today's plan would give it the whole token budget left (508 tokens, ~0.5 s of this step).
     assert 32 < features.prefill_tokens < 100
-    assert predict(cost, features) <= 0.1
+    assert predict(cost, features) <= PLAN_TO * 0.1
     # One more token would not fit: the chunk is as large as the target allows.
-    assert predict(cost, StepFeatures(features.prefill_tokens + 1, 4, features.context_tokens + 1)) > 0.1
+    assert predict(cost, StepFeatures(features.prefill_tokens + 1, 4, features.context_tokens + 1)) > PLAN_TO * 0.1
 
 
 def test_the_long_prompt_advances_every_step_and_finishes_even_when_nothing_fits():
