@@ -93,6 +93,9 @@ def benches() -> list[Bench]:
         Bench("report_speed", "Billing report speed", json_flag=""),
         Bench("chaos", "Chaos: database cut, Redis restart, SIGKILL, dropped streams under load",
               quick_args=["--phase-s", "4"], timeout_s=600),
+        Bench("hostile", "Hostile tenants (issue #31): a neighbour's stream beside each attack, one at a time",
+              quick_args=["--baseline-s", "8", "--window-s", "4", "--attack-timeout-s", "30",
+                          "--only", "grammar_flood,tools_900kb,prompt_logprobs_n16,refusals_400"], timeout_s=1800),
     ]
 
 

@@ -67,9 +67,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(env: dict, policy: str, port: int, premium_slo_s: float, timeout_s: float = 600) -> subprocess.Popen:
+def start_server(env: dict, policy: str, port: int, premium_slo_s: float, timeout_s: float = 600,
+                 extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--policy", policy,
-                             "--premium-ttft-slo", str(premium_slo_s)],
+                             "--premium-ttft-slo", str(premium_slo_s), *extra_args],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

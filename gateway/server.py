@@ -25,6 +25,7 @@ from billing.ledger import Ledger
 from billing.spool import adopt_orphans, process_spool_path
 from engine.config import EngineConfig
 from scheduler.config import TierConfig, default_tiers
+from gateway import memory
 from gateway.app import create_app
 from gateway.http_protocol import OneWriteHttpToolsProtocol
 from gateway.services import Gateway
@@ -65,6 +66,7 @@ def build(settings: Settings, migrate: bool = True,
     """
     from engine.engine import Engine  # torch is imported only by commands that serve
 
+    memory.tune()  # before the model loads: its threads' heaps are made under the server's malloc settings
     db = create_engine_for(settings.database_url)
     engine = Engine(engine_config(settings))
     ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))

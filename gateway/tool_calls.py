@@ -113,7 +113,7 @@ class ToolCallParser:
         self._pending = text[end:]
         if end == len(text):
             return False
-        if _is_json(self._arguments):
+        if is_json(self._arguments):
             call = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
                     "function": {"name": self._name, "arguments": self._arguments}}
             self.calls.append(call)
@@ -162,7 +162,7 @@ class ToolCallParser:
         return [p for p in pieces if not isinstance(p, str) or p.strip()]
 
 
-def _is_json(text: str) -> bool:
+def is_json(text: str) -> bool:
     try:
         json.loads(text)
     except ValueError:
