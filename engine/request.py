@@ -88,6 +88,9 @@ class EngineRequest:
     # Opaque: whose request it is, for fair share in its tier and the prefix cache's scope.
     tenant: str | None = None
     tenant_weight: float = 1.0
+    # ``params.grammar`` already compiled (an xgrammar CompiledGrammar, engine/grammar_compiler.py):
+    # the engine then builds its matcher without compiling; without it the engine compiles it first.
+    compiled_grammar: object | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+
+
+# A Delta's error when its grammar took longer than its budget for one token (engine/grammar.py: mask_logits).
+MASK_OVER_BUDGET = "the grammar took longer than its time budget to compute the next token's mask"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Order matters: cheap checks that touch nothing come first (draining, key,
 body, model, context length), then admission control (it reserves nothing),
-then the rate limiter (it reserves budget), and only then the engine. A
+then the rate limiter (it reserves budget), then the grammar's compile (paid
+from that budget, gateway/grammar_budget.py), and only then the engine. A
 request refused for its prompt (gateway/prompts.py) is the exception: it is
 counted against its tenant's RPM, so refusals are not free to send. Every
 refusal after the key is known (400, 404, 413, 429, 503) writes the request's
@@ -11,11 +12,13 @@ one ledger row, status ``rejected``, through one ``Refusal``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import AsyncIterator
 
+import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -28,7 +31,7 @@ from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
 from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
-from gateway.response_format import compile_grammar
+from gateway.grammar_budget import compile_grammar
 from gateway.response_size import check_prompt_scores
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_body
 from gateway.services import EngineFront, Gateway
@@ -131,8 +134,6 @@ async def _serve(request: Request, kind: str, gw: Gateway, tenant, request_id: s
     adapter = refusal.adapter = resolve_adapter(req.model, tenant, gw.engine)
     try:
         gw.prompts.check_size(req)  # before any cost that grows with the prompt: the template's, the tokenizer's
-        if req.grammar is not None:  # compiling costs CPU like tokenizing: a refusal counts the same
-            await compile_grammar(gw.engine, req.grammar, req.grammar_param)
         prompt = await gw.prompts.token_ids(req)
         check_prompt_scores(req, len(prompt), gw.engine.max_model_len)
         max_tokens = req.max_tokens or default_max_tokens(len(prompt), gw.engine.max_model_len,
@@ -155,10 +156,13 @@ async def _serve(request: Request, kind: str, gw: Gateway, tenant, request_id: s
         parse_tool_calls=req.tools is not None and req.tools.choice != "none", n=req.n,
         top_logprobs=req.logprobs or 0, prompt_logprobs=req.prompt_logprobs,
         echo_text=echo_text(req, prompt, gw.prompts.tokenizer) if req.echo else None,
+        grammar_param=req.grammar_param if req.grammar is not None else None,
     )
     # Refusals are counted (metrics) and billed (ledger) but not traced: a span costs about as much
     # as the rest of a 429, and a flood of 429s must stay cheap to answer.
     decision = await _admit(gw, admitted, tenant)
+    if req.grammar is not None:  # a compile is paid from the tenant's budget, as its tokens are: after its limits
+        engine_request = await _with_grammar(gw, tenant, admitted, engine_request, req)
     sampling = req.sampling
     trace = gw.tracing.start_request(
         request_id=request_id, operation="chat" if kind == "chat" else "text_completion", model=req.model,
@@ -208,6 +212,21 @@ async def _admit(gw: Gateway, admitted: AdmittedRequest, tenant) -> Decision:
         raise APIError(429, _limit_message(decision, admitted.reserved_tokens), type=decision.reason,
                        code="rate_limit_exceeded", headers=decision.headers())
     return decision
+
+
+async def _with_grammar(gw: Gateway, tenant, admitted: AdmittedRequest, request: EngineRequest,
+                        req: GenerationRequest) -> EngineRequest:
+    """The request with its grammar compiled (gateway/grammar_budget.py); a refusal gives its limits back."""
+    try:
+        compiled = await compile_grammar(gw, tenant, admitted.request_id, req.grammar, req.grammar_param)
+    except BaseException:  # refused, or the client left: either way the slot and tokens go back
+        with anyio.CancelScope(shield=True):
+            try:
+                await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
+            except Exception:  # a limiter outage must not turn the 400 into a 500; the lease expires by itself
+                log.exception("rate limiter release failed for %s", admitted.request_id)
+        raise
+    return dataclasses.replace(request, compiled_grammar=compiled)
 
 
 async def _count_refusal(gw: Gateway, tenant, request_id: str) -> None:

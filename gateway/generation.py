@@ -22,9 +22,9 @@ import anyio.to_thread
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.request import Delta, TokenLogprob, Usage
+from engine.request import MASK_OVER_BUDGET, Delta, TokenLogprob, Usage
 from gateway import openai_format as fmt
-from gateway.errors import APIError
+from gateway.errors import APIError, invalid_param
 from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
 from gateway.ratelimit.base import retry_headers
@@ -56,6 +56,7 @@ class AdmittedRequest:
     top_logprobs: int = 0  # alternatives shown beside each token's logprob
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
     echo_text: str | None = None  # completions' echo: the prompt, given back before each choice's text
+    grammar_param: str | None = None  # the parameter its grammar came from, for a mask over its budget
 
 
 class Generation:
@@ -166,7 +167,9 @@ class Generation:
                 yield fmt.sse(shutdown_error(self.completion_tokens).body())
                 return
             await self._record("error" if delta.error else "ok", delta)
-            if delta.error:
+            if delta.error == MASK_OVER_BUDGET:
+                yield fmt.sse(grammar_too_slow(request.grammar_param).body())
+            elif delta.error:
                 yield fmt.sse({"error": {"message": "The engine failed while generating; the request was "
                                          "stopped.", "type": "server_error", "param": None, "code": "engine_error"}})
             else:
@@ -200,6 +203,8 @@ class Generation:
         finally:
             await self.close()
         delta = last
+        if delta is not None and delta.error == MASK_OVER_BUDGET:
+            return grammar_too_slow(request.grammar_param).response()
         if delta is None or delta.error:
             return JSONResponse({"error": {"message": "The engine failed while generating; the request was stopped.",
                                            "type": "server_error", "param": None, "code": "engine_error"}},
@@ -282,6 +287,12 @@ class Generation:
             await self.gw.limiter.release(self.request.tenant, self.request.request_id, self.request.reserved_tokens, used)
         except Exception:  # a limiter outage must not fail a finished response; the lease expires by itself
             log.exception("rate limiter release failed for %s", self.request.request_id)
+
+
+def grammar_too_slow(param: str | None) -> APIError:
+    """A request its grammar's mask stopped (engine/grammar.py: mask_logits): the client's grammar, not our fault."""
+    return invalid_param(param or "response_format", f"Invalid value for '{param}': {MASK_OVER_BUDGET}; the "
+                         "request was stopped. Use a less ambiguous grammar.", "grammar_too_slow")
 
 
 def shutdown_error(tokens_sent: int) -> APIError:

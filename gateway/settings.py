@@ -34,6 +34,17 @@ class Settings:
     express_steps: bool = True
     # "tenant": a request hits only its own tenant's cached prefixes; "shared": anyone's (see README).
     prefix_cache_scope: str = "tenant"
+    # Grammars (response_format, structured_outputs, tools): a compile past grammar_compile_timeout_s is
+    # a 400; a tenant compiles at most grammar_compiles_per_tenant at once (more: 429), on
+    # grammar_compile_workers workers of their own; compiled ones are cached per tenant unless
+    # grammar_cache_scope is "shared", within grammar_cache_bytes; a token mask that takes more CPU
+    # time than grammar_mask_budget_s ends its request.
+    grammar_compile_timeout_s: float = 5.0
+    grammar_compiles_per_tenant: int = 1
+    grammar_compile_workers: int = 2
+    grammar_cache_scope: str = "tenant"
+    grammar_cache_bytes: int = 64 * 2**20
+    grammar_mask_budget_s: float = 0.01
     # The premium tier's TTFT SLO (admission sheds over it) and its KV reserve. None: 0.5 s on a
     # GPU, 2 s on a CPU, where one step of the bundled model at full batch takes ~0.3 s.
     premium_ttft_slo_s: float | None = None
@@ -87,6 +98,11 @@ class Settings:
             raise SettingsError(f"scheduler policy must be tiered or fcfs, not {self.scheduler_policy!r}")
         if self.prefix_cache_scope not in ("tenant", "shared"):
             raise SettingsError(f"prefix cache scope must be tenant or shared, not {self.prefix_cache_scope!r}")
+        if self.grammar_cache_scope not in ("tenant", "shared"):
+            raise SettingsError(f"grammar cache scope must be tenant or shared, not {self.grammar_cache_scope!r}")
+        for name in ("grammar_compile_timeout_s", "grammar_mask_budget_s"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be positive, not {getattr(self, name)}")
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, not {self.port}")
         if self.premium_ttft_slo_s is not None and not self.premium_ttft_slo_s > 0:
@@ -104,7 +120,8 @@ class Settings:
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be positive, not {getattr(self, name)}")
         for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued", "tokenizer_threads",
-                     "max_connections"):
+                     "max_connections", "grammar_compiles_per_tenant", "grammar_compile_workers",
+                     "grammar_cache_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
         for name in ("auth_revocation_poll_s", "ledger_checkpoint_s"):
