@@ -3,49 +3,40 @@
 A request's transient buffers are large and short-lived: a megabyte body and its
 parsed JSON, a prompt's activations and its scores through the LM head (rows times
 the vocabulary), a grammar's compile. They are freed, but glibc keeps what it frees
-unless told otherwise: each thread that allocates (the event loop, the engine thread,
-the tokenizer and worker pools, xgrammar's and torch's own threads) gets an arena of
-its own (up to eight per core), and after the first large buffer is freed glibc raises
-its mmap threshold (up to 32 MB), so later large buffers come from those arenas, where
-freed memory is kept, fragmented, for reuse. Under traffic that sends each such size
-once in a while the resident set ratchets up and never comes down.
+for reuse: each thread that allocates (the event loop, the engine thread, the
+tokenizer and worker pools, xgrammar's and torch's own threads) gets an arena of its
+own, up to eight per core, and after the first large buffer is freed glibc raises its
+mmap threshold (up to 32 MB), so later large buffers come from those arenas too.
+Under traffic that sends such sizes from many threads the resident set ratchets up
+and stays up (tests/gateway/test_memory.py: 250-550 MB kept after six threads' churn).
 
-``tune()`` caps the arenas, fixes the mmap threshold (large buffers are mapped and
-unmapped, never kept), and ``trim()`` (run every few seconds by ``trim_forever``)
-returns the free pages inside the heaps. Both do nothing off glibc (``mallopt`` is
-glibc's; other allocators keep their own policies).
+``tune()`` caps the arenas at two, so freed memory is shared rather than stranded per
+thread, and ``trim()``, run every few seconds by ``trim_forever``, returns the free
+pages inside them (4 MB kept after the same churn). The mmap threshold is left
+dynamic: fixed low, every large buffer would be mapped and faulted in afresh, which
+doubled that churn's time. Off glibc both do nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import logging
-import threading
 
 import anyio
 import anyio.to_thread
 
 log = logging.getLogger(__name__)
 
-# mallopt's parameters (malloc.h).
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-M_ARENA_MAX = -8
-
+M_ARENA_MAX = -8  # mallopt's parameter (malloc.h)
 ARENA_MAX = 2  # the event loop's and the engine thread's: other threads share them
-MMAP_THRESHOLD = 1 << 20  # buffers of a megabyte or more are mapped on their own and unmapped when freed
-TRIM_THRESHOLD = 16 << 20  # free memory at a heap's top beyond this goes back at once
 TRIM_EVERY_S = 5.0
 
-_lock = threading.Lock()  # trim() from the background task and a caller's at once: one at a time
 
-
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name)
+    """The process's own C library when it is glibc (the symbols of the running process)."""
+    libc = ctypes.CDLL(None)
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
@@ -54,11 +45,10 @@ def tune() -> bool:
     libc = _libc()
     if libc is None:
         return False
-    ok = all(libc.mallopt(param, value) == 1 for param, value in (
-        (M_ARENA_MAX, ARENA_MAX), (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
-    if not ok:
-        log.warning("glibc's mallopt refused a setting; the heap keeps its defaults")
-    return ok
+    if libc.mallopt(M_ARENA_MAX, ARENA_MAX) != 1:
+        log.warning("glibc's mallopt refused M_ARENA_MAX; the heap keeps its defaults")
+        return False
+    return True
 
 
 def trim() -> bool:
@@ -66,8 +56,7 @@ def trim() -> bool:
     libc = _libc()
     if libc is None:
         return False
-    with _lock:
-        return bool(libc.malloc_trim(0))
+    return bool(libc.malloc_trim(0))
 
 
 async def trim_forever(every_s: float = TRIM_EVERY_S) -> None:
