@@ -21,7 +21,7 @@ from scheduler.load import LoadEstimator, tier_loads
 from scheduler.plan import StepBuilder, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.step_budget import StepTimeBound, scaled_share, step_target_s
+from scheduler.step_budget import StepTimeBound, first_token_target_s, scaled_share, step_target_s
 from scheduler.step_cost import StepCostModel, step_features
 from scheduler.step_update import apply_step
 
@@ -141,7 +141,7 @@ class Scheduler:
                 and self._grow_running(seq, seq.num_computed_tokens + 1, step)
             ):
                 step.add(seq, 1)
-        self._bound(step, [c.seq for c in step.plan.chunks])
+        self._bound(step, step_target_s(self.config, [c.seq for c in step.plan.chunks]))
         kept = 0
         for i, queue in enumerate(queues):
             keep = self._kept_for_worse(queues[i + 1 :], prefilling, step)
@@ -172,7 +172,7 @@ class Scheduler:
         """
         step = StepBuilder(StepPlan(), self.config.max_num_batched_tokens, self.policy.charge_prefill)
         # The running decodes wait for this step too, inside the step under way or before the next one.
-        self._bound(step, [s for s in self.running if not s.is_prefilling])
+        self._bound(step, step_target_s(self.config, [s for s in self.running if not s.is_prefilling]))
         for queue in self.policy.queue_names():
             for seq in self.policy.express(self.waiting[queue], self.running, step.budget):
                 if seq.adapter is not None and step_adapters is not None and seq.adapter not in step_adapters:
@@ -181,12 +181,16 @@ class Scheduler:
                     return step.plan
         return step.plan
 
-    def _bound(self, step: StepBuilder, decoding: list[Sequence]) -> None:
-        """Put ``step`` under the inter-token latency bound of ``decoding`` (scheduler/step_budget.py), if any."""
-        target = step_target_s(self.config, decoding)
-        if target is not None:
+    def _bound(self, step: StepBuilder, target: float | None) -> None:
+        """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any."""
+        if target is not None and step.time is None:
             step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk)
             step.room_at_bound = step.budget
+
+    def _first_token(self, step: StepBuilder, seq: Sequence) -> None:
+        """``seq`` was given a chunk: if that chunk makes its first token, bound the rest of the step by its tier."""
+        if step.chunks[seq.seq_id].samples:
+            self._bound(step, first_token_target_s(self.config, seq))
 
     def _kept_for_worse(self, worse: list[str], prefilling: dict[str, list[Sequence]], step: StepBuilder) -> int:
         if not any(self.waiting[q] or prefilling[q] for q in worse):
@@ -242,6 +246,7 @@ class Scheduler:
                     self.block_manager.allocate(seq, start + n)
             if ok:
                 step.add(seq, n)
+                self._first_token(step, seq)
         if held is None:
             self._admit_waiting(queued, step, keep, may_preempt, skipped)
         if any(s.seq_id in step.preempted for s in queued):
@@ -269,7 +274,9 @@ class Scheduler:
             # pool must still start.
             spare = self.config.express_spare_blocks if self.running else 0
             reason = self._admit(seq, step, keep, may_preempt, spare)
-            if reason in (NO_SLOT, NO_BLOCKS):
+            if reason is None:
+                self._first_token(step, seq)
+            elif reason in (NO_SLOT, NO_BLOCKS):
                 step.admission_closed = True  # the policy's order holds: nobody overtakes
             elif reason == NO_ADAPTER:
                 skipped.add(seq.seq_id)  # it waits for a slot; later requests with resident adapters may go

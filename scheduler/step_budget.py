@@ -8,7 +8,8 @@ so that the step's predicted time (scheduler/step_cost.py) stays under a target 
 ``SchedulerConfig.max_step_s`` and the ``tpot_slo_s`` of every tier with a sequence decoding in
 it. The first ``min_chunk`` prefill tokens of a step are granted whatever the prediction, so the
 prompt at the head of the line advances every step and always finishes. A step with nobody
-decoding has no bound: its chunks are as large as the token budget allows.
+decoding has no bound (its chunks are as large as the token budget allows) unless it makes the first
+token of a request whose tier has a TPOT SLO: that client waits for the step as a stream does.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig, StepCost
-from scheduler.plan import StepPlan
+from scheduler.plan import StepFeatures
 from scheduler.sequence import Sequence
-from scheduler.step_cost import predict, step_features
+from scheduler.step_cost import predict
 
 # A step is planned to this share of its target: the rest is for the fit's error (a few percent
 # on a steady machine) and for what a step does beside the work the cost model counts.
@@ -36,6 +37,16 @@ def step_target_s(config: SchedulerConfig, decoding: Iterable[Sequence]) -> floa
     return min(bounds) if bounds else None
 
 
+def first_token_target_s(config: SchedulerConfig, seq: Sequence) -> float | None:
+    """The longest a step that makes ``seq``'s first token may last: its tier's TPOT SLO (None: unbounded).
+
+    Its client waits for the whole step as a stream's does, so with nobody decoding a premium request's
+    first step is not made to carry a long prompt's largest chunk; a tier without a TPOT SLO keeps
+    today's chunks (``max_step_s`` bounds only the gaps of streams already decoding).
+    """
+    return next((t.tpot_slo_s for t in config.tiers if t.name == seq.tier), None)
+
+
 @dataclass(frozen=True)
 class StepTimeBound:
     """A step's time target and the cost coefficients it is planned with."""
@@ -44,10 +55,9 @@ class StepTimeBound:
     cost: StepCost
     min_chunk: int
 
-    def room(self, plan: StepPlan, start: int | None = None) -> int:
-        """Prefill tokens ``plan`` may still take in a new chunk beginning at position ``start``
-        (None: leave out the chunk's fixed context cost, for an estimate of what is left)."""
-        features = step_features(plan)
+    def room(self, features: StepFeatures, start: int | None = None) -> int:
+        """Prefill tokens a step computing ``features`` so far may still take in a new chunk beginning at
+        position ``start`` (None: leave out the chunk's fixed context cost, for an estimate of what is left)."""
         left = PLAN_TO * self.target_s - predict(self.cost, features) - self.cost.per_context_token_s * (start or 0)
         per_token = self.cost.per_prefill_token_s + self.cost.per_context_token_s
         # Rounded a little past the floor: a prediction that lands on the target exactly must fit.

@@ -12,12 +12,10 @@ while), with every coefficient kept non-negative.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from scheduler.config import StepCost
-from scheduler.plan import StepPlan
+from scheduler.plan import StepFeatures, StepPlan
 
 # Typical feature sizes, so that the prior's pull weighs about as much as PRIOR_STEPS steps of
 # that size on each coefficient, whatever its units.
@@ -30,26 +28,12 @@ WARMUP_STEPS = 20
 OUTLIER_FACTOR = 1.5
 
 
-@dataclass(frozen=True)
-class StepFeatures:
-    prefill_tokens: int  # tokens of chunks that are not decodes (prompts, recompute)
-    decode_rows: int  # one-token chunks of a sequence past its prompt
-    context_tokens: int  # KV positions the chunks reach, summed over chunks (each chunk's end)
-
-    def row(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.prefill_tokens), float(self.decode_rows), float(self.context_tokens))
+__all__ = ["StepCostModel", "StepFeatures", "predict", "step_features"]
 
 
 def step_features(plan: StepPlan) -> StepFeatures:
     """What ``plan`` computes; reads only the chunks' positions, so it holds before and after ``update``."""
-    prefill = decodes = context = 0
-    for c in plan.chunks:
-        if c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens:
-            decodes += 1
-        else:
-            prefill += c.num_tokens
-        context += c.end
-    return StepFeatures(prefill, decodes, context)
+    return sum((StepFeatures.of(c) for c in plan.chunks), StepFeatures())
 
 
 def predict(cost: StepCost, features: StepFeatures) -> float:

@@ -123,6 +123,24 @@ def test_with_no_stream_decoding_the_chunk_is_as_large_as_today():
         apply(unbounded, b)
 
 
+@pytest.mark.parametrize("premium_tpot", [None, 0.05])
+def test_with_nobody_decoding_a_premium_first_token_step_is_bounded_by_premium_tpot(premium_tpot):
+    sched = Scheduler(config(max_step_s=0.2, tiers=tiers(premium_tpot)))
+    sched.add(long_prompt())
+    premium = Sequence("premium-0", list(range(1, 21)), tier="premium", tenant="p", max_tokens=8)
+    sched.add(premium)
+
+    plan, cost = plan_with_cost(sched)
+
+    assert [(c.seq.seq_id, c.num_tokens) for c in plan.chunks][0] == ("premium-0", 20)
+    features = step_features(plan)
+    if premium_tpot is None:  # no TPOT SLO: max_step_s bounds only streams already decoding
+        assert features.prefill_tokens == 512
+    else:
+        assert 20 < features.prefill_tokens < 100
+        assert predict(cost, features) <= PLAN_TO * premium_tpot
+
+
 def test_without_a_target_nothing_changes_beside_decodes():
     sched = Scheduler(config())
     decoding(sched, *(stream(i) for i in range(4)))
