@@ -8,7 +8,8 @@ import sys
 import textwrap
 
 # Six threads free 60 buffers each of 1 to 30 MB between small allocations that live on, as request
-# threads do with activations, prompt scores and parsed bodies. Untuned, glibc keeps about 600 MB of it.
+# threads do with activations, prompt scores and parsed bodies. Untuned, glibc keeps 250-550 MB of it
+# (about 180 MB even once trimmed); tuned and trimmed, at most about one 64 MB heap of an arena.
 CHURN = textwrap.dedent("""
     import json, random, threading
     from gateway import memory
@@ -44,4 +45,4 @@ CHURN = textwrap.dedent("""
 
 def test_buffers_freed_by_many_threads_leave_the_resident_set():
     grown = int(subprocess.run([sys.executable, "-c", CHURN], capture_output=True, text=True, check=True).stdout)
-    assert grown < 64, f"the resident set grew {grown} MB"
+    assert grown < 128, f"the resident set grew {grown} MB"
