@@ -76,6 +76,8 @@ def benches() -> list[Bench]:
         # Both the H100 coefficients and this CPU's fitted cost (when engine_throughput wrote it).
         Bench("slo_long_prompts", "Long prompts beside premium streams: the inter-token latency bound off and on",
               step_cost, ["--requests", "60", *step_cost]),
+        Bench("long_prompt_gap", "A neighbour's stream beside 1,987-token prompts on the real engine, the bound off and on",
+              quick_args=["--rounds", "1", "--round-s", "8", "--alone-s", "3"]),
         Bench("slo_sweep", "SLO sweep through the real gateway: tiered vs fcfs",
               quick_args=["--rates", "0.5", "--requests", "8"], timeout_s=900),
         # Like for like with fcfs: no premium KV reserve (it would idle with no premium traffic).
