@@ -4,7 +4,8 @@
                     + per_context_token_s * context_tokens
 
 The features are those bench/step_cost.py fits offline and bench/slo_sim.py runs on, taken from a
-plan by ``step_features`` (the one definition). Online, the fit is exponentially weighted least
+plan by ``step_features`` (each chunk's share: ``StepFeatures.of`` in scheduler/plan.py, which the
+step builder also keeps a running sum of while it plans). Online, the fit is exponentially weighted least
 squares over the last ``memory_steps`` or so steps, pulled gently toward the prior coefficients
 (so it predicts before any step and stays defined while, say, no step has had prefill in a
 while), with every coefficient kept non-negative.
