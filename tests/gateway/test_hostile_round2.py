@@ -148,3 +148,15 @@ def test_a_refusal_that_becomes_a_429_still_writes_one_row(server):
                 for _ in range(3)]
     assert statuses == [400, 400, 429]
     assert _wait_for_rows(server, tenant, 3) == [("rejected",)] * 3
+
+
+def test_a_failure_after_the_key_is_known_still_writes_one_row(server, monkeypatch):
+    def broken(req):
+        raise RuntimeError("a bug in a check")
+
+    monkeypatch.setattr(server.gateway.prompts, "check_size", broken)
+    tenant = "unlucky"
+    server.add_tenant(tenant, "standard", rpm=1000, tpm=10**9, max_concurrent=100)
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, tenant=tenant)
+    assert r.status_code == 500
+    assert _wait_for_rows(server, tenant, 1) == [("error",)]
