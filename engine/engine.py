@@ -223,9 +223,15 @@ class Engine:
             self._with_grammar(states, Compiled(request.compiled_grammar, 0.0))
         else:
             # Never on the caller's thread (an event loop) nor the engine's: on the compiler's own.
-            future = self.grammars.submit(spec, request.tenant)
-            future.add_done_callback(lambda f: self._with_grammar(states, f.result()) if f.exception() is None
-                                     else self._enqueue(states[0], f.exception()))
+            self.grammars.submit(spec, request.tenant).add_done_callback(lambda f: self._on_compiled(states, f))
+
+    def _on_compiled(self, states: list[RequestState], future: Future[Compiled]) -> None:
+        if future.cancelled():  # the engine is stopping
+            self._enqueue(states[0], EngineError("the engine stopped before the grammar was compiled"))
+        elif future.exception() is not None:
+            self._enqueue(states[0], future.exception())
+        else:
+            self._with_grammar(states, future.result())
 
     def _with_grammar(self, states: list[RequestState], compiled: Compiled) -> None:
         for state in states:
