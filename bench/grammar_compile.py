@@ -4,8 +4,11 @@ On the bundled SmolLM2-135M's vocabulary: the median time of a cold compile of
 a few grammars (a small JSON schema, a 200- and a 1000-item choice list) through
 the engine's compiler (a trial in a worker process, then the compile the
 request uses; engine/grammar_compiler.py) against xgrammar compiling it once in
-this process, as the engine did before the budget; and how long a grammar that
-would compile for minutes holds the compiler before its refusal.
+this process, as the engine did before the budget; how long a grammar that
+would compile for minutes holds the compiler before its refusal; and the
+largest per-token grammar work (accept + mask, thread CPU time) of a
+length-bounded JSON string, what the step budget (``grammar_mask_budget_s``) must
+stay above.
 
     .venv/bin/python -m bench.grammar_compile [--rounds 3] [--json PATH]
 """
@@ -43,6 +46,25 @@ def grammars(round_: int) -> dict[str, GrammarSpec]:
     }
 
 
+def _step_work_ms(compiler: GrammarCompiler, tokenizer) -> dict[str, float]:
+    """The largest accept + mask CPU time over one answer's tokens, with and without a string length bound."""
+    text = '{"name": "Alice Bob", "age": 42}'
+    out = {}
+    for name, bound in (("maxLength_10", {"maxLength": 10}), ("no_length_bound", {})):
+        schema = {"type": "object", "properties": {"name": {"type": "string", **bound}, "age": {"type": "integer"}},
+                  "required": ["name", "age"]}
+        matcher = compiler.matcher(GrammarSpec("json_schema", json.dumps(schema)))
+        bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
+        largest = 0.0
+        for token in tokenizer.encode(text).ids:
+            started = time.thread_time()
+            matcher.fill_mask(bitmask, 0)
+            largest = max(largest, time.thread_time() - started + matcher.last_accept_s)
+            matcher.accept(token)
+        out[name] = largest * 1e3
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -74,11 +96,12 @@ def main() -> None:
     except CompileTimeout:
         pass
     refused_after_s = time.perf_counter() - started
+    step_work = _step_work_ms(compiler, tokenizer)
     compiler.close()
     report = {"machine": machine.describe(), "budget_s": args.budget_s,
               "cold_compile_median_s": {name: {k: statistics.median(v) for k, v in entry.items()}
                                         for name, entry in times.items()},
-              "slow_grammar_refused_after_s": refused_after_s}
+              "slow_grammar_refused_after_s": refused_after_s, "largest_token_work_ms": step_work}
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -46,13 +46,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "tenant"  # "tenant" or "shared" (see scheduler/block_manager.py)
     # Grammars (engine/grammar_compiler.py): a compile past its budget is refused; compiled ones are
-    # cached per tenant unless "shared", within a bound in bytes; a token mask that takes longer than
-    # its budget (CPU seconds, a small part of a step) ends its request.
+    # cached per tenant unless "shared", within a bound in bytes; a grammar whose work for one token
+    # takes longer than its budget (CPU seconds, a small part of a step) ends its request. The budget
+    # sits above what a legitimate grammar costs: a length-bounded JSON string's mask over a 49k
+    # vocabulary is the slowest we know of (docs/performance.md).
     grammar_compile_timeout_s: float = 5.0
     grammar_compile_workers: int = 2
     grammar_cache_bytes: int = 64 * 2**20
     grammar_cache_scope: str = "tenant"
-    grammar_mask_budget_s: float = 0.01
+    grammar_mask_budget_s: float = 0.05
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 16
