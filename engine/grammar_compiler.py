@@ -80,6 +80,10 @@ class GrammarCompiler:
         vocab_size = self.vocab_size if self.ends_without_stop_token else None
         return GrammarMatcher(xgr.GrammarMatcher(grammar), vocab_size)
 
+    def warm(self) -> None:
+        """Start a trial worker in the background, so that a server's first grammar does not wait for it."""
+        self._threads.submit(self._probes.warm)
+
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
         self._probes.close()

@@ -91,6 +91,9 @@ class _Worker:
         self.kill()
         raise CompileTimeout(budget_s, time.monotonic() - started)
 
+    def start(self) -> None:
+        self._started()
+
     def _started(self) -> Connection:
         if self._conn is not None and self._process is not None and self._process.is_alive():
             return self._conn
@@ -136,6 +139,14 @@ class ProbePool:
             if self._closed.is_set():
                 raise GrammarError("the server is shutting down")
             return worker.run(spec, budget_s)
+        finally:
+            self._idle.put(worker)
+
+    def warm(self) -> None:
+        """Start the idle workers now (the first start imports torch and xgrammar in the fork server)."""
+        worker = self._idle.get()
+        try:
+            worker.start()
         finally:
             self._idle.put(worker)
 

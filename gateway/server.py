@@ -73,6 +73,7 @@ def build(settings: Settings, migrate: bool = True,
     memory.tune()  # before the model loads: its threads' heaps are made under the server's malloc settings
     db = create_engine_for(settings.database_url)
     engine = Engine(engine_config(settings))
+    engine.grammars.warm()  # while the rest starts: the first grammar then need not wait for it
     ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))
     if settings.spool_path is None:
         adopt_orphans(ledger.spool)  # before start(): the ledger replays them with its own
