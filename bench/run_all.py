@@ -73,6 +73,11 @@ def benches() -> list[Bench]:
         Bench("slo_sim", "SLO simulation on this CPU's cost model: tiered vs fcfs on a virtual clock", step_cost),
         Bench("slo_sim_gpu", "SLO simulation on stated H100 coefficients: tiered vs fcfs on a virtual clock",
               module="slo_sim"),
+        # Both the H100 coefficients and this CPU's fitted cost (when engine_throughput wrote it).
+        Bench("slo_long_prompts", "Long prompts beside premium streams: the inter-token latency bound off and on",
+              step_cost, ["--requests", "60", *step_cost]),
+        Bench("long_prompt_gap", "A neighbour's stream beside 1,987-token prompts on the real engine, the bound off and on",
+              quick_args=["--rounds", "1", "--round-s", "8", "--alone-s", "3"]),
         Bench("slo_sweep", "SLO sweep through the real gateway: tiered vs fcfs",
               quick_args=["--rates", "0.5", "--requests", "8"], timeout_s=900),
         # Like for like with fcfs: no premium KV reserve (it would idle with no premium traffic).
@@ -93,6 +98,9 @@ def benches() -> list[Bench]:
         Bench("report_speed", "Billing report speed", json_flag=""),
         Bench("chaos", "Chaos: database cut, Redis restart, SIGKILL, dropped streams under load",
               quick_args=["--phase-s", "4"], timeout_s=600),
+        Bench("hostile", "Hostile tenants (issue #31): a neighbour's stream beside each attack, one at a time",
+              quick_args=["--baseline-s", "8", "--window-s", "4", "--attack-timeout-s", "30",
+                          "--only", "grammar_flood,tools_900kb,prompt_logprobs_n16,refusals_400"], timeout_s=1800),
     ]
 
 
@@ -162,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec(bench.module_name) is None:
             print(f"run_all: {bench.module_name} is not in this checkout; skipped", file=sys.stderr)
             continue
-        if bench.name == "slo_sim":  # engine_throughput may have just written the cost model
-            bench.args = next(b for b in benches() if b.name == "slo_sim").args
+        if bench.name in ("slo_sim", "slo_long_prompts"):  # engine_throughput may have just written the cost model
+            bench.args = next(b for b in benches() if b.name == bench.name).args
         run = reuse_bench(bench) if args.render_only else run_bench(bench, args.quick)
         if run is None:
             continue

@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, replace
 
 from bench.stats import percentile
 from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
-from scheduler.config import default_tiers
+from scheduler.config import StepCost, default_tiers
+from scheduler.step_cost import predict, step_features
 
 LOADS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 
@@ -57,15 +58,9 @@ class CostModel:
 
     def step_time(self, plan: StepPlan) -> tuple[float, int]:
         """(seconds, prefill tokens) of one planned step."""
-        prefill = decodes = context = 0
-        for c in plan.chunks:
-            if c.num_tokens == 1 and c.samples and c.seq.output_token_ids:
-                decodes += 1
-            else:
-                prefill += c.num_tokens
-            context += c.end
-        t = self.base_s + self.per_prefill_token_s * prefill + self.per_decode_seq_s * decodes
-        return t + self.per_context_token_s * context, prefill
+        features = step_features(plan)
+        cost = StepCost(self.base_s, self.per_prefill_token_s, self.per_decode_seq_s, self.per_context_token_s)
+        return predict(cost, features), features.prefill_tokens
 
 
 @dataclass(frozen=True)
@@ -94,10 +89,13 @@ class SimSettings:
     max_loras: int = 4
     standard_min_share: float = 0.1
     premium_kv_reserve: float = 0.3
+    # The inter-token latency bound (scheduler/step_budget.py); None: off, as before it existed.
+    max_step_s: float | None = None
+    premium_tpot_slo_s: float | None = None
 
 
 def scheduler_config(s: SimSettings, policy: str, fair_share: bool = True) -> SchedulerConfig:
-    tiers = default_tiers(s.premium_slo_s, s.premium_kv_reserve, s.standard_slo_s)
+    tiers = default_tiers(s.premium_slo_s, s.premium_kv_reserve, s.standard_slo_s, s.premium_tpot_slo_s)
     return SchedulerConfig(
         num_blocks=s.num_blocks,
         block_size=s.block_size,
@@ -109,6 +107,7 @@ def scheduler_config(s: SimSettings, policy: str, fair_share: bool = True) -> Sc
         fair_share=fair_share,
         tiers=tiers,
         standard_min_share=s.standard_min_share,
+        max_step_s=s.max_step_s,
     )
 
 
@@ -146,8 +145,10 @@ class Outcome:
     preemptions: int
 
 
-def simulate(s: SimSettings, policy: str, requests: list[Request], cost: CostModel) -> tuple[list[Outcome], float]:
-    """Run ``requests`` to completion; (outcomes, makespan in virtual seconds)."""
+def simulate(s: SimSettings, policy: str, requests: list[Request], cost: CostModel,
+             token_times: dict[str, list[float]] | None = None) -> tuple[list[Outcome], float]:
+    """Run ``requests`` to completion; (outcomes, makespan in virtual seconds). ``token_times``, if given,
+    gets each request's token times."""
     now = 0.0
     sched = Scheduler(scheduler_config(s, policy), clock=lambda: now)
     first_token: dict[str, float] = {}
@@ -174,9 +175,11 @@ def simulate(s: SimSettings, policy: str, requests: list[Request], cost: CostMod
         sampling = [c.seq for c in plan.chunks if c.samples]
         now += duration
         sched.update(plan, {seq.seq_id: 1 + seq.num_tokens % 30000 for seq in sampling})
-        sched.observe_step(duration, plan.num_tokens, prefill)
+        sched.observe_step(duration, plan.num_tokens, prefill, plan)
         for seq in sampling:
             first_token.setdefault(seq.seq_id, now)
+            if token_times is not None:
+                token_times.setdefault(seq.seq_id, []).append(now)
             if len(seq.output_token_ids) >= seq.max_tokens:
                 sched.finish(seq.seq_id)
     outcomes = [

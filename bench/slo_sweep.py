@@ -11,7 +11,9 @@ request (6 ms + 830 tokens x 40 us = 39 ms). Here the engine's fitted step cost
 gives an unloaded TTFT of about 48 ms + 70 tokens x 1.6 ms = 0.16 s for the
 sweep's mean prompt, so premium gets 13x that, 2 s, and standard's yardstick
 stays ten times premium's, 20 s. Outputs ignore EOS so both policies do the
-same work.
+same work. Each tier's p99 inter-token gap (between two streamed chunks, as the
+client sees them) is reported beside its TTFT; bench/slo_long_prompts.py and
+bench/long_prompt_gap.py put long prompts beside premium streams.
 
     .venv/bin/python -m bench.slo_sweep [--rates 1,2,4] [--requests 40] [--json PATH]
 """
@@ -67,9 +69,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(env: dict, policy: str, port: int, premium_slo_s: float, timeout_s: float = 600) -> subprocess.Popen:
+def start_server(env: dict, policy: str, port: int, premium_slo_s: float, timeout_s: float = 600,
+                 extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--policy", policy,
-                             "--premium-ttft-slo", str(premium_slo_s)],
+                             "--premium-ttft-slo", str(premium_slo_s), *extra_args],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -136,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _cell(stats: dict, key: str, q: str, scale: float = 1.0) -> str:
-    value = stats[key][q]
+    value = stats.get(key, {}).get(q)  # a run before inter-token gaps were recorded has none
     return "-" if value is None else f"{value * scale:.2f}"
 
 
@@ -148,8 +151,8 @@ def render_markdown(result: dict) -> str:
         f"(premium) and {s['standard_ttft_slo']} s (standard).",
         "",
         "| policy | rate (req/s) | tier | ok / sent | 429 by reason | TTFT p50 / p99 (s) | TPOT p50 (ms) "
-        "| e2e p99 (s) | goodput | preemptions |",
-        "|---|---:|---|---|---|---|---:|---:|---:|---:|",
+        "| inter-token gap p99 (ms) | e2e p99 (s) | goodput | preemptions |",
+        "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for policy, points in result["policies"].items():
         for p in points:
@@ -158,6 +161,7 @@ def render_markdown(result: dict) -> str:
                 lines.append(
                     f"| {policy} | {p['offered']:g} | {tier} | {t['ok']} / {t['requests']} | {rejected} "
                     f"| {_cell(t, 'ttft_s', 'p50')} / {_cell(t, 'ttft_s', 'p99')} | {_cell(t, 'tpot_s', 'p50', 1e3)} "
+                    f"| {_cell(t, 'inter_token_s', 'p99', 1e3)} "
                     f"| {_cell(t, 'e2e_s', 'p99')} | {t['goodput_fraction']:.0%} "
                     f"| {p['preemptions'].get(tier, 0):.0f} |"
                 )

@@ -68,6 +68,7 @@ class UsageMeter:
         self._open: dict[str, _Open] = {}
         self._finished: dict[str, UsageRecord] = {}
         self.busy_seconds = 0.0  # total duration of the steps seen: what conservation checks against
+        self.charged_seconds = 0.0  # total charged outside steps (charge()): conservation adds it
 
     def begin(self, request_id: str, tenant: str, tier: str, adapter: str | None = None,
               queued_at: float | None = None) -> None:
@@ -76,6 +77,13 @@ class UsageMeter:
             entry = self._open.setdefault(request_id, _Open())
             entry.tenant, entry.tier, entry.adapter = tenant, tier, adapter
             entry.queued_at = time.time() if queued_at is None else queued_at
+
+    def charge(self, request_id: str, seconds: float) -> None:
+        """Bill a request for compute spent on it outside the engine's steps (compiling its grammar), as
+        GPU-seconds of its own; a request refused after it is still billed for it (record_rejected)."""
+        with self._cond:
+            self._open.setdefault(request_id, _Open()).gpu_seconds += seconds
+            self.charged_seconds += seconds
 
     def on_step(self, event: Step) -> None:
         shares = event.seconds_by_item()
@@ -127,10 +135,10 @@ class UsageMeter:
 
     def record_rejected(self, request_id: str, tenant: str, tier: str, adapter: str | None = None,
                         queued_at: float | None = None) -> UsageRecord:
-        """A rejected request: counted in the ledger, costs nothing."""
+        """A rejected request: counted in the ledger, costs nothing but what was charged for it (charge())."""
         now = time.time()
         with self._cond:
-            self._open.pop(request_id, None)
+            entry = self._open.pop(request_id, None)
         return UsageRecord(
             request_id=request_id,
             tenant=tenant,
@@ -139,6 +147,7 @@ class UsageMeter:
             status="rejected",
             queued_at=now if queued_at is None else queued_at,
             finished_at=now,
+            gpu_seconds=entry.gpu_seconds if entry is not None else 0.0,
         )
 
     def forget(self, request_id: str) -> None:

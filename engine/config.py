@@ -39,8 +39,22 @@ class EngineConfig:
     # rather than after it (engine/step_loop.py).
     express_between_layers: bool = True
     express_spare_blocks: int = 4  # left free for them by other admissions (scheduler/config.py)
+    # The inter-token latency bound (scheduler/step_budget.py): while streams decode, no step is planned
+    # longer than this or than a decoding tier's tpot_slo_s (``tiers``). None: only the tiers' bounds.
+    max_step_s: float | None = None
+    min_prefill_chunk: int | None = None  # prefill tokens a bounded step still takes; None: one block
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "tenant"  # "tenant" or "shared" (see scheduler/block_manager.py)
+    # Grammars (engine/grammar_compiler.py): a compile past its budget is refused; compiled ones are
+    # cached per tenant unless "shared", within a bound in bytes; a grammar whose work for one token
+    # takes longer than its budget (CPU seconds, a small part of a step) ends its request. The budget
+    # sits above what a legitimate grammar costs: a length-bounded JSON string's mask over a 49k
+    # vocabulary is the slowest we know of (docs/performance.md).
+    grammar_compile_timeout_s: float = 5.0
+    grammar_compile_workers: int = 2
+    grammar_cache_bytes: int = 64 * 2**20
+    grammar_cache_scope: str = "tenant"
+    grammar_mask_budget_s: float = 0.05
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 16
@@ -57,7 +71,8 @@ class EngineConfig:
             max_loras=self.max_loras, enable_prefix_caching=self.enable_prefix_caching,
             prefix_cache_scope=self.prefix_cache_scope, policy=self.policy, fair_share=self.fair_share,
             tiers=self.tiers, standard_min_share=self.standard_min_share, long_context_after=long_context_after,
-            express_spare_blocks=self.express_spare_blocks if self.express_steps_on else 0)
+            express_spare_blocks=self.express_spare_blocks if self.express_steps_on else 0,
+            max_step_s=self.max_step_s, min_prefill_chunk=self.min_prefill_chunk)
 
     @property
     def express_steps_on(self) -> bool:

@@ -17,7 +17,7 @@ from engine.choices import ChoiceGroup
 from engine.config import EngineConfig
 from engine.cpu_threads import run_torch_serially_here
 from engine.events import Listener
-from engine.grammar import GrammarCompiler
+from engine.grammar_compiler import Compiled, GrammarCompiler
 from engine.inbox import AbortRequest, AddRequest, Inbox, UnregisterAdapter
 from engine.kv_cache import num_blocks_for_budget
 from engine.loader import load_model
@@ -57,7 +57,10 @@ class Engine:
         )
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype)
         self.num_kv_blocks = num_blocks
-        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model_config.vocab_size, tuple(loaded.eos_token_ids))
+        self.grammars = GrammarCompiler(
+            loaded.tokenizer, loaded.model_config.vocab_size, tuple(loaded.eos_token_ids),
+            timeout_s=config.grammar_compile_timeout_s, workers=config.grammar_compile_workers,
+            cache_bytes=config.grammar_cache_bytes, shared_cache=config.grammar_cache_scope == "shared")
         # A regime no sequence can reach (the context stops short of it) is no regime.
         long_after = loaded.model_config.long_context_after
         if long_after is not None and long_after >= self.max_model_len:
@@ -70,7 +73,8 @@ class Engine:
         self.lora_pool = self._make_lora_pool(config)
         self._inbox = Inbox()
         self._loop = StepLoop(self.scheduler, self.runner, self.lora_pool, self.tokenizer, self.max_model_len,
-                              StepTimer(config.device), self._inbox, config.express_steps_on)
+                              StepTimer(config.device), self._inbox, config.express_steps_on,
+                              grammar_mask_budget_s=config.grammar_mask_budget_s)
         self._adapter_loader = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="adapter-load", initializer=run_torch_serially_here)
         self._stopping = threading.Event()
@@ -91,6 +95,7 @@ class Engine:
             self._thread.join(timeout)
             self._thread = None
         self._adapter_loader.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -208,18 +213,38 @@ class Engine:
     # ---- taking a request ------------------------------------------------
     def _admit(self, request: EngineRequest, sink: Callable[[Delta], None]) -> None:
         self.check(request)
-        # A grammar is compiled on the caller's thread unless cached (the gateway compiles it off its loop first).
-        states = [RequestState.create(request, sink, i, self.tokenizer, self.grammars)
-                  for i in range(request.num_sequences)]
-        state = states[0]
+        states = [RequestState.create(request, sink, i, self.tokenizer) for i in range(request.num_sequences)]
         if len(states) > 1:
             ChoiceGroup.link(states, request.params.n)
-        if request.adapter is None:
+        spec = request.params.grammar
+        if spec is None:
+            self._prepare_adapter(states[0])
+        elif request.compiled_grammar is not None:  # the gateway's compile: nothing to compile here
+            self._with_grammar(states, Compiled(request.compiled_grammar, 0.0))
+        else:
+            # Never on the caller's thread (an event loop) nor the engine's: on the compiler's own.
+            self.grammars.submit(spec, request.tenant).add_done_callback(lambda f: self._on_compiled(states, f))
+
+    def _on_compiled(self, states: list[RequestState], future: Future[Compiled]) -> None:
+        if future.cancelled():  # the engine is stopping
+            self._enqueue(states[0], EngineError("the engine stopped before the grammar was compiled"))
+        elif future.exception() is not None:
+            self._enqueue(states[0], future.exception())
+        else:
+            self._with_grammar(states, future.result())
+
+    def _with_grammar(self, states: list[RequestState], compiled: Compiled) -> None:
+        for state in states:
+            state.grammar = self.grammars.matcher(compiled.grammar)
+        self._prepare_adapter(states[0])
+
+    def _prepare_adapter(self, state: RequestState) -> None:
+        if state.request.adapter is None:
             self._enqueue(state)
         else:
             # A cold adapter is read from disk off the step loop; the sequence
             # reaches the scheduler only once its weights are in host memory.
-            future = self._adapter_loader.submit(self.lora_pool.prefetch, request.adapter)
+            future = self._adapter_loader.submit(self.lora_pool.prefetch, state.request.adapter)
             future.add_done_callback(lambda f: self._enqueue(state, f.exception()))
 
     def _enqueue(self, state: RequestState, error: BaseException | None = None) -> None:

@@ -1,20 +1,20 @@
-"""Grammar-constrained decoding: compiling a request's grammar, and the per-step token mask.
+"""Grammar-constrained decoding: what a request's output must match, compiling it, and the per-step token mask.
 
 xgrammar (the library vLLM, SGLang and TensorRT-LLM use) compiles a JSON
-schema, a regex, an EBNF grammar or a structural tag against the model's vocabulary once, caches it by
-its source, and gives each request a matcher: before sampling, the matcher
-fills a bitmask of the tokens its grammar allows next, the mask sets the rest
-of its logits row to -inf, and the sampled token advances the matcher.
+schema, a regex, an EBNF grammar or a structural tag against the model's
+vocabulary; each request gets a matcher: before sampling, the matcher fills a
+bitmask of the tokens its grammar allows next, the mask sets the rest of its
+logits row to -inf, and the sampled token advances the matcher.
 
-Compiling can take tens of milliseconds for a large schema: callers on an event
-loop run :meth:`GrammarCompiler.compile` on a worker thread first, so the
-engine's own compile at admission is a cache hit.
+Compiles are bounded and run off every loop (engine/grammar_compiler.py); a mask
+that takes longer than its budget ends its request alone (:func:`mask_logits`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -23,10 +23,13 @@ import xgrammar as xgr
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
+
 # Free whitespace is bounded so a model cannot stall inside a grammar on an
 # endless run of spaces; deep enough for indented output of nested objects.
 MAX_WHITESPACE_RUN = 12
-GRAMMAR_CACHE_BYTES = 256 * 2**20
+# JSON nesting (objects and arrays) a schema may have: deeper ones are refused before anything
+# walks them recursively; xgrammar's compile time grows steeply with depth.
+MAX_SCHEMA_DEPTH = 64
 GRAMMAR_KINDS = ("json_schema", "json_object", "structural_tag", "regex", "choice", "ebnf")
 # xgrammar's C++ errors start with "[time] /path/file.cc:line: ".
 _CPP_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -58,54 +61,40 @@ class GrammarSpec:
             raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, not {self.kind!r}")
 
 
-class GrammarCompiler:
-    """Compiles grammar specs for one model's vocabulary; thread-safe, cached by source."""
+def compile_spec(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    """``spec`` compiled by ``compiler``; :class:`GrammarError` if it cannot compile."""
+    try:
+        return _compile(compiler, spec)
+    except (RuntimeError, ValueError, TypeError) as exc:  # RecursionError included
+        raise GrammarError(_clean_error(exc)) from None
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
-        with warnings.catch_warnings():  # a tokenizer without EOS is fine: see terminates_without_stop_token
-            warnings.simplefilter("ignore")
-            info = xgr.TokenizerInfo.from_huggingface(
-                PreTrainedTokenizerFast(tokenizer_object=tokenizer),
-                vocab_size=vocab_size,
-                stop_token_ids=list(stop_token_ids) or None,
-            )
-        self.vocab_size = vocab_size
-        # Models without a stop token (random test models) end where their grammar cannot go on.
-        self.ends_without_stop_token = not stop_token_ids
-        # xgrammar's own cache is keyed by the grammar's source and options and evicts by size.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True,
-                                             cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
-    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """The compiled grammar, from the cache when seen before; :class:`GrammarError` if it cannot compile."""
-        try:
-            return self._compile(spec)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise GrammarError(_clean_error(exc)) from None
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) -> xgr.TokenizerInfo:
+    with warnings.catch_warnings():  # a tokenizer without EOS is fine: see GrammarMatcher
+        warnings.simplefilter("ignore")
+        return xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
+                                                  vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
 
-    def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
-        vocab_size = self.vocab_size if self.ends_without_stop_token else None
-        return GrammarMatcher(xgr.GrammarMatcher(self.compile(spec)), vocab_size)
 
-    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        if spec.kind == "structural_tag":
-            return self._compiler.compile_structural_tag(spec.source)
-        if spec.kind == "regex":
-            return self._compiler.compile_regex(spec.source)
-        if spec.kind == "ebnf":
-            return self._compiler.compile_grammar(spec.source)
-        if spec.kind == "choice":
-            # JSON's string escapes are EBNF's, so each choice becomes one quoted literal.
-            literals = (json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec.source))
-            return self._compiler.compile_grammar("root ::= " + " | ".join(literals))
-        if spec.kind == "json_object":
-            schema, strict = '{"type": "object"}', False
-        else:
-            schema = json.dumps(well_formed_strings(json.loads(spec.source)), ensure_ascii=False)
-            strict = spec.strict
-        return self._compiler.compile_json_schema(
-            schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE_RUN, strict_mode=strict
-        )
+def _compile(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    if spec.kind == "structural_tag":
+        return compiler.compile_structural_tag(spec.source)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.source)
+    if spec.kind == "ebnf":
+        return compiler.compile_grammar(spec.source)
+    if spec.kind == "choice":
+        # JSON's string escapes are EBNF's, so each choice becomes one quoted literal.
+        literals = (json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec.source))
+        return compiler.compile_grammar("root ::= " + " | ".join(literals))
+    if spec.kind == "json_object":
+        schema, strict = '{"type": "object"}', False
+    else:
+        schema = json.dumps(well_formed_strings(json.loads(spec.source)), ensure_ascii=False)
+        strict = spec.strict
+    return compiler.compile_json_schema(
+        schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE_RUN, strict_mode=strict
+    )
 
 
 # One character of a JSON string as written, as a regex (xgrammar matches a pattern against the
@@ -125,12 +114,36 @@ def well_formed_strings(schema: object) -> object:
 
     xgrammar 0.2.8 compiles ``minLength``/``maxLength`` into a character class that lets raw
     control characters and malformed UTF-8 into the string, which is not valid JSON.
+    :class:`GrammarError` for a schema nested deeper than ``MAX_SCHEMA_DEPTH`` (measured without recursion).
     """
+    if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+    return _well_formed(schema)
+
+
+def nesting_depth(value: object, stop_after: int) -> int:
+    """How deeply lists and dicts nest in ``value`` (a scalar: 0), counted up to ``stop_after + 1``;
+    iterative, so any depth is measured in time linear in the size."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        if depth > stop_after:
+            return depth
+        stack.extend((child, depth + 1) for child in item)
+    return deepest
+
+
+def _well_formed(schema: object) -> object:
     if isinstance(schema, list):
-        return [well_formed_strings(item) for item in schema]
+        return [_well_formed(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: well_formed_strings(value) for key, value in schema.items()}
+    out = {key: _well_formed(value) for key, value in schema.items()}
     bounded = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
         low, high = out.pop("minLength", 0), out.pop("maxLength", "")
@@ -153,9 +166,13 @@ class GrammarMatcher:
         self._vocab_size = vocab_size_if_no_stop_token
         self._at_dead_end = False
         self.num_accepted = 0
+        self.last_accept_s = 0.0  # CPU seconds the last accept() took
 
     def accept(self, token_id: int) -> bool:
+        started = time.thread_time()
         ok = self._matcher.accept_token(token_id)
+        # An ambiguous grammar's advance grows slower with its output: mask_logits weighs it with the mask.
+        self.last_accept_s = time.thread_time() - started
         self.num_accepted += ok
         if ok and self._vocab_size is not None and self._matcher.is_completed():
             # Without a stop token to sample, the grammar ends where no token may follow
@@ -173,8 +190,15 @@ class GrammarMatcher:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def mask_logits(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
+def mask_logits(logits: torch.Tensor, matchers: list[GrammarMatcher | None], budget_s: float | None = None
+                ) -> list[int]:
     """Set, in place, the logits of tokens each row's grammar forbids to -inf; rows without one are untouched.
+
+    Returns the rows whose grammar took longer than ``budget_s`` of this thread's CPU time for its
+    step (accepting the last token and filling this mask; CPU time, so that a busy machine does not
+    end a request for the time others took): their masks are still applied, but their requests must
+    end, because an ambiguous grammar's work grows with its output and would stall every request of
+    the step. That work grows gradually, so a row ends at about its budget.
 
     The packed bitmask is widened through a byte lookup table (each byte -> 8 biases of 0 or -inf)
     and added to the grammar rows in one batched op: xgrammar's CPU kernel walks the mask bit by
@@ -182,17 +206,22 @@ def mask_logits(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> 
     """
     rows = [row for row, m in enumerate(matchers) if m is not None]
     if not rows:
-        return
+        return []
     vocab = logits.shape[-1]
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
+    over_budget = []
     for i, row in enumerate(rows):
+        started = time.thread_time()
         matchers[row].fill_mask(bitmask, i)
+        if budget_s is not None and time.thread_time() - started + matchers[row].last_accept_s > budget_s:
+            over_budget.append(row)
     table = _BYTE_BIAS.to(device=logits.device, dtype=logits.dtype)
     # Little-endian int32 words: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7, lowest bit first.
     byte_ids = bitmask.view(torch.uint8).to(device=logits.device, dtype=torch.int32)
     bias = torch.nn.functional.embedding(byte_ids, table).view(len(rows), -1)[:, :vocab]
     with torch.inference_mode():  # the runner's logits are inference tensors
         logits.index_add_(0, torch.tensor(rows, device=logits.device), bias)
+    return over_budget
 
 
 # Row v: the bias of the 8 tokens of a mask byte of value v (bit i set: token i allowed).

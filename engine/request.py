@@ -91,6 +91,9 @@ class EngineRequest:
     # A list prompt's entries after the first (OpenAI's completions take up to 2048): each runs as
     # ``params.n`` sequences of this one request, choices numbered prompt-major (engine/choices.py).
     more_prompts: tuple[list[int], ...] = ()
+    # ``params.grammar`` already compiled (an xgrammar CompiledGrammar, engine/grammar_compiler.py):
+    # the engine then builds its matcher without compiling; without it the engine compiles it first.
+    compiled_grammar: object | None = None
 
     @property
     def prompts(self) -> tuple[list[int], ...]:
@@ -115,6 +118,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+
+
+# A Delta's error when its grammar took longer than its budget for one token (engine/grammar.py: mask_logits).
+MASK_OVER_BUDGET = "the grammar took longer than its time budget to compute the next token's mask"
 
 
 @dataclass(frozen=True)

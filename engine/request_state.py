@@ -13,7 +13,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.choices import ChoiceGroup, choice_seq_id
 from engine.events import FinishEvent
-from engine.grammar import GrammarCompiler, GrammarMatcher
+from engine.grammar import GrammarMatcher
 from engine.request import Delta, EngineRequest, TokenLogprob, Usage
 from engine.sampler import SampledToken, make_generator
 from engine.tokenizer import TextTokenizer
@@ -37,9 +37,10 @@ class RequestState:
     prompt_scores: list[TokenLogprob] | None = None
 
     @classmethod
-    def create(cls, request: EngineRequest, sink: Callable[[Delta], None], index: int, tokenizer: TextTokenizer,
-               grammars: GrammarCompiler) -> RequestState:
-        """The state of choice ``index`` of ``request``: the ``index % n``-th choice of its ``index // n``-th prompt."""
+    def create(cls, request: EngineRequest, sink: Callable[[Delta], None], index: int, tokenizer: TextTokenizer
+               ) -> RequestState:
+        """The state of choice ``index`` of ``request``: the ``index % n``-th choice of its ``index // n``-th
+        prompt; its grammar's matcher is set by the engine once the grammar is compiled."""
         params = request.params
         prompt, choice = divmod(index, params.n)
         # Seeded choices are reproducible and differ from each other; a list prompt's entry gets the
@@ -68,7 +69,6 @@ class RequestState:
             sink=sink,
             detokenizer=IncrementalDetokenizer(tokenizer.tokenizer, seq.prompt_token_ids, params.stop),
             generator=make_generator(params),
-            grammar=grammars.matcher(params.grammar) if params.grammar else None,
             index=index,
             prompt_scores=prompt_scores,
         )

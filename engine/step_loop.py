@@ -15,6 +15,7 @@ a snapshot this thread publishes after each change.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from engine.grammar import mask_logits
 from engine.in_flight import InFlight, Outgoing
 from engine.inbox import AbortRequest, AddRequest, Inbox, Message, UnregisterAdapter
 from engine.logit_adjustments import adjust_logits_, adjusts_logits
+from engine.request import MASK_OVER_BUDGET
 from engine.prompt_scoring import rows_to_score, score_prompts
 from engine.runner import ModelRunner
 from engine.sampler import sample
@@ -60,7 +62,8 @@ class Snapshot:
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, lora_pool, tokenizer: TextTokenizer,
-                 max_model_len: int, timer: StepTimer, inbox: Inbox, express_steps: bool = True) -> None:
+                 max_model_len: int, timer: StepTimer, inbox: Inbox, express_steps: bool = True,
+                 grammar_mask_budget_s: float | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.lora_pool = lora_pool
@@ -77,6 +80,7 @@ class StepLoop:
         self._deferred: list[Message] = []  # taken between layers, handled after the step
         self._between: _StepUnderWay | None = None
         self._express_ran = False  # the last step was an express step of its own
+        self.grammar_mask_budget_s = grammar_mask_budget_s  # CPU seconds one row's mask may take
 
     def run(self, stopping: threading.Event) -> None:
         torch.set_grad_enabled(False)
@@ -190,8 +194,10 @@ class StepLoop:
                 adjust_logits_(logits, params, [s.prompt_ids if p.repetition_penalty != 1.0 else None
                                                 for s, p in zip(states, params)],
                                [s.seq.output_token_ids for s in states], self.tokenizer.eos_token_ids)
-            mask_logits(logits, [s.grammar for s in states])
+            too_slow = mask_logits(logits, [s.grammar for s in states], self.grammar_mask_budget_s)
             sampled = sample(logits, params, [s.generator for s in states])
+            for row in too_slow:  # that request alone ends, billed for its steps so far
+                sampled[row] = dataclasses.replace(sampled[row], error=MASK_OVER_BUDGET)
         except Exception as exc:  # a bad step must not take the loop down
             log.exception("engine step failed")
             self._account_step(plan, started_at, self._stop(timer, under_way))
@@ -252,7 +258,7 @@ class StepLoop:
     def _account_step(self, plan: StepPlan, started_at: float, duration: float) -> None:
         self.busy_seconds += duration
         prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
-        self.scheduler.observe_step(duration, plan.num_tokens, prefill_tokens)
+        self.scheduler.observe_step(duration, plan.num_tokens, prefill_tokens, plan)
         self.emit(step_event(plan, started_at, duration, self.requests.request_id_of))
 
     def publish(self) -> None:

@@ -29,7 +29,7 @@ from billing.keys import authenticate, revocation_mark
 from billing.ledger import Ledger
 from billing.meter import UsageMeter
 from billing.open_rows import close_orphans
-from gateway import admin
+from gateway import admin, memory
 from gateway.access_log import AccessLogMiddleware
 from gateway.load_shedding import LoadShedder, SheddingPolicy
 from gateway.auth import DATABASE_RETRY_S, Authenticator, database_unavailable
@@ -203,6 +203,7 @@ def create_app(
             asyncio.create_task(gw.auth.watch_revocations(lambda: revocation_mark(db), settings.auth_revocation_poll_s)),
             asyncio.create_task(gw.budgets.run_background(settings.budget_poll_s, settings.ledger_orphan_after_s)),
             asyncio.create_task(gw.budgets.notifier.run()),
+            asyncio.create_task(memory.trim_forever()),  # freed request buffers go back to the system
         ]
         # What startup built (torch, the model, tokenizers) lives as long as the app; frozen out of
         # the collector, it no longer makes each full collection a long pause of the event loop

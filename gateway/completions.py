@@ -5,13 +5,17 @@ API (gateway/responses_api.py) is a chat request on it with a framing of its own
 
 Order matters: cheap checks that touch nothing come first (draining, key,
 body, model, context length), then admission control (it reserves nothing),
-then the rate limiter (it reserves budget), and only then the engine. A
+then the rate limiter (it reserves budget), then the grammar's compile (paid
+from that budget, gateway/grammar_budget.py), and only then the engine. A
 request refused for its prompt (gateway/prompts.py) is the exception: it is
-counted against its tenant's RPM, so refusals are not free to send.
+counted against its tenant's RPM, so refusals are not free to send. Every
+refusal after the key is known (400, 404, 413, 429, 503) writes the request's
+one ledger row, status ``rejected``, through one ``Refusal``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -33,9 +37,11 @@ from gateway.logs import request_context
 from gateway.prompt_lists import list_token_ids
 from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
-from gateway.response_format import compile_grammar
+from gateway.grammar_budget import compile_grammar
+from gateway.response_size import check_prompt_scores
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_body
 from gateway.services import EngineFront, Gateway
+from gateway.usage_recorder import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -141,20 +147,33 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
     """The one admission path of every endpoint that generates."""
     gw: Gateway = request.app.state.gateway
     arrived, queued_at = time.monotonic(), time.time()
-    kind = endpoint.kind
     if gw.lifecycle.draining:
         raise service_unavailable("The server is shutting down; retry on another replica.",
                                   headers=retry_headers(DRAIN_RETRY_S))
     tenant = await gw.auth.authenticate(request)
+    request_id = f"{endpoint.id_prefix}{gw.ids.getrandbits(128):032x}"
+    # From here every refusal, whichever check makes it, leaves the request's one ledger row.
+    refusal = Refusal(gw.usage, request_id, tenant.tenant, tenant.tier, queued_at)
+    try:
+        return await _serve(request, endpoint, gw, tenant, request_id, refusal, arrived, queued_at)
+    except APIError:
+        refusal.record()
+        raise
+    except Exception:
+        refusal.record("error")
+        raise
+
+
+async def _serve(request: Request, endpoint: Endpoint, gw: Gateway, tenant, request_id: str, refusal: Refusal,
+                 arrived: float, queued_at: float) -> Response:
     body = parse_json_body(await read_body(request, gw.settings.max_body_bytes))
     req = endpoint.parse(body)
-    adapter = resolve_adapter(req.model, tenant, gw.engine)
-    request_id = f"{endpoint.id_prefix}{gw.ids.getrandbits(128):032x}"
+    adapter = refusal.adapter = resolve_adapter(req.model, tenant, gw.engine)
     try:
-        if req.grammar is not None:  # compiling costs CPU like tokenizing: a refusal counts the same
-            await compile_grammar(gw.engine, req.grammar, req.grammar_param)
+        gw.prompts.check_size(req)  # before any cost that grows with the prompt: the template's, the tokenizer's
         prompts = await prompt_token_ids(gw, req)
         prompt = prompts[0]
+        check_prompt_scores(req, sum(map(len, prompts)), gw.engine.max_model_len)
         max_tokens = req.max_tokens or default_max_tokens(max(map(len, prompts)), gw.engine.max_model_len,
                                                           gw.settings.default_max_tokens)
         # Sampling's fields carry SamplingParams' own names.
@@ -165,21 +184,24 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
                                        tenant_weight=tenant.weight, more_prompts=tuple(prompts[1:]))
         check_request(gw.engine, engine_request, req.max_tokens is not None)
     except APIError:
-        await _count_refusal(gw, tenant, request_id, adapter, queued_at)
+        await _count_refusal(gw, tenant, request_id)
         raise
     prompt_tokens = sum(map(len, prompts))
     admitted = AdmittedRequest(
-        request_id=request_id, kind=kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier, adapter=adapter,
-        queued_at=queued_at, arrived=arrived, prompt_tokens=prompt_tokens,
+        request_id=request_id, kind=endpoint.kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier,
+        adapter=adapter, queued_at=queued_at, arrived=arrived, prompt_tokens=prompt_tokens,
         reserved_tokens=prompt_tokens + len(prompts) * req.n * max_tokens, prompts=len(prompts),
         want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
         parse_tool_calls=req.tools is not None and req.tools.choice != "none", n=req.n,
         top_logprobs=req.logprobs or 0, prompt_logprobs=req.prompt_logprobs,
         echo_texts=echo_texts(req, prompts, gw.prompts.tokenizer) if req.echo else (),
+        grammar_param=req.grammar_param if req.grammar is not None else None,
     )
     # Refusals are counted (metrics) and billed (ledger) but not traced: a span costs about as much
     # as the rest of a 429, and a flood of 429s must stay cheap to answer.
     decision = await _admit(gw, admitted, tenant)
+    if req.grammar is not None:  # a compile is paid from the tenant's budget, as its tokens are: after its limits
+        engine_request = await _with_grammar(gw, tenant, admitted, engine_request, req)
     sampling = req.sampling
     trace = gw.tracing.start_request(
         request_id=request_id, operation=endpoint.operation, model=req.model,
@@ -194,6 +216,7 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
         headers = {"x-request-id": request_id, **decision.headers()}
         stream = await _submit(gw, admitted, engine_request, trace)
         generation = endpoint.generation(admitted, stream, gw, trace, req)
+        refusal.admitted()  # from now on the generation owns the row
         generation.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at,
                                               prompt_tokens, lambda: generation.completion_tokens, now=req.stream)
         if req.stream:
@@ -209,11 +232,11 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
 
 
 async def _admit(gw: Gateway, admitted: AdmittedRequest, tenant) -> Decision:
-    """Admission control, then the tenant's rate limits; a refusal is counted, billed as rejected, and raised."""
+    """Admission control, then the tenant's rate limits; a refusal is counted and raised (its row: the caller's
+    ``Refusal``)."""
     refusal = gw.shedder.check(admitted.tier, gw.engine.load(), admitted.tenant)
     if refusal is not None:
         gw.metrics.count_rejection(admitted.tier, refusal.reason)
-        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise APIError(429, refusal.message, type="overloaded", code="overloaded",
                        headers=retry_headers(refusal.retry_after_s))
     limits = Limits(tenant.rpm, tenant.tpm, tenant.max_concurrent)
@@ -221,12 +244,10 @@ async def _admit(gw: Gateway, admitted: AdmittedRequest, tenant) -> Decision:
         decision = await gw.limiter.acquire(admitted.tenant, limits, admitted.request_id, admitted.reserved_tokens)
     except LimiterUnavailable:
         log.warning("rate limiter unavailable; refusing %s", admitted.request_id, exc_info=True)
-        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise service_unavailable("The rate limiter is unavailable; retry shortly.",
                                   headers=retry_headers(LIMITER_RETRY_S)) from None
     if not decision.allowed:
         gw.metrics.count_rejection(admitted.tier, REJECTION_REASON[decision.reason])
-        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         raise APIError(429, _limit_message(decision, admitted.reserved_tokens), type=decision.reason,
                        code="rate_limit_exceeded", headers=decision.headers())
     if gw.budgets is not None:
@@ -242,9 +263,6 @@ async def _admit_budget(gw: Gateway, admitted: AdmittedRequest) -> None:
     except BaseException as e:
         with anyio.CancelScope(shield=True):  # a caller gone meanwhile must not keep its rate-limit slot
             await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
-        if not isinstance(e, Exception):
-            raise
-        gw.usage.reject(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
         if isinstance(e, APIError):
             gw.metrics.count_rejection(admitted.tier, "budget")
         elif isinstance(e, LimiterUnavailable):
@@ -254,7 +272,24 @@ async def _admit_budget(gw: Gateway, admitted: AdmittedRequest) -> None:
         raise
 
 
-async def _count_refusal(gw: Gateway, tenant, request_id: str, adapter: str | None, queued_at: float) -> None:
+async def _with_grammar(gw: Gateway, tenant, admitted: AdmittedRequest, request: EngineRequest,
+                        req: GenerationRequest) -> EngineRequest:
+    """The request with its grammar compiled (gateway/grammar_budget.py); a refusal gives its limits back."""
+    try:
+        compiled = await compile_grammar(gw, tenant, admitted.request_id, req.grammar, req.grammar_param)
+    except BaseException:  # refused, or the client left: either way the slot and tokens go back
+        with anyio.CancelScope(shield=True):
+            try:
+                await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
+                if gw.budgets is not None:
+                    await gw.budgets.release(admitted.request_id)
+            except Exception:  # an outage must not turn the 400 into a 500; leases and holds expire by themselves
+                log.exception("rate limiter or budget release failed for %s", admitted.request_id)
+        raise
+    return dataclasses.replace(request, compiled_grammar=compiled)
+
+
+async def _count_refusal(gw: Gateway, tenant, request_id: str) -> None:
     """A request refused for its prompt counts against its tenant's RPM (a 429 once over it).
 
     Reading and measuring a prompt we then refuse is work: were it free, a tenant could
@@ -269,7 +304,6 @@ async def _count_refusal(gw: Gateway, tenant, request_id: str, adapter: str | No
     except LimiterUnavailable:
         return  # the refusal stands as it is: a limiter that is down must not turn a 400 into a 503
     gw.metrics.count_rejection(tenant.tier, REJECTION_REASON[decision.reason])
-    gw.usage.reject(request_id, tenant.tenant, tenant.tier, adapter, queued_at)
     raise APIError(429, _limit_message(decision, 0), type=decision.reason, code="rate_limit_exceeded",
                    headers=decision.headers())
 

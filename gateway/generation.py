@@ -9,6 +9,7 @@ is written and the unused token reservation and the concurrency slot go back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -17,15 +18,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import anyio
-from starlette.responses import JSONResponse, StreamingResponse
+import anyio.to_thread
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.request import Delta, TokenLogprob, Usage
+from engine.request import MASK_OVER_BUDGET, Delta, TokenLogprob, Usage
 from gateway import openai_format as fmt
-from gateway.errors import APIError
+from gateway.errors import APIError, invalid_param
 from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
 from gateway.ratelimit.base import retry_headers
+from gateway.response_size import OFF_LOOP_ENTRIES, json_response
 from gateway.tool_calls import ToolCallParser, split_tool_calls
 from gateway.usage_recorder import gateway_record
 
@@ -55,6 +58,7 @@ class AdmittedRequest:
     # completions' echo: each prompt, given back before its choices' text; empty: no echo
     echo_texts: tuple[str, ...] = ()
     prompts: int = 1  # a list prompt's entries: choice i is choice i % n of prompt i // n
+    grammar_param: str | None = None  # the parameter its grammar came from, for a mask over its budget
 
     @property
     def choices(self) -> int:
@@ -79,6 +83,7 @@ class Generation:
         self.row_opened: Future[bool] | None = None  # the open row's write, set by the admission path
         self.closed = False
         self._first_token_mono: float | None = None
+        self._last_delta_mono: dict[int, float] = {}  # by choice index: when its last tokens came
         self.interrupted = False  # by a drain's deadline: ends as a server shutdown
         gateway.lifecycle.enter(self)
 
@@ -95,6 +100,11 @@ class Generation:
             self.first_token_at = time.time()
             self.gw.metrics.observe_ttft(self.request.tier, self._first_token_mono - self.request.arrived)
             self.trace.mark_first_token()
+        if delta.token_ids:
+            now, last = time.monotonic(), self._last_delta_mono.get(delta.index)
+            if last is not None:  # the gap this choice's client waited (scheduler/step_budget.py bounds it)
+                self.gw.metrics.observe_inter_token(self.request.tier, now - last)
+            self._last_delta_mono[delta.index] = now
         self.completion_tokens += len(delta.token_ids)
 
     def _cut_by_shutdown(self, last: Delta) -> bool:
@@ -141,7 +151,11 @@ class Generation:
                 echoed.add(index)
                 items = fmt.echo_items(prompt_scores.get(index // request.n, ()), request.top_logprobs) \
                     if request.want_logprobs else ()
-                yield writer.delta(echo, items, request.want_logprobs, index=index)
+                echo_delta = functools.partial(writer.delta, echo, items, request.want_logprobs, index=index)
+                if len(items) * (request.top_logprobs + 1) > OFF_LOOP_ENTRIES:  # a long prompt's scores
+                    yield await anyio.to_thread.run_sync(echo_delta)
+                else:
+                    yield echo_delta()
             if request.parse_tool_calls:
                 parser = parsers.setdefault(index, ToolCallParser())
                 pieces = parser.feed(text) + (parser.finish() if reason is not None else [])
@@ -164,7 +178,9 @@ class Generation:
                 yield fmt.sse(shutdown_error(self.completion_tokens).body())
                 return
             await self._record("error" if delta.error else "ok", delta)
-            if delta.error:
+            if delta.error == MASK_OVER_BUDGET:
+                yield fmt.sse(grammar_too_slow(request.grammar_param).body())
+            elif delta.error:
                 yield fmt.sse({"error": {"message": "The engine failed while generating; the request was "
                                          "stopped.", "type": "server_error", "param": None, "code": "engine_error"}})
             else:
@@ -173,7 +189,7 @@ class Generation:
             yield fmt.DONE
             return
 
-    async def collect(self, headers: dict[str, str] | None = None) -> JSONResponse:
+    async def collect(self, headers: dict[str, str] | None = None) -> Response:
         request = self.request
         texts: dict[int, list[str]] = defaultdict(list)  # by choice index
         logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
@@ -198,27 +214,36 @@ class Generation:
         finally:
             await self.close()
         delta = last
+        if delta is not None and delta.error == MASK_OVER_BUDGET:
+            return grammar_too_slow(request.grammar_param).response()
         if delta is None or delta.error:
             return JSONResponse({"error": {"message": "The engine failed while generating; the request was stopped.",
                                            "type": "server_error", "param": None, "code": "engine_error"}},
                                 status_code=500)
-        choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i],
-                                prompt_scores.get(i // request.n, ())) for i in range(request.choices)]
         usage = delta.usage or self._usage()
-        shown = None  # vLLM's prompt_logprobs, by prompt: the response's on chat, each choice's on completions
-        if request.prompt_logprobs is not None:
-            shown = [fmt.prompt_logprobs(prompt_scores.get(p, ()), request.prompt_logprobs)
-                     for p in range(request.prompts)]
-        if request.kind == "chat":
-            body = fmt.chat_response(request.request_id, self.created, request.model, choices, usage)
-            if shown is not None:
-                body["prompt_logprobs"] = shown[0]
-        else:
+
+        def body() -> dict:
+            choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i],
+                                    prompt_scores.get(i // request.n, ())) for i in range(request.choices)]
+            shown = None  # vLLM's prompt_logprobs, by prompt: the response's on chat, each choice's on completions
+            if request.prompt_logprobs is not None:
+                shown = [fmt.prompt_logprobs(prompt_scores.get(p, ()), request.prompt_logprobs)
+                         for p in range(request.prompts)]
+            if request.kind == "chat":
+                out = fmt.chat_response(request.request_id, self.created, request.model, choices, usage)
+                if shown is not None:
+                    out["prompt_logprobs"] = shown[0]
+                return out
             if shown is not None:
                 for choice in choices:
                     choice["prompt_logprobs"] = shown[choice["index"] // request.n]
-            body = fmt.completion_response(request.request_id, self.created, request.model, choices, usage)
-        return JSONResponse(body, headers=headers)
+            return fmt.completion_response(request.request_id, self.created, request.model, choices, usage)
+
+        # An upper bound of the scores and alternatives the body holds (gateway/response_size.py).
+        alternatives = max(request.top_logprobs, request.prompt_logprobs or 0) + 1
+        scored = sum(map(len, prompt_scores.values()))
+        entries = (sum(map(len, logprobs.values())) + scored * request.n) * alternatives
+        return await json_response(body, entries, headers)
 
     def _choice(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob],
                 prompt_scores: tuple[TokenLogprob, ...]) -> dict:
@@ -275,6 +300,12 @@ class Generation:
             await self.gw.limiter.release(self.request.tenant, self.request.request_id, self.request.reserved_tokens, used)
         except Exception:  # a limiter outage must not fail a finished response; the lease expires by itself
             log.exception("rate limiter release failed for %s", self.request.request_id)
+
+
+def grammar_too_slow(param: str | None) -> APIError:
+    """A request its grammar's mask stopped (engine/grammar.py: mask_logits): the client's grammar, not our fault."""
+    return invalid_param(param or "response_format", f"Invalid value for '{param}': {MASK_OVER_BUDGET}; the "
+                         "request was stopped. Use a less ambiguous grammar.", "grammar_too_slow")
 
 
 def shutdown_error(tokens_sent: int) -> APIError:

@@ -1,8 +1,9 @@
 """Prometheus metrics of one gateway app: the names of DESIGN.md, in a registry of its own.
 
 Who feeds what:
-- the gateway's request path: ``observe_ttft``, ``observe_tpot``, ``count_request``,
-  ``count_rejection``;
+- the gateway's request path: ``observe_ttft``, ``observe_tpot`` (a request's mean),
+  ``observe_inter_token`` (each gap a stream's client waits between two deltas: the latency
+  bound of scheduler/step_budget.py is judged on its p99), ``count_request``, ``count_rejection``;
 - the engine thread, through ``engine.add_listener(metrics.on_engine_event)``:
   step time, GPU-seconds and tokens per tier (the tiers the step's items carry), preemptions;
 - scrape time, once ``attach_engine(engine)`` was called: queue depth, KV blocks
@@ -85,6 +86,13 @@ class GatewayMetrics:
             buckets=TPOT_BUCKETS,
             registry=r,
         )
+        self.inter_token = Histogram(
+            "tiergate_inter_token_seconds",
+            "Time between two consecutive token deltas of one choice, as the gateway hands them out; one sample per gap.",
+            ["tier"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
         self.step_seconds = Histogram(
             "tiergate_step_seconds",
             "Duration of one engine step (forward pass and sampling).",
@@ -121,6 +129,7 @@ class GatewayMetrics:
         for tier in self.tier_names:
             self.ttft.labels(tier)
             self.tpot.labels(tier)
+            self.inter_token.labels(tier)
             self.preemptions.labels(tier)
             self.gpu_seconds.labels(tier)
             for status in REQUEST_STATUSES:
@@ -137,6 +146,9 @@ class GatewayMetrics:
 
     def observe_tpot(self, tier: str, seconds: float) -> None:
         self._child(self.tpot, tier).observe(seconds)
+
+    def observe_inter_token(self, tier: str, seconds: float) -> None:
+        self._child(self.inter_token, tier).observe(seconds)
 
     def count_request(self, tier: str, status: str) -> None:
         self._child(self.requests, tier, _member(status, REQUEST_STATUSES, "status")).inc()

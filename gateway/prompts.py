@@ -4,8 +4,10 @@ off the event loop.
 A prompt of more than ``max_model_len * max_token_chars`` characters (the model's
 context times its tokenizer's longest vocabulary entry) cannot fit in the context,
 so it is refused as ``context_length_exceeded`` without tokenizing it: tokenizing a
-megabyte takes seconds of CPU. What may fit is tokenized inline when short, else
-on a small pool of threads (``tokenizer_threads``), so long prompts queue for the
+megabyte takes seconds of CPU. A chat prompt's characters are everything the template
+will render: the messages' text, the calls and call ids in their history, and the
+tools' names, descriptions and schemas. What may fit is tokenized inline when short,
+else on a small pool of threads (``tokenizer_threads``), so long prompts queue for the
 pool instead of for the event loop (engine/tokenizer.py releases the GIL for them).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.tokenizer import TextTokenizer
@@ -43,18 +46,32 @@ class PromptEncoder:
     def max_chars(self) -> int:
         return self.max_model_len * self.tokenizer.max_token_chars
 
+    def check_size(self, req: GenerationRequest) -> int:
+        """The prompt's size in characters before rendering; 400 when it cannot fit the context. Cheap: no
+        template, no tokenizer, so it runs before any other cost of the request."""
+        if req.kind == "completion":
+            size = len(req.prompt)  # a tuple of token ids is checked id by id in token_ids()
+            if isinstance(req.prompt, tuple) or size <= self.max_chars:
+                return size
+            param = "prompt"
+        else:
+            history, tools = chat_chars(req)
+            size = history + tools
+            if size <= self.max_chars:
+                return size
+            param = "tools" if tools > history else "messages"
+        raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and no "
+                       f"prompt of more than {self.max_chars} characters fits in it; yours has {size} (its "
+                       f"'{param}' the most). Please reduce the length of the prompt.", param=param,
+                       code="context_length_exceeded")
+
     async def token_ids(self, req: GenerationRequest) -> list[int]:
         """The prompt's token ids; 400 for an empty prompt or one that cannot fit the context."""
         param = "messages" if req.kind == "chat" else "prompt"
         if req.kind == "completion" and isinstance(req.prompt, tuple):
             ids = self._checked_ids(req.prompt)
         else:
-            size = sum(len(m.content) for m in req.messages) if req.kind == "chat" else len(req.prompt)
-            if size > self.max_chars:
-                raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and no "
-                               f"prompt of more than {self.max_chars} characters fits in it; yours has {size}. "
-                               "Please reduce the length of the prompt.", param=param,
-                               code="context_length_exceeded")
+            size = self.check_size(req)
             if size <= INLINE_TOKENIZE_CHARS:
                 ids = self._encode(req)
             else:
@@ -97,3 +114,18 @@ class PromptEncoder:
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise invalid_param("messages", f"The messages could not be formatted for this model: {e}",
                                 "invalid_value") from None
+
+
+def chat_chars(req: GenerationRequest) -> tuple[int, int]:
+    """Characters a chat prompt renders, without rendering it: (the messages with their calls, the tools)."""
+    history = 0
+    for m in req.messages:
+        history += len(m.content) + len(m.tool_call_id or "")
+        for call in m.tool_calls:
+            history += len(call["id"]) + len(call["function"]["name"]) + len(call["function"]["arguments"])
+    tools = 0
+    if req.tools is not None:
+        for tool in req.tools.tools:
+            # The schema as the template or the fallback prompt writes it: JSON text.
+            tools += len(tool.name) + len(tool.description or "") + len(json.dumps(tool.parameters))
+    return history, tools

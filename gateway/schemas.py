@@ -20,7 +20,7 @@ from engine.request import MAX_STOP_CHARS
 from gateway.errors import APIError, invalid_param
 from gateway.json_fields import bool_field, int_field, is_int, optional, str_field
 from gateway.prompt_lists import check_sequences, parse_prompts
-from gateway.response_format import parse_output_grammar
+from gateway.response_format import parse_output_grammar, tool_grammar
 from gateway.sampling import SAMPLING_FIELDS, Sampling, parse_sampling
 from gateway.tools import ToolRequest, parse_tools
 
@@ -334,7 +334,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         raise invalid_param(grammar_param, f"'{grammar_param}' other than text cannot be combined with "
                             "tools unless 'tool_choice' is 'none'.", "invalid_value")
     if tools is not None and tools.choice != "none":
-        grammar, grammar_param = tools.grammar(), "tools"
+        grammar, grammar_param = tool_grammar(tools), "tools"
     return GenerationRequest(
         kind="chat",
         messages=messages,

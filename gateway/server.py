@@ -25,6 +25,7 @@ from billing.ledger import Ledger
 from billing.spool import adopt_orphans, process_spool_path
 from engine.config import EngineConfig
 from scheduler.config import TierConfig, default_tiers
+from gateway import memory
 from gateway.app import create_app
 from gateway.http_protocol import OneWriteHttpToolsProtocol
 from gateway.services import Gateway
@@ -44,7 +45,20 @@ class Built:
 
 def tiers(settings: Settings) -> tuple[TierConfig, ...]:
     """The two tiers billing knows, with the premium SLO and reserve the settings give."""
-    return default_tiers(premium_slo_s=settings.premium_slo_s, premium_kv_reserve=settings.premium_kv_reserve)
+    return default_tiers(premium_slo_s=settings.premium_slo_s, premium_kv_reserve=settings.premium_kv_reserve,
+                         premium_tpot_slo_s=settings.premium_tpot_s)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's part of the settings."""
+    return EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
+                        policy=settings.scheduler_policy, express_between_layers=settings.express_steps,
+                        prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
+                        max_loras=settings.max_loras, tiers=tiers(settings), max_step_s=settings.step_bound_s,
+                        grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
+                        grammar_compile_workers=settings.grammar_compile_workers,
+                        grammar_cache_bytes=settings.grammar_cache_bytes, grammar_cache_scope=settings.grammar_cache_scope,
+                        grammar_mask_budget_s=settings.grammar_mask_budget_s)
 
 
 def build(settings: Settings, migrate: bool = True,
@@ -56,11 +70,10 @@ def build(settings: Settings, migrate: bool = True,
     """
     from engine.engine import Engine  # torch is imported only by commands that serve
 
+    memory.tune()  # before the model loads: its threads' heaps are made under the server's malloc settings
     db = create_engine_for(settings.database_url)
-    engine = Engine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
-                                 policy=settings.scheduler_policy, express_between_layers=settings.express_steps,
-                                 prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
-                                 max_loras=settings.max_loras, tiers=tiers(settings)))
+    engine = Engine(engine_config(settings))
+    engine.grammars.warm()  # while the rest starts: the first grammar then need not wait for it
     ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))
     if settings.spool_path is None:
         adopt_orphans(ledger.spool)  # before start(): the ledger replays them with its own

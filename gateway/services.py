@@ -16,6 +16,7 @@ from scheduler import TierLoad
 from gateway.load_shedding import LoadShedder
 from gateway.auth import Authenticator
 from gateway.budget_gate import BudgetGate
+from gateway.compile_slots import CompileSlots
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
@@ -26,7 +27,7 @@ from gateway.usage_recorder import UsageRecorder
 
 if TYPE_CHECKING:  # torch comes with these; a gateway module is imported by commands that never serve
     from engine.config import EngineConfig
-    from engine.grammar import GrammarCompiler
+    from engine.grammar_compiler import GrammarCompiler
     from engine.tokenizer import TextTokenizer
 
 
@@ -69,6 +70,7 @@ class Gateway:
     lifecycle: Lifecycle
     tracing: Tracing
     prompts: PromptEncoder
+    grammar_slots: CompileSlots = field(default_factory=CompileSlots)  # grammars each tenant is compiling
     # Request ids: 128 random bits from a generator seeded once from os.urandom, because
     # uuid4 reads os.urandom on every call, a syscall that is slow in sandboxes and on the 429 path.
     ids: random.Random = field(default_factory=random.Random)

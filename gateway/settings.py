@@ -34,10 +34,28 @@ class Settings:
     express_steps: bool = True
     # "tenant": a request hits only its own tenant's cached prefixes; "shared": anyone's (see README).
     prefix_cache_scope: str = "tenant"
+    # Grammars (response_format, structured_outputs, tools): a compile past grammar_compile_timeout_s is
+    # a 400; a tenant compiles at most grammar_compiles_per_tenant at once (more: 429), on
+    # grammar_compile_workers workers of their own; compiled ones are cached per tenant unless
+    # grammar_cache_scope is "shared", within grammar_cache_bytes; a token mask that takes more CPU
+    # time than grammar_mask_budget_s ends its request.
+    grammar_compile_timeout_s: float = 5.0
+    grammar_compiles_per_tenant: int = 1
+    grammar_compile_workers: int = 2
+    grammar_cache_scope: str = "tenant"
+    grammar_cache_bytes: int = 64 * 2**20
+    grammar_mask_budget_s: float = 0.05
     # The premium tier's TTFT SLO (admission sheds over it) and its KV reserve. None: 0.5 s on a
     # GPU, 2 s on a CPU, where one step of the bundled model at full batch takes ~0.3 s.
     premium_ttft_slo_s: float | None = None
     premium_kv_reserve: float = 0.30
+    # The inter-token latency bound (scheduler/step_budget.py): while streams decode, a step's prefill is
+    # cut so that the step is predicted to last at most max_step_s, and at most premium_tpot_slo_s while a
+    # premium stream decodes (the tightest decoding tier sets it). None: the device's default (CPU 0.15 s
+    # and 0.1 s, prefill chunks of one to two hundred tokens of the bundled model; GPU 0.05 s and
+    # 0.025 s: bench/slo_long_prompts.py weighs them against throughput); 0: no bound.
+    max_step_s: float | None = None
+    premium_tpot_slo_s: float | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int = 2048
@@ -86,10 +104,18 @@ class Settings:
             raise SettingsError(f"scheduler policy must be tiered or fcfs, not {self.scheduler_policy!r}")
         if self.prefix_cache_scope not in ("tenant", "shared"):
             raise SettingsError(f"prefix cache scope must be tenant or shared, not {self.prefix_cache_scope!r}")
+        if self.grammar_cache_scope not in ("tenant", "shared"):
+            raise SettingsError(f"grammar cache scope must be tenant or shared, not {self.grammar_cache_scope!r}")
+        for name in ("grammar_compile_timeout_s", "grammar_mask_budget_s"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be positive, not {getattr(self, name)}")
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, not {self.port}")
         if self.premium_ttft_slo_s is not None and not self.premium_ttft_slo_s > 0:
             raise SettingsError(f"premium_ttft_slo_s must be positive, not {self.premium_ttft_slo_s}")
+        for name in ("max_step_s", "premium_tpot_slo_s"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+                raise SettingsError(f"{name} must be zero (no bound) or positive, not {getattr(self, name)}")
         if not 0 <= self.premium_kv_reserve < 1:
             raise SettingsError(f"premium_kv_reserve must be in [0, 1), not {self.premium_kv_reserve}")
         if not self.drain_timeout_s >= 0:
@@ -100,7 +126,8 @@ class Settings:
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be positive, not {getattr(self, name)}")
         for name in ("max_model_len", "default_max_tokens", "max_body_bytes", "max_queued", "tokenizer_threads",
-                     "max_connections", "max_prompt_list_tokens"):
+                     "max_connections", "max_prompt_list_tokens", "grammar_compiles_per_tenant",
+                     "grammar_compile_workers", "grammar_cache_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
         for name in ("auth_revocation_poll_s", "ledger_checkpoint_s", "budget_poll_s"):
@@ -118,8 +145,24 @@ class Settings:
             return self.premium_ttft_slo_s
         return 2.0 if self.device == "cpu" else 0.5
 
+    @property
+    def step_bound_s(self) -> float | None:
+        """The longest step planned while any stream decodes (None: unbounded)."""
+        return _bound(self.max_step_s, 0.15 if self.device == "cpu" else 0.05)
 
-_KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float}
+    @property
+    def premium_tpot_s(self) -> float | None:
+        """The longest step planned while a premium stream decodes (None: only ``step_bound_s``)."""
+        return _bound(self.premium_tpot_slo_s, 0.1 if self.device == "cpu" else 0.025)
+
+
+def _bound(setting: float | None, default: float) -> float | None:
+    if setting is None:
+        return default
+    return setting or None  # 0 turns the bound off
+
+
+_KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float, "max_step_s": float, "premium_tpot_slo_s": float}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

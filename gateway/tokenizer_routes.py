@@ -47,7 +47,7 @@ async def _admit(request: Request, body_wanted: bool) -> tuple[Gateway, dict[str
             raise invalid_param("model", "Invalid type for 'model': expected a string.", "invalid_type")
         resolve_adapter(model, tenant, gw.engine)
     # One RPM unit, taken as a refused request's is: it runs nothing, so it reserves no tokens.
-    await _count_refusal(gw, tenant, f"tok-{gw.ids.getrandbits(128):032x}", None, time.time())
+    await _count_refusal(gw, tenant, f"tok-{gw.ids.getrandbits(128):032x}")
     return gw, body
 
 

@@ -6,15 +6,19 @@ The call grammar (``gateway/tools.py``) makes every call the model writes take o
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-so a stream can announce a call (id, type, name) as soon as its header is
-written and pass its ``arguments`` on piece by piece as they are generated, as
-OpenAI's streams do; the call ends at the ``}`` that closes the object around
-them. Text that could still be the start of a call is held back until it is
-known either way.
+A call is given out whole, once the ``}`` that closes the object around its
+arguments is written and the arguments are JSON: a stream sends it as one
+``delta.tool_calls`` item (id, type, name and arguments), which OpenAI's clients
+read as they read a call sent in pieces. Held back until then, a call cut by
+max_tokens (finish_reason ``length``) is never given out as a call with arguments
+that are not JSON, which a client would run or send back in its history: its text
+comes back as content, as vLLM's parsers do, streamed or not. Text that could
+still be the start of a call is held back until it is known either way.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -40,11 +44,14 @@ Piece = str | dict
 
 @dataclass
 class ToolCallParser:
-    """Splits generated text into content and tool calls as it streams in."""
+    """Splits generated text into content and whole tool calls as it streams in."""
 
-    calls: list[dict] = field(default_factory=list)  # every call so far, arguments as far as generated
+    calls: list[dict] = field(default_factory=list)  # every whole call so far
     _pending: str = ""
     _state: str = "text"  # text, header (after CALL_OPEN), arguments, tail (after the arguments)
+    _call: str = ""  # the text of the call under way, given back as content if it is cut
+    _name: str = ""
+    _arguments: str = ""
     _depth: int = 0  # of brackets inside the arguments
     _in_string: bool = False
     _escaped: bool = False
@@ -58,16 +65,18 @@ class ToolCallParser:
         return self._without_separators(pieces)
 
     def finish(self) -> list[Piece]:
-        """Whatever is held back when the output ends (cut by max_tokens): a call's unfinished header is content."""
+        """Whatever is held back when the output ends (cut by max_tokens): a call's unfinished text is content."""
         rest, state = self._pending, self._state
         self._pending, self._state = "", "text"
         if state == "header":
             rest = CALL_OPEN + rest
-        return self._without_separators([rest] if rest and state in ("text", "header") else [])
+        elif state == "arguments":
+            rest = self._call + rest
+        return self._without_separators([rest] if rest and state != "tail" else [])
 
     def _advance(self, pieces: list[Piece]) -> bool:
         """Consume what the current state can; whether the state changed (so there may be more to do)."""
-        step = {"text": self._text, "header": self._header, "arguments": self._arguments, "tail": self._tail}
+        step = {"text": self._text, "header": self._header, "arguments": self._read_arguments, "tail": self._tail}
         return step[self._state](pieces)
 
     def _text(self, pieces: list[Piece]) -> bool:
@@ -91,24 +100,29 @@ class ToolCallParser:
             pieces.append(CALL_OPEN)  # not a call after all: it stays text
             self._state = "text"
             return True
-        call = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                "function": {"name": match.group(1), "arguments": ""}}
-        self.calls.append(call)
-        pieces.append({"index": len(self.calls) - 1, **call, "function": dict(call["function"])})
+        self._call, self._name, self._arguments = CALL_OPEN + match.group(0), match.group(1), ""
         self._pending = self._pending[match.end():]
         self._state, self._depth, self._in_string, self._escaped = "arguments", 0, False, False
         return True
 
-    def _arguments(self, pieces: list[Piece]) -> bool:
+    def _read_arguments(self, pieces: list[Piece]) -> bool:
         text = self._pending
         end = self._arguments_end(text)
-        if end:
-            self.calls[-1]["function"]["arguments"] += text[:end]
-            pieces.append({"index": len(self.calls) - 1, "function": {"arguments": text[:end]}})
+        self._call += text[:end]
+        self._arguments += text[:end]
         self._pending = text[end:]
         if end == len(text):
             return False
-        self._state = "tail"
+        if is_json(self._arguments):
+            call = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                    "function": {"name": self._name, "arguments": self._arguments}}
+            self.calls.append(call)
+            pieces.append({"index": len(self.calls) - 1, **call, "function": dict(call["function"])})
+            self._state = "tail"
+        else:  # not the form the grammar writes: the block is content
+            pieces.append(self._call)
+            self._state = "text"
+        self._call = self._arguments = ""
         return True
 
     def _tail(self, pieces: list[Piece]) -> bool:
@@ -146,6 +160,14 @@ class ToolCallParser:
         if not self.calls:
             return pieces
         return [p for p in pieces if not isinstance(p, str) or p.strip()]
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _partial_suffix(text: str, marker: str) -> int:

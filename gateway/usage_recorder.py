@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import anyio
 import anyio.to_thread
@@ -197,10 +197,38 @@ class UsageRecorder:
 
     # -- rejected requests ------------------------------------------------
 
-    def reject(self, request_id: str, tenant: str, tier: str, adapter: str | None, queued_at: float) -> None:
-        record = self.meter.record_rejected(request_id, tenant, tier, adapter, queued_at)
+    def reject(self, request_id: str, tenant: str, tier: str, adapter: str | None, queued_at: float,
+               status: str = "rejected") -> None:
+        record = replace(self.meter.record_rejected(request_id, tenant, tier, adapter, queued_at), status=status)
         # Without a running writer (a bare app in a test) submit() writes before returning.
         self.ledger.submit([record]).add_done_callback(_log_failure)
+
+
+@dataclass
+class Refusal:
+    """The ledger row of a request whose key is known, for as long as it may still be refused.
+
+    Whatever check refuses it (its body, its model, its prompt, a grammar, a limit), ``record()``
+    writes its one row, ``rejected`` at no cost, as a 429's; once the engine has the request,
+    ``admitted()`` hands the row to its generation and ``record()`` does nothing.
+    """
+
+    usage: UsageRecorder
+    request_id: str
+    tenant: str
+    tier: str
+    queued_at: float
+    adapter: str | None = None
+    _settled: bool = False
+
+    def record(self, status: str = "rejected") -> None:
+        if self._settled:
+            return
+        self._settled = True
+        self.usage.reject(self.request_id, self.tenant, self.tier, self.adapter, self.queued_at, status)
+
+    def admitted(self) -> None:
+        self._settled = True
 
 
 def _log_failure(future: Future) -> None:

@@ -1,11 +1,16 @@
-"""What the scheduler refuses up front: a configuration it cannot run, a sequence that could never run."""
+"""What the scheduler refuses up front (a configuration it cannot run, a sequence that could never run),
+and the bookkeeping invariants tests check after every step."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from scheduler.config import SchedulerConfig
 from scheduler.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from scheduler.block_manager import BlockManager
 
 
 def check_config(config: SchedulerConfig) -> None:
@@ -18,6 +23,12 @@ def check_config(config: SchedulerConfig) -> None:
         raise ValueError("standard_min_share must be in [0, 1)")
     if sum(t.kv_reserve_fraction for t in config.tiers) >= 1:
         raise ValueError("the tiers' KV reserves must add up to less than the whole pool")
+    if config.max_step_s is not None and not config.max_step_s > 0:
+        raise ValueError(f"max_step_s must be positive, not {config.max_step_s}")
+    if any(t.tpot_slo_s is not None and not t.tpot_slo_s > 0 for t in config.tiers):
+        raise ValueError("a tier's tpot_slo_s must be positive")
+    if config.min_chunk < 1:
+        raise ValueError("min_prefill_chunk must be at least 1")
     if config.prefix_cache_scope not in ("tenant", "shared"):
         raise ValueError(f"prefix_cache_scope must be tenant or shared, not {config.prefix_cache_scope!r}")
 
@@ -46,3 +57,20 @@ def check_new_sequence(
         raise ValueError("only a fresh waiting sequence can be added")
     if not 0 < seq.weight < float("inf"):
         raise ValueError(f"a tenant's weight must be positive and finite, not {seq.weight!r}")
+
+
+def check_scheduler_invariants(
+    config: SchedulerConfig, block_manager: BlockManager, waiting: list[Sequence], running: list[Sequence],
+    live: list[Sequence],
+) -> None:
+    """AssertionError if the scheduler's bookkeeping is off: its queues, its running batch, every live sequence."""
+    block_manager.check_invariants(live)
+    assert len(running) <= config.max_num_seqs
+    assert len({s.adapter for s in running if s.adapter is not None}) <= config.max_loras
+    assert len(waiting) + len(running) == len(live)
+    for seq in waiting:
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq.num_computed_tokens == 0
+    for seq in running:
+        assert seq.status is SequenceStatus.RUNNING
+        assert block_manager.blocks_for(seq.num_computed_tokens) <= len(seq.block_table)
+        assert seq.num_computed_tokens < seq.num_tokens <= config.max_model_len

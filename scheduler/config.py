@@ -12,16 +12,35 @@ class TierConfig:
     priority: int  # lower runs first
     ttft_slo_s: float | None  # None: no SLO, never shed for latency
     kv_reserve_fraction: float = 0.0  # share of the pool only this tier (or better) may use
+    # Time per output token: while a sequence of this tier decodes, no step is planned to last longer
+    # (scheduler/step_budget.py). None: only SchedulerConfig.max_step_s bounds its steps.
+    tpot_slo_s: float | None = None
 
 
 def default_tiers(
-    premium_slo_s: float = 0.5, premium_kv_reserve: float = 0.30, standard_slo_s: float | None = None
+    premium_slo_s: float = 0.5, premium_kv_reserve: float = 0.30, standard_slo_s: float | None = None,
+    premium_tpot_slo_s: float | None = None,
 ) -> tuple[TierConfig, ...]:
     """The two tiers billing knows; the one table the gateway, the engine and the benches build on."""
     return (
-        TierConfig("premium", priority=0, ttft_slo_s=premium_slo_s, kv_reserve_fraction=premium_kv_reserve),
+        TierConfig("premium", priority=0, ttft_slo_s=premium_slo_s, kv_reserve_fraction=premium_kv_reserve,
+                   tpot_slo_s=premium_tpot_slo_s),
         TierConfig("standard", priority=1, ttft_slo_s=standard_slo_s),
     )
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Step time as a linear cost: ``base_s + per_prefill_token_s * prefill tokens + per_decode_seq_s *
+    decode rows + per_context_token_s * context tokens`` (the model bench/step_cost.py fits offline)."""
+
+    base_s: float = 0.012
+    per_prefill_token_s: float = 6e-4
+    per_decode_seq_s: float = 1.5e-4
+    per_context_token_s: float = 3e-6
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (self.base_s, self.per_prefill_token_s, self.per_decode_seq_s, self.per_context_token_s)
 
 
 @dataclass(frozen=True)
@@ -59,6 +78,21 @@ class SchedulerConfig:
     prior_prefill_tokens_per_s: float = 1000.0
     prior_prompt_tokens: int = 256
     load_ema_alpha: float = 0.1
+    # Inter-token latency bound (scheduler/step_budget.py): while sequences decode, a step's prefill
+    # is cut so that its predicted time stays under the tightest of this and the decoding tiers'
+    # ``tpot_slo_s``; None and no tier's TPOT SLO: no bound. A step still takes at least
+    # ``min_prefill_chunk`` prefill tokens (None: one block), so every prompt keeps advancing.
+    max_step_s: float | None = None
+    min_prefill_chunk: int | None = None
+    # The step cost model (scheduler/step_cost.py): its coefficients before any step is observed
+    # (CPU-scale, the bundled model's order of magnitude), and how many recent steps the fit weighs.
+    step_cost_prior: StepCost = field(default_factory=StepCost)
+    step_cost_memory_steps: int = 200
+
+    @property
+    def min_chunk(self) -> int:
+        """Prefill tokens a step under the time bound still takes (one block unless set)."""
+        return self.min_prefill_chunk if self.min_prefill_chunk is not None else self.block_size
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from scheduler.step_budget import StepTimeBound
 
 
 @dataclass
@@ -34,6 +38,33 @@ class ScheduledChunk:
     def num_recompute_tokens(self) -> int:
         return max(0, min(self.end, self.seq.recompute_until) - self.start)
 
+    @property
+    def is_decode(self) -> bool:
+        """One token of a sequence past its prompt (reads only positions: true before and after ``update``)."""
+        return self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step computes, as the step cost model (scheduler/step_cost.py) weighs it."""
+
+    prefill_tokens: int = 0  # tokens of chunks that are not decodes (prompts, recompute)
+    decode_rows: int = 0
+    context_tokens: int = 0  # KV positions the chunks reach, summed over chunks (each chunk's end)
+
+    @staticmethod
+    def of(chunk: ScheduledChunk, sign: int = 1) -> StepFeatures:
+        if chunk.is_decode:
+            return StepFeatures(0, sign, sign * chunk.end)
+        return StepFeatures(sign * chunk.num_tokens, 0, sign * chunk.end)
+
+    def __add__(self, other: StepFeatures) -> StepFeatures:
+        return StepFeatures(self.prefill_tokens + other.prefill_tokens, self.decode_rows + other.decode_rows,
+                            self.context_tokens + other.context_tokens)
+
+    def row(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.prefill_tokens), float(self.decode_rows), float(self.context_tokens))
+
 
 @dataclass
 class StepPlan:
@@ -55,7 +86,7 @@ class StepBuilder:
     """The plan under construction and what it has used so far."""
 
     plan: StepPlan
-    budget: int
+    tokens_left: int  # of the step's token budget
     # charge(seq, start, num_tokens, sign): the policy's fair-share charge for planned tokens.
     charge: Callable[[Sequence, int, int, int], None]
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
@@ -64,6 +95,23 @@ class StepBuilder:
     admission_closed: bool = False
     # Queues whose prefill this step is only their express tenants' (the policy's ``express``).
     held: dict[str, set[str | None]] = field(default_factory=dict)
+    # The inter-token latency bound, set once the step's decodes are planned (scheduler/step_budget.py).
+    time: StepTimeBound | None = None
+    room_at_bound: int = 0  # the prefill room the bound left when it was set
+    features: StepFeatures = StepFeatures()  # of the plan so far, kept up to date by add and drop
+
+    @property
+    def budget(self) -> int:
+        """Tokens the step may still take: its token budget, and under a time bound what fits the target."""
+        if self.time is None:
+            return self.tokens_left
+        return min(self.tokens_left, self.time.room(self.features))
+
+    def room(self, start: int, keep: int = 0) -> int:
+        """Tokens a chunk computing from position ``start`` may take, ``keep`` left for worse queues."""
+        if self.time is None:
+            return self.tokens_left - keep
+        return min(self.tokens_left, self.time.room(self.features, start)) - keep
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         chunk = self.chunks.get(seq.seq_id)
@@ -71,13 +119,17 @@ class StepBuilder:
             chunk = ScheduledChunk(seq, seq.num_computed_tokens, 0)
             self.chunks[seq.seq_id] = chunk
             self.plan.chunks.append(chunk)
+        else:
+            self.features += StepFeatures.of(chunk, -1)
         self.charge(seq, chunk.end, num_tokens, 1)
         chunk.num_tokens += num_tokens
-        self.budget -= num_tokens
+        self.tokens_left -= num_tokens
+        self.features += StepFeatures.of(chunk)
 
     def drop(self, seq: Sequence) -> None:
         chunk = self.chunks.pop(seq.seq_id, None)
         if chunk is not None:
             self.plan.chunks.remove(chunk)
-            self.budget += chunk.num_tokens
+            self.tokens_left += chunk.num_tokens
             self.charge(seq, chunk.start, chunk.num_tokens, -1)
+            self.features += StepFeatures.of(chunk, -1)

@@ -15,12 +15,15 @@ from collections import deque
 from collections.abc import Callable
 
 from scheduler.block_manager import BlockManager
-from scheduler.checks import check_config, check_new_sequence
+from scheduler.checks import check_config, check_new_sequence, check_scheduler_invariants
 from scheduler.config import SchedulerConfig, TierLoad
 from scheduler.load import LoadEstimator, tier_loads
 from scheduler.plan import StepBuilder, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.step_budget import StepTimeBound, first_token_target_s, scaled_share, step_target_s
+from scheduler.step_cost import StepCostModel, step_features
+from scheduler.step_update import apply_step
 
 
 class Scheduler:
@@ -48,6 +51,7 @@ class Scheduler:
             long_context_after=config.long_context_after,
         )
         self.load_estimator = LoadEstimator(config)
+        self.step_cost = StepCostModel(config.step_cost_prior, config.step_cost_memory_steps)
         self.waiting: dict[str, deque[Sequence]] = {q: deque() for q in self.policy.queue_names()}
         self.running: list[Sequence] = []
         self._live: dict[str, Sequence] = {}
@@ -137,6 +141,7 @@ class Scheduler:
                 and self._grow_running(seq, seq.num_computed_tokens + 1, step)
             ):
                 step.add(seq, 1)
+        self._bound(step, step_target_s(self.config, [c.seq for c in step.plan.chunks]))
         kept = 0
         for i, queue in enumerate(queues):
             keep = self._kept_for_worse(queues[i + 1 :], prefilling, step)
@@ -166,6 +171,8 @@ class Scheduler:
         evict one it is reading).
         """
         step = StepBuilder(StepPlan(), self.config.max_num_batched_tokens, self.policy.charge_prefill)
+        # The running decodes wait for this step too, inside the step under way or before the next one.
+        self._bound(step, step_target_s(self.config, [s for s in self.running if not s.is_prefilling]))
         for queue in self.policy.queue_names():
             for seq in self.policy.express(self.waiting[queue], self.running, step.budget):
                 if seq.adapter is not None and step_adapters is not None and seq.adapter not in step_adapters:
@@ -174,11 +181,25 @@ class Scheduler:
                     return step.plan
         return step.plan
 
+    def _bound(self, step: StepBuilder, target: float | None) -> None:
+        """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any."""
+        if target is not None and step.time is None:
+            step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk)
+            step.room_at_bound = step.budget
+
+    def _first_token(self, step: StepBuilder, seq: Sequence) -> None:
+        """``seq`` was given a chunk: if that chunk makes its first token, bound the rest of the step by its tier."""
+        if step.chunks[seq.seq_id].samples:
+            self._bound(step, first_token_target_s(self.config, seq))
+
     def _kept_for_worse(self, worse: list[str], prefilling: dict[str, list[Sequence]], step: StepBuilder) -> int:
         if not any(self.waiting[q] or prefilling[q] for q in worse):
             return 0
         given = sum(c.num_tokens for c in step.plan.chunks if self.policy.queue_of(c.seq) in worse)
-        return max(0, self.policy.min_share_tokens() - given)
+        share = self.policy.min_share_tokens()
+        if step.time is not None:
+            share = scaled_share(share, step.room_at_bound, self.config.max_num_batched_tokens)
+        return max(0, share - given)
 
     def _admit_express(self, queue: str, step: StepBuilder, keep: int) -> None:
         """Admit the policy's express requests of ``queue``; if any, hold its other prefill this step."""
@@ -214,7 +235,7 @@ class Scheduler:
                     continue
             chunk = step.chunks.get(seq.seq_id)
             start = chunk.end if chunk else seq.num_computed_tokens
-            n = min(seq.num_tokens - start, step.budget - keep)
+            n = min(seq.num_tokens - start, step.room(start, keep))
             if n <= 0:
                 continue
             if may_preempt:
@@ -225,6 +246,7 @@ class Scheduler:
                     self.block_manager.allocate(seq, start + n)
             if ok:
                 step.add(seq, n)
+                self._first_token(step, seq)
         if held is None:
             self._admit_waiting(queued, step, keep, may_preempt, skipped)
         if any(s.seq_id in step.preempted for s in queued):
@@ -252,7 +274,9 @@ class Scheduler:
             # pool must still start.
             spare = self.config.express_spare_blocks if self.running else 0
             reason = self._admit(seq, step, keep, may_preempt, spare)
-            if reason in (NO_SLOT, NO_BLOCKS):
+            if reason is None:
+                self._first_token(step, seq)
+            elif reason in (NO_SLOT, NO_BLOCKS):
                 step.admission_closed = True  # the policy's order holds: nobody overtakes
             elif reason == NO_ADAPTER:
                 skipped.add(seq.seq_id)  # it waits for a slot; later requests with resident adapters may go
@@ -262,13 +286,14 @@ class Scheduler:
     ) -> tuple[str | None, list[int], int]:
         """(why ``seq`` cannot start now, leaving ``spare`` blocks free, or None; its cached prefix blocks; its chunk)."""
         cached = self.block_manager.match_prefix(seq)
-        n = min(seq.num_tokens - len(cached) * self.config.block_size, step.budget - keep)
+        start = len(cached) * self.config.block_size
+        n = min(seq.num_tokens - start, step.room(start, keep))
         if len(self.running) >= self.config.max_num_seqs:
             return NO_SLOT, cached, n
         adapters = {s.adapter for s in self.running if s.adapter is not None}
         if seq.adapter is not None and seq.adapter not in adapters and len(adapters) >= self.config.max_loras:
             return NO_ADAPTER, cached, n
-        if not self.block_manager.can_allocate(seq, len(cached) * self.config.block_size + n, cached, spare):
+        if not self.block_manager.can_allocate(seq, start + n, cached, spare):
             return NO_BLOCKS, cached, n
         return None, cached, n
 
@@ -344,32 +369,17 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> None:
         """Apply a step: advance every chunk, append the tokens of chunks that sample."""
-        live = [(c, c.samples) for c in plan.chunks if self._live.get(c.seq.seq_id) is c.seq]
-        for chunk, samples in live:
-            if chunk.seq.status is not SequenceStatus.RUNNING or chunk.start != chunk.seq.num_computed_tokens:
-                raise ValueError(f"plan is stale for sequence {chunk.seq.seq_id}")
-            if samples and chunk.seq.seq_id not in sampled:
-                raise ValueError(f"no sampled token for sequence {chunk.seq.seq_id}")
-        after = self.config.long_context_after
-        for chunk, samples in live:
-            seq = chunk.seq
-            seq.num_computed_tokens = chunk.end
-            # Before the token is appended: the blocks are registered under the regime that computed them.
-            self.block_manager.register_computed(seq)
-            if samples:
-                seq.output_token_ids.append(sampled[seq.seq_id])
-                self.policy.charge_decode(seq)
-                if after is not None and seq.num_tokens == after + 1:  # tokens come one at a time
-                    # Its cached keys are the short regime's: it is computed again in the long one, as
-                    # HF's Phi-3 does, and keeps running (no preemption); it pays its own recompute.
-                    seq.recompute_until, seq.recompute_charged_tier = seq.num_computed_tokens, seq.tier
-                    seq.num_computed_tokens = self.block_manager.restart(seq)
+        apply_step(plan, sampled, self._live, self.block_manager, self.policy.charge_decode,
+                   self.config.long_context_after)
 
     # -- load and accounting -------------------------------------------------
 
-    def observe_step(self, duration_s: float, num_tokens: int, num_prefill_tokens: int) -> None:
-        """Feed one finished step's duration into the TTFT prediction."""
+    def observe_step(self, duration_s: float, num_tokens: int, num_prefill_tokens: int,
+                     plan: StepPlan | None = None) -> None:
+        """Feed one finished step's duration into the TTFT prediction and, given its ``plan``, the step cost model."""
         self.load_estimator.observe_step(duration_s, num_tokens, num_prefill_tokens)
+        if plan is not None and not plan.is_empty:
+            self.step_cost.observe(step_features(plan), duration_s)
 
     def load(self) -> dict[str, TierLoad]:
         """Per tier: queue depth, running and predicted TTFT of a new request."""
@@ -396,16 +406,5 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping is off; for tests."""
-        cfg = self.config
-        self.block_manager.check_invariants(list(self._live.values()))
-        assert len(self.running) <= cfg.max_num_seqs
-        assert len({s.adapter for s in self.running if s.adapter is not None}) <= cfg.max_loras
         waiting = [s for q in self.waiting.values() for s in q]
-        assert len(waiting) + len(self.running) == len(self._live)
-        for seq in waiting:
-            assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq.num_computed_tokens == 0
-        for seq in self.running:
-            assert seq.status is SequenceStatus.RUNNING
-            assert self.block_manager.blocks_for(seq.num_computed_tokens) <= len(seq.block_table)
-            assert seq.num_computed_tokens < seq.num_tokens <= cfg.max_model_len
-
+        check_scheduler_invariants(self.config, self.block_manager, waiting, self.running, list(self._live.values()))

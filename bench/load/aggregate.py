@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.stats import summarize
 
@@ -35,6 +35,7 @@ class RequestResult:
     ttft_s: float | None = None
     e2e_s: float | None = None
     output_tokens: int = 0
+    gaps_s: list[float] = field(default_factory=list)  # between two chunks carrying text, as the client saw them
 
     @property
     def ok(self) -> bool:
@@ -61,6 +62,7 @@ def tier_report(results: list[RequestResult], duration_s: float, slos: dict[str,
             "errors": dict(Counter(f"{r.status}:{r.error_code}" for r in rows if not r.ok and r.status != 429)),
             "ttft_s": summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
             "tpot_s": summarize([r.tpot_s for r in ok if r.tpot_s is not None]),
+            "inter_token_s": summarize([g for r in ok for g in r.gaps_s]),
             "e2e_s": summarize([r.e2e_s for r in ok if r.e2e_s is not None]),
             "goodput_requests": len(good),
             "goodput_fraction": len(good) / len(rows) if rows else None,

@@ -51,6 +51,7 @@ async def send(client: httpx.AsyncClient, base_url: str, req: PlannedRequest, pr
                            started_s=time.perf_counter() - run_start, status=0)
     start = time.perf_counter()
     text_chunks = 0
+    last_text_at = None
     usage_tokens = None
     try:
         async with client.stream("POST", base_url + path, json=request_body(req, prompt, endpoint, ignore_eos),
@@ -71,8 +72,12 @@ async def send(client: httpx.AsyncClient, base_url: str, req: PlannedRequest, pr
                     break
                 if _chunk_has_output(chunk):
                     text_chunks += 1
+                    now = time.perf_counter()
                     if result.ttft_s is None:
-                        result.ttft_s = time.perf_counter() - start
+                        result.ttft_s = now - start
+                    else:
+                        result.gaps_s.append(now - last_text_at)
+                    last_text_at = now
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
     except httpx.HTTPError as exc:

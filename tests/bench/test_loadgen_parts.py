@@ -123,6 +123,14 @@ def test_tier_report_counts_percentiles_goodput_and_429s_per_tier():
     assert standard["goodput_requests"] == 1  # no SLO given: every completed request counts
 
 
+def test_tier_report_pools_every_gap_of_the_completed_requests():
+    fast, slow = _result("premium", 0.1, 1.0, 4), _result("premium", 0.1, 2.0, 3)
+    refused = _result("premium", None, None, 0, 429, "slo")
+    fast.gaps_s, slow.gaps_s, refused.gaps_s = [0.05, 0.05, 0.06], [0.9, 1.0], [5.0]
+    gaps = tier_report([fast, slow, refused], duration_s=10.0, slos={})["premium"]["inter_token_s"]
+    assert gaps["p50"] == pytest.approx(0.06) and gaps["p99"] == pytest.approx(percentile([0.05, 0.05, 0.06, 0.9, 1.0], 99))
+
+
 def test_percentile_interpolates_and_handles_no_values():
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile([], 99) is None

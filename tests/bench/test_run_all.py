@@ -11,12 +11,13 @@ def test_a_bench_with_a_renderer_gets_its_tables_and_plots():
                            "premium_ttft_slo": 0.5, "standard_ttft_slo": 5.0},
               "policies": {"tiered": [{"offered": 1.0, "preemptions": {}, "tiers": {"premium": {
                   "ok": 1, "requests": 1, "rejected_429": {}, "ttft_s": {"p50": 0.2, "p99": 0.3},
-                  "tpot_s": {"p50": 0.05}, "e2e_s": {"p99": 1.0}, "goodput_fraction": 1.0}}}]},
+                  "tpot_s": {"p50": 0.05}, "inter_token_s": {"p99": 0.08}, "e2e_s": {"p99": 1.0},
+                  "goodput_fraction": 1.0}}}]},
               "plots": ["bench/out/slo_sweep/slo_sweep_latency.png"]}
     text = run_all.render_section(bench, {"command": "python -m bench.slo_sweep", "status": 0, "wall_s": 12.0,
                                           "stdout": "", "result": result})
     assert text.startswith("## SLO sweep")
-    assert "| tiered | 1 | premium | 1 / 1 | - | 0.20 / 0.30 | 50.00 | 1.00 | 100% | 0 |" in text
+    assert "| tiered | 1 | premium | 1 / 1 | - | 0.20 / 0.30 | 50.00 | 80.00 | 1.00 | 100% | 0 |" in text
     assert "![slo_sweep_latency](out/slo_sweep/slo_sweep_latency.png)" in text
 
 

@@ -91,3 +91,15 @@ def test_requests_never_begun_are_recorded_for_the_periodic_flush():
     assert (orphan.request_id, orphan.tenant, orphan.tier, orphan.adapter) == ("warmup", None, "premium", "sql")
     assert orphan.gpu_seconds == pytest.approx(0.1)
     assert meter.take_record("mine").tenant == "acme"
+
+
+def test_compute_charged_outside_steps_is_billed_to_its_request_admitted_or_refused():
+    meter = UsageMeter()
+    meter.charge("a", 0.25)  # its grammar's compile, before the engine has it
+    meter.begin("a", "acme", "standard")
+    meter.on_step(StepEvent(0.4, (StepItem("a", 1, False),)))
+    meter.on_finish(_finish("a"))
+    assert meter.take_record("a").gpu_seconds == pytest.approx(0.65)
+    meter.charge("r", 5.0)  # a compile killed at its budget: the request is refused, its sender still pays
+    assert meter.record_rejected("r", "acme", "standard").gpu_seconds == pytest.approx(5.0)
+    assert meter.charged_seconds == pytest.approx(5.25) and meter.busy_seconds == pytest.approx(0.4)

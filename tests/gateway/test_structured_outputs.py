@@ -152,7 +152,7 @@ def test_parallel_tool_calls_false_gives_one_call(live, client):
     assert out.choices[0].finish_reason == "tool_calls" and len(out.choices[0].message.tool_calls) == 1
 
 
-def test_a_streamed_call_comes_as_a_header_then_pieces_of_arguments_the_client_reassembles(live, client):
+def test_a_streamed_call_comes_whole_in_one_chunk_the_client_reads_as_the_final_call(live, client):
     named = {"type": "function", "function": {"name": "add"}}
     with client.beta.chat.completions.stream(model=live.engine.model_name, messages=[{"role": "user", "content": "1+2"}],
                                              tools=[WEATHER, ADD], tool_choice=named, max_tokens=300,
@@ -161,16 +161,27 @@ def test_a_streamed_call_comes_as_a_header_then_pieces_of_arguments_the_client_r
         final = stream.get_final_completion()
     chunks = [e.chunk.choices[0].delta.tool_calls for e in events if e.type == "chunk" and e.chunk.choices
               and e.chunk.choices[0].delta.tool_calls]
-    first = chunks[0][0]
-    assert first.id.startswith("call_") and first.type == "function" and first.function.name == "add"
-    assert first.function.arguments == "" and all(c[0].id is None and c[0].index == 0 for c in chunks[1:])
-    pieces = [e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta"]
-    assert len(pieces) > 1
+    [[whole]] = chunks
+    assert whole.id.startswith("call_") and whole.type == "function" and whole.function.name == "add"
     choice = final.choices[0]
     assert choice.finish_reason == "tool_calls" and [c.function.name for c in choice.message.tool_calls] == ["add"]
-    assert "".join(pieces) == choice.message.tool_calls[0].function.arguments
+    assert whole.function.arguments == choice.message.tool_calls[0].function.arguments
     args = json.loads(choice.message.tool_calls[0].function.arguments)
     assert set(args) == {"a", "b"} and 0 <= args["a"] <= 99 and 0 <= args["b"] <= 99
+
+
+def test_a_call_cut_by_max_tokens_comes_back_as_content_streamed_or_not(live, client):
+    named = {"type": "function", "function": {"name": "add"}}
+    # The byte tokenizer writes one character a token: the header is 41, so 48 end inside the arguments.
+    kwargs = dict(tools=[WEATHER, ADD], tool_choice=named, max_tokens=48, seed=3, temperature=1.0)
+    choice = _chat(live, client, **kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content.startswith('<tool_call>\n{"name": "add", "arguments": ')
+    stream = client.chat.completions.create(model=live.engine.model_name, stream=True,
+                                            messages=[{"role": "user", "content": "go"}], **kwargs)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    assert not any(d.delta.tool_calls for d in deltas) and deltas[-1].finish_reason == "length"
+    assert "".join(d.delta.content or "" for d in deltas) == choice.message.content
 
 
 @pytest.mark.parametrize("parallel", [False, True])

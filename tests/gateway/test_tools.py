@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.grammar import GrammarCompiler
+from engine.grammar_compiler import GrammarCompiler
 from engine.loader import byte_tokenizer
 from gateway.schemas import Message
 from gateway.tool_calls import ToolCallParser, split_tool_calls
@@ -49,33 +49,35 @@ def _stream(pieces: list[str]) -> list:
     return out + [parser.finish()]
 
 
-def test_the_streaming_parser_announces_a_call_then_streams_its_arguments_as_written():
+def test_the_streaming_parser_holds_a_call_until_it_closes_then_gives_it_whole():
     out = _stream(["Sure<tool", "_call>\n{\"name\": \"add\", ", '"arguments": {"a"', ": 1", "}}\n</tool_", "call>"])
-    assert out[0] == ["Sure"] and out[1] == []
-    header = out[2][0]
-    assert header["id"].startswith("call_") and header["type"] == "function"
-    assert header["index"] == 0 and header["function"] == {"name": "add", "arguments": ""}
-    arguments = [[p["function"]["arguments"] for p in piece if "id" not in p] for piece in out[2:]]
-    assert arguments == [['{"a"'], [": 1"], ["}"], [], []]
+    assert out[0] == ["Sure"] and out[1:4] == [[], [], []]
+    [call] = out[4]
+    assert call["id"].startswith("call_") and call["type"] == "function" and call["index"] == 0
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert out[5:] == [[], []]
 
 
-def test_a_call_piece_and_the_text_around_it_come_in_the_order_written():
+def test_calls_and_the_text_around_them_come_in_the_order_written():
     text = "Hi " + CALL + "\n" + CALL.replace("add", "echo").replace('"a": 1', '"s": "}{\\"]"') + " bye"
     pieces = _stream([text])[0]
     assert pieces[0] == "Hi " and pieces[-1] == " bye"
     calls = [p for p in pieces if isinstance(p, dict)]
-    assert [c["index"] for c in calls] == [0, 0, 1, 1]
-    assert json.loads(calls[3]["function"]["arguments"]) == {"s": '}{"]'}
+    assert [c["index"] for c in calls] == [0, 1]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"s": '}{"]'}
 
 
-def test_a_block_that_is_not_a_call_stays_text_and_a_cut_call_keeps_what_was_generated():
+def test_a_block_that_is_not_a_call_stays_text_and_a_cut_call_is_content():
     content, calls = split_tool_calls("<tool_call>not json</tool_call>")
     assert content == "<tool_call>not json</tool_call>" and calls == []
     content, calls = split_tool_calls(CALL + '\n<tool_call>\n{"name": "ad')
     assert len(calls) == 1 and content == '<tool_call>\n{"name": "ad'
-    # Cut inside its arguments, as a stream would have sent it; finish_reason "length" says so.
-    content, calls = split_tool_calls(CALL + '\n<tool_call>\n{"name": "add", "arguments": {"a": 4')
-    assert content is None and [c["function"]["arguments"] for c in calls] == ['{"a": 1}', '{"a": 4']
+    # Cut inside its arguments (finish_reason "length"): never a call whose arguments are not JSON.
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a": 4'
+    content, calls = split_tool_calls(CALL + "\n" + cut)
+    assert content == cut and [c["function"]["arguments"] for c in calls] == ['{"a": 1}']
+    streamed = _stream([CALL + "\n", cut[:20], cut[20:]])
+    assert [p for piece in streamed for p in piece if isinstance(p, str)] == [cut]
 
 
 def test_without_template_support_tools_and_tool_turns_become_text():

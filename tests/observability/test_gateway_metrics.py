@@ -48,6 +48,9 @@ def test_metrics_match_the_traffic_sent(gateway):
         assert sent_since("tiergate_ttft_seconds_count", tier=tier) == len(sent)
         multi_token = [u for u in sent if u["completion_tokens"] > 1]
         assert sent_since("tiergate_tpot_seconds_count", tier=tier) == len(multi_token)
+        # One token a delta here: every token after a request's first ends one gap.
+        gaps = sum(u["completion_tokens"] - 1 for u in multi_token)
+        assert sent_since("tiergate_inter_token_seconds_count", tier=tier) == gaps
         assert sent_since("tiergate_tokens_total", tier=tier, kind="prompt") == sum(u["prompt_tokens"] for u in sent)
         assert sent_since("tiergate_tokens_total", tier=tier, kind="completion") == sum(
             u["completion_tokens"] for u in sent

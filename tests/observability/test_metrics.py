@@ -12,6 +12,7 @@ from tests.observability.histograms import buckets, families
 EXPECTED = {
     "tiergate_ttft_seconds": ("histogram", {"tier"}),
     "tiergate_tpot_seconds": ("histogram", {"tier"}),
+    "tiergate_inter_token_seconds": ("histogram", {"tier"}),
     "tiergate_step_seconds": ("histogram", set()),
     "tiergate_queue_depth": ("gauge", {"tier"}),
     "tiergate_running_requests": ("gauge", {"tier"}),

@@ -48,7 +48,7 @@ def grafana_expanded(expr: str) -> str:
 def test_rules_pass_promtool_check():
     result = promtool("check", "rules", RULES.name, cwd=RULES.parent)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 2 rules found" in result.stdout
+    assert "SUCCESS: 3 rules found" in result.stdout
 
 
 def test_alert_fires_over_400ms_premium_p99_and_stays_silent_under_it():
@@ -104,7 +104,7 @@ def test_every_metric_the_dashboard_queries_is_exposed(engine_state):
     exposed = {line.split("{")[0].split(" ")[0] for line in render(metrics)[0].decode().splitlines() if not line.startswith("#")}
     queried = {name for e in dashboard_exprs() for name in re.findall(r"\btiergate_\w+", e)}
     assert queried - exposed == set()
-    covered = {"ttft_seconds", "tpot_seconds", "queue_depth", "kv_blocks_used", "kv_blocks_reserved", "preemptions_total",
+    covered = {"ttft_seconds", "tpot_seconds", "inter_token_seconds", "queue_depth", "kv_blocks_used", "kv_blocks_reserved", "preemptions_total",
                "rejections_total", "gpu_seconds_total", "adapter_cache_hits_total", "step_seconds"}
     assert {n.removeprefix("tiergate_").removesuffix("_bucket") for n in queried} >= covered
 

@@ -1,0 +1,169 @@
+"""Issue 31's defect 12 on the real engine: a neighbour's stream beside 1,987-token prompts, the bound off and on.
+
+One engine on the bundled model, in process (no HTTP: what is measured is the scheduler's step
+sizes on this CPU). A premium neighbour streams one request after another (a ~30-token prompt, 48
+tokens out); another tenant sends a 1,987-token prompt every few seconds. The inter-token latency
+bound (scheduler/step_budget.py) is switched between rounds on the same engine, so that both modes
+see the same machine and the same fitted step cost: "off" is the scheduler before the bound, "on"
+the gateway's CPU defaults (premium TPOT 0.1 s, every step 0.15 s). Each round also measures the
+neighbour alone first, its baseline. Reported: the neighbour's TTFT and each gap between two of its
+deltas, the long prompts' TTFT, and the engine's tokens per second.
+
+    .venv/bin/python -m bench.long_prompt_gap [--rounds 2] [--round-s 20] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench import machine
+from bench.stats import percentile
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import EngineRequest, SamplingParams
+
+PASSAGES = Path(__file__).parent / "data" / "passages.txt"
+LONG_PROMPT = 1987  # issue 31's
+ON = dict(max_step_s=0.15, premium_tpot_slo_s=0.1)  # gateway/settings.py's CPU defaults
+_ids = itertools.count()
+
+
+def _bound(engine: Engine, on: bool) -> None:
+    """Switch the scheduler's bound between steps (its config is read afresh by every plan)."""
+    config = engine.scheduler.config
+    tiers = tuple(dataclasses.replace(t, tpot_slo_s=ON["premium_tpot_slo_s"] if on and t.name == "premium" else None)
+                  for t in config.tiers)
+    engine.scheduler.config = dataclasses.replace(config, max_step_s=ON["max_step_s"] if on else None, tiers=tiers)
+
+
+async def _one(engine: Engine, prompt: list[int], max_tokens: int, tier: str, tenant: str) -> tuple[float, list[float]]:
+    """(TTFT, gaps between deltas) of one greedy request."""
+    request = EngineRequest(f"{tenant}-{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                             ignore_eos=True), tier=tier, tenant=tenant)
+    started = time.perf_counter()
+    times = []
+    async for delta in engine.generate(request):
+        if delta.error:
+            raise RuntimeError(delta.error)
+        if delta.token_ids:
+            times.append(time.perf_counter())
+    return times[0] - started, [b - a for a, b in zip(times, times[1:])]
+
+
+async def _phase(engine: Engine, prompts: dict, seconds: float, long_every_s: float | None) -> dict:
+    """The neighbour streaming for ``seconds``, and a long prompt every ``long_every_s`` (None: none)."""
+    neighbour = {"ttft": [], "gaps": []}
+    long_ttft: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def stream() -> None:
+        n = 0
+        while time.perf_counter() < deadline:
+            ttft, gaps = await _one(engine, prompts["short"][n % len(prompts["short"])], 48, "premium", "neighbour")
+            neighbour["ttft"].append(ttft)
+            neighbour["gaps"] += gaps
+            n += 1
+
+    async def flood() -> None:
+        tasks, n = [], 0
+        while long_every_s is not None and time.perf_counter() < deadline:
+            tasks.append(asyncio.create_task(_one(engine, prompts["long"][n % len(prompts["long"])], 8, "standard",
+                                                  "long")))
+            n += 1
+            await asyncio.sleep(long_every_s)
+        for ttft, _ in await asyncio.gather(*tasks):
+            long_ttft.append(ttft)
+
+    busy0, started = engine._loop.busy_seconds, time.perf_counter()
+    await asyncio.gather(stream(), flood())
+    return {"neighbour_ttft_s": neighbour["ttft"], "neighbour_gaps_s": neighbour["gaps"], "long_ttft_s": long_ttft,
+            "wall_s": time.perf_counter() - started, "busy_s": engine._loop.busy_seconds - busy0}
+
+
+def _prompts(engine: Engine) -> dict:
+    text = PASSAGES.read_text()
+    words = (text + " ") * 20
+    long = []
+    for i in range(8):  # distinct from their first block, so the prefix cache serves none of them
+        ids = engine.tokenizer.encode(f"Request {i}: summarise. " + words)[:LONG_PROMPT]
+        long.append(ids)
+    short = [engine.tokenizer.encode(f"Question {i}: what happened at the harbour at dawn?") for i in range(16)]
+    return {"long": long, "short": short}
+
+
+def _summary(runs: list[dict]) -> dict:
+    gaps = [g for r in runs for g in r["neighbour_gaps_s"]]
+    ttft = [t for r in runs for t in r["neighbour_ttft_s"]]
+    long = [t for r in runs for t in r["long_ttft_s"]]
+    return {"neighbour_ttft_p50_s": percentile(ttft, 50), "neighbour_ttft_p99_s": percentile(ttft, 99),
+            "neighbour_gap_p50_s": percentile(gaps, 50), "neighbour_gap_p99_s": percentile(gaps, 99),
+            "neighbour_gap_max_s": max(gaps, default=None), "long_ttft_p50_s": percentile(long, 50),
+            "long_prompts": len(long), "neighbour_requests": len(ttft), "gaps": len(gaps),
+            "busy_share": statistics.mean(r["busy_s"] / r["wall_s"] for r in runs)}
+
+
+async def _run(args: argparse.Namespace) -> dict:
+    host = machine.describe()
+    engine = Engine(EngineConfig(model="bundled", max_loras=0)).start()
+    try:
+        prompts = _prompts(engine)
+        await _phase(engine, prompts, 6, 3)  # warm-up: thread trials and the step cost fit
+        runs: dict[str, list[dict]] = {"alone": [], "off": [], "on": []}
+        for r in range(args.rounds):
+            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                _bound(engine, mode == "on")
+                runs["alone"].append(await _phase(engine, prompts, args.alone_s, None))
+                runs[mode].append(await _phase(engine, prompts, args.round_s, args.long_every_s))
+        return {"machine": host, "settings": {**vars(args), "long_prompt_tokens": LONG_PROMPT, "bound": ON},
+                "step_cost_fit": dataclasses.asdict(engine.scheduler.step_cost.coefficients()),
+                "summary": {mode: _summary(rs) for mode, rs in runs.items()}}
+    finally:
+        engine.shutdown()
+
+
+def render_markdown(result: dict) -> str:
+    s = result["settings"]
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:.0f}"
+
+    lines = [f"{s['rounds']} rounds, alternating which mode goes first; each: the neighbour alone {s['alone_s']:g} s, "
+             f"then {s['round_s']:g} s with a {s['long_prompt_tokens']}-token prompt every {s['long_every_s']:g} s. "
+             f"Bound on: {s['bound']}. Step cost fitted by the engine at the end: {result['step_cost_fit']}.", "",
+             "| mode | neighbour TTFT p50 / p99 (ms) | neighbour gap p50 / p99 / max (ms) | long prompt TTFT p50 (s) "
+             "| long prompts | engine busy |", "|---|---|---|---:|---:|---:|"]
+    for mode, m in result["summary"].items():
+        long = "-" if m["long_ttft_p50_s"] is None else f"{m['long_ttft_p50_s']:.2f}"
+        lines.append(f"| {mode} | {ms(m['neighbour_ttft_p50_s'])} / {ms(m['neighbour_ttft_p99_s'])} "
+                     f"| {ms(m['neighbour_gap_p50_s'])} / {ms(m['neighbour_gap_p99_s'])} / {ms(m['neighbour_gap_max_s'])} "
+                     f"| {long} | {m['long_prompts']} | {m['busy_share']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--round-s", type=float, default=20.0)
+    p.add_argument("--alone-s", type=float, default=6.0)
+    p.add_argument("--long-every-s", type=float, default=4.0)
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or min(args.round_s, args.alone_s, args.long_every_s) <= 0:
+        p.error("--rounds must be at least 1 and the durations positive")
+    result = asyncio.run(_run(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(render_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

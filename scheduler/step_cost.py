@@ -1,0 +1,94 @@
+"""The step cost model: a step's predicted duration from what it computes, fitted online to the engine's steps.
+
+    step_s = base_s + per_prefill_token_s * prefill_tokens + per_decode_seq_s * decode_rows
+                    + per_context_token_s * context_tokens
+
+The features are those bench/step_cost.py fits offline and bench/slo_sim.py runs on, taken from a
+plan by ``step_features`` (each chunk's share: ``StepFeatures.of`` in scheduler/plan.py, which the
+step builder also keeps a running sum of while it plans). Online, the fit is exponentially weighted least
+squares over the last ``memory_steps`` or so steps, pulled gently toward the prior coefficients
+(so it predicts before any step and stays defined while, say, no step has had prefill in a
+while), with every coefficient kept non-negative.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler.config import StepCost
+from scheduler.plan import StepFeatures, StepPlan
+
+# Typical feature sizes, so that the prior's pull weighs about as much as PRIOR_STEPS steps of
+# that size on each coefficient, whatever its units.
+_SCALES = np.array([1.0, 64.0, 8.0, 4096.0])
+PRIOR_STEPS = 2.0
+# Past its first WARMUP_STEPS steps (which correct a prior however far off), an observed step
+# counts at most OUTLIER_FACTOR times its prediction: one stall (a page fault storm, a GC pause)
+# must not take the fit with it for the next few hundred steps.
+WARMUP_STEPS = 20
+OUTLIER_FACTOR = 1.5
+
+
+__all__ = ["StepCostModel", "StepFeatures", "predict", "step_features"]
+
+
+def step_features(plan: StepPlan) -> StepFeatures:
+    """What ``plan`` computes; reads only the chunks' positions, so it holds before and after ``update``."""
+    return sum((StepFeatures.of(c) for c in plan.chunks), StepFeatures())
+
+
+def predict(cost: StepCost, features: StepFeatures) -> float:
+    return sum(c * x for c, x in zip(cost.as_tuple(), features.row()))
+
+
+class StepCostModel:
+    """The online fit; ``coefficients()`` refits lazily after new observations."""
+
+    def __init__(self, prior: StepCost, memory_steps: int = 200) -> None:
+        if memory_steps < 1:
+            raise ValueError("step_cost_memory_steps must be at least 1")
+        if min(prior.as_tuple()) < 0:
+            raise ValueError("the step cost prior's coefficients must not be negative")
+        self.decay = 1.0 - 1.0 / memory_steps
+        self._prior = np.array(prior.as_tuple())
+        self._ridge = PRIOR_STEPS * _SCALES**2
+        self._xtx = np.zeros((4, 4))
+        self._xty = np.zeros(4)
+        self._fit: StepCost | None = prior
+        self.observed = 0
+
+    def observe(self, features: StepFeatures, duration_s: float) -> None:
+        if duration_s < 0:
+            raise ValueError("a step's duration must not be negative")
+        x = np.array(features.row())
+        y = duration_s
+        if self.observed >= WARMUP_STEPS:
+            y = min(y, OUTLIER_FACTOR * max(self.predict(features), 1e-6))
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * y
+        self._fit = None
+        self.observed += 1
+
+    def coefficients(self) -> StepCost:
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def predict(self, features: StepFeatures) -> float:
+        return predict(self.coefficients(), features)
+
+    def _solve(self) -> StepCost:
+        # Ridge toward the prior: minimise |y - Xc|^2 + sum(ridge * (c - prior)^2). A negative
+        # coefficient is fixed at zero and the rest refitted (active set; four features, at most
+        # four rounds). Written here because scipy's nnls has no ridge term and scipy is no dependency.
+        a = self._xtx + np.diag(self._ridge)
+        b = self._xty + self._ridge * self._prior
+        active = list(range(4))
+        coef = np.zeros(4)
+        while active:
+            sol = np.linalg.solve(a[np.ix_(active, active)], b[active])
+            if (sol >= 0).all():
+                coef[active] = sol
+                break
+            active.pop(int(np.argmin(sol)))
+        return StepCost(*(float(c) for c in coef))

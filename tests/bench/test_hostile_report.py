@@ -1,0 +1,47 @@
+"""bench/hostile.py's report arithmetic: ratios to the baseline, 5xx, rows per request, and the goals over attacks."""
+
+from __future__ import annotations
+
+from bench.hostile import Sample, neighbour_stats, phase_report, render_markdown, summarise
+
+
+def _baseline() -> dict:
+    return neighbour_stats([Sample(200, 0.1, 0.04)] * 10)
+
+
+def test_neighbour_stats_take_the_served_requests_ttft_percentiles_and_the_largest_gap():
+    stats = neighbour_stats([Sample(200, 0.1, 0.02), Sample(200, 0.3, 0.05), Sample(429), Sample("ReadTimeout")])
+    assert stats["sent"] == 4 and stats["served"] == 2
+    assert abs(stats["ttft_p99_s"] - 0.298) < 1e-9 and stats["max_gap_s"] == 0.05
+    assert stats["errors"] == {"429": 1, "ReadTimeout": 1}
+
+
+def test_an_attack_is_measured_against_the_baseline_and_its_rows_against_its_requests():
+    neighbour = neighbour_stats([Sample(200, 0.15, 0.1), Sample(503)])
+    outcomes = [{"status": 400, "bad_tool_calls": 0}, {"status": 500, "bad_tool_calls": 0},
+                {"status": 200, "bad_tool_calls": 1}]
+    report = phase_report("x", _baseline(), neighbour, outcomes, (3, 2, 3))
+    assert abs(report["ttft_p99_ratio"] - 1.5) < 1e-9 and abs(report["max_gap_ratio"] - 2.5) < 1e-9
+    assert report["five_xx"] == 2  # the attack's 500 and the neighbour's 503
+    assert report["met"] == {"neighbour_ttft_p99_within_2x": True, "neighbour_max_gap_within_2x": False,
+                             "no_5xx": False, "one_row_per_request": False, "tool_calls_json": False}
+    assert phase_report("x", _baseline(), neighbour_stats([]), outcomes, (3, 3, 3))["met"][
+        "neighbour_ttft_p99_within_2x"] is False  # nothing served beside it is no pass
+
+
+def test_the_goals_name_the_attacks_that_missed_them_and_the_end_rss():
+    good = phase_report("calm", _baseline(), _baseline(), [{"status": 200, "bad_tool_calls": 0}], (1, 1, 1))
+    slow = phase_report("slow", _baseline(), neighbour_stats([Sample(200, 0.5, 0.04)]),
+                        [{"status": 200, "bad_tool_calls": 0}], (1, 1, 1))
+    measured = {"baseline": _baseline(), "rounds": [{"phases": [good, slow], "rss_mb": 900.0}], "rss_start_mb": 800.0,
+                "neighbour_sent": 12}
+    result = summarise(measured, [800.0, 1700.0, 1400.0], 1400.0, 12)
+    goals = {g["goal"]: g for g in result["goals"]}
+    assert goals["neighbour ttft p99 within 2x for every attack"]["missed_by"] == ["slow"]
+    assert goals["no 5xx for every attack"]["met"] and goals["one ledger row per neighbour request"]["met"]
+    assert goals["server RSS under 1536 MB at the end"]["met"] and result["rss_peak_mb"] == 1700.0
+    assert not summarise(measured, [1600.0], 1600.0, 11)["goals"][-2]["met"]
+    text = render_markdown({**result, "machine": {"date": "d", "cpu": "c", "cores": 2, "ram_gb": 1, "load_average": [0],
+                                                  "versions": {}},
+                            "settings": {"baseline_s": 1, "attack_timeout_s": 1, "window_s": 1, "rounds": 1}})
+    assert "| 1 | slow |" in text and "[MISSED] neighbour ttft p99 within 2x for every attack (missed: slow)" in text

@@ -1,0 +1,262 @@
+"""The inter-token latency bound: with streams decoding, a step's prefill is cut to its time target.
+
+The scheduler predicts a step's time from its step cost model (scheduler/step_cost.py); these tests
+take the coefficients it plans with (``sched.step_cost.coefficients()`` just before ``schedule()``)
+and check the plan against them, never a clock.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
+from scheduler.config import StepCost, TierConfig
+from scheduler.step_budget import PLAN_TO, step_target_s
+from scheduler.step_cost import StepCostModel, StepFeatures, predict, step_features
+
+from scheduler_driver import engine_step, fake_token
+
+# A CPU-like step: 10 ms, 1 ms a prefill token, 0.1 ms a decode row, 1 us a context position.
+COST = StepCost(base_s=0.01, per_prefill_token_s=1e-3, per_decode_seq_s=1e-4, per_context_token_s=1e-6)
+
+
+def tiers(premium_tpot: float | None = None) -> tuple[TierConfig, ...]:
+    return (TierConfig("premium", 0, ttft_slo_s=None, tpot_slo_s=premium_tpot),
+            TierConfig("standard", 1, ttft_slo_s=None))
+
+
+def config(**kw) -> SchedulerConfig:
+    base = dict(num_blocks=512, block_size=16, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=4096,
+                standard_min_share=0.0, step_cost_prior=COST, tiers=tiers())
+    return SchedulerConfig(**{**base, **kw})
+
+
+def stream(n: int, tier: str = "standard", tenant: str = "neighbour", max_tokens: int = 200) -> Sequence:
+    return Sequence(f"{tenant}-{n}", [(n * 13 + i) % 900 + 1 for i in range(8)], tier=tier, tenant=tenant,
+                    max_tokens=max_tokens)
+
+
+def long_prompt(n: int = 0, tokens: int = 1987, tier: str = "standard", tenant: str = "long") -> Sequence:
+    return Sequence(f"{tenant}-{n}", [(n * 7 + i) % 1000 + 1 for i in range(tokens)], tier=tier, tenant=tenant,
+                    max_tokens=4)
+
+
+def decoding(sched: Scheduler, *streams: Sequence) -> None:
+    """Add ``streams`` and step until every one of them decodes."""
+    for s in streams:
+        sched.add(s)
+    while any(s.is_prefilling or s.status.value == "waiting" for s in streams):
+        engine_step(sched)
+
+
+def plan_with_cost(sched: Scheduler) -> tuple[StepPlan, StepCost]:
+    cost = sched.step_cost.coefficients()
+    return sched.schedule(), cost
+
+
+def apply(sched: Scheduler, plan: StepPlan) -> None:
+    sched.update(plan, {c.seq.seq_id: fake_token(c.seq) for c in plan.chunks if c.samples})
+    for c in plan.chunks:
+        if len(c.seq.output_token_ids) >= c.seq.max_tokens:
+            sched.finish(c.seq.seq_id)
+
+
+def test_beside_decoding_streams_a_long_prompt_chunk_fits_the_step_target():
+    sched = Scheduler(config(max_step_s=0.1))
+    streams = [stream(i) for i in range(4)]
+    decoding(sched, *streams)
+    sched.add(long_prompt())
+
+    plan, cost = plan_with_cost(sched)
+
+    features = step_features(plan)
+    assert features.decode_rows == 4
+    # Today's plan would give it the whole token budget left (508 tokens, ~0.5 s of this step).
+    assert 32 < features.prefill_tokens < 100
+    assert predict(cost, features) <= PLAN_TO * 0.1
+    # One more token would not fit: the chunk is as large as the target allows.
+    assert predict(cost, StepFeatures(features.prefill_tokens + 1, 4, features.context_tokens + 1)) > PLAN_TO * 0.1
+
+
+def test_the_long_prompt_advances_every_step_and_finishes_even_when_nothing_fits():
+    # A target below the decodes' own time: only the guaranteed block of prefill per step.
+    sched = Scheduler(config(max_step_s=0.001))
+    decoding(sched, *(stream(i, max_tokens=1000) for i in range(3)))
+    prompt = long_prompt(tokens=300)
+    sched.add(prompt)
+
+    steps = 0
+    while prompt.num_computed_tokens < prompt.num_prompt_tokens:
+        before = prompt.num_computed_tokens
+        plan = engine_step(sched)
+        steps += 1
+        assert prompt.num_computed_tokens - before == min(16, prompt.num_prompt_tokens - before)
+        assert step_features(plan).prefill_tokens == min(16, prompt.num_prompt_tokens - before)
+    assert steps == math.ceil(300 / 16)
+    assert len(prompt.output_token_ids) == 1
+
+
+def test_the_minimum_chunk_is_a_setting():
+    sched = Scheduler(config(max_step_s=0.001, min_prefill_chunk=40))
+    decoding(sched, stream(0))
+    sched.add(long_prompt(tokens=300))
+
+    assert step_features(sched.schedule()).prefill_tokens == 40
+
+
+def test_with_no_stream_decoding_the_chunk_is_as_large_as_today():
+    bounded, unbounded = Scheduler(config(max_step_s=0.001)), Scheduler(config())
+    for sched in (bounded, unbounded):
+        sched.add(long_prompt(0, tokens=1500))
+        sched.add(long_prompt(1, tokens=900, tenant="other"))
+    for _ in range(4):  # 4 x 512 tokens of prefill, nobody decoding yet
+        a, b = bounded.schedule(), unbounded.schedule()
+        assert [(c.seq.seq_id, c.start, c.num_tokens) for c in a.chunks] == \
+               [(c.seq.seq_id, c.start, c.num_tokens) for c in b.chunks]
+        assert a.num_tokens == 512 and step_features(a).decode_rows == 0
+        apply(bounded, a)
+        apply(unbounded, b)
+
+
+@pytest.mark.parametrize("premium_tpot", [None, 0.05])
+def test_with_nobody_decoding_a_premium_first_token_step_is_bounded_by_premium_tpot(premium_tpot):
+    sched = Scheduler(config(max_step_s=0.2, tiers=tiers(premium_tpot)))
+    sched.add(long_prompt())
+    premium = Sequence("premium-0", list(range(1, 21)), tier="premium", tenant="p", max_tokens=8)
+    sched.add(premium)
+
+    plan, cost = plan_with_cost(sched)
+
+    assert [(c.seq.seq_id, c.num_tokens) for c in plan.chunks][0] == ("premium-0", 20)
+    features = step_features(plan)
+    if premium_tpot is None:  # no TPOT SLO: max_step_s bounds only streams already decoding
+        assert features.prefill_tokens == 512
+    else:
+        assert 20 < features.prefill_tokens < 100
+        assert predict(cost, features) <= PLAN_TO * premium_tpot
+
+
+def test_without_a_target_nothing_changes_beside_decodes():
+    sched = Scheduler(config())
+    decoding(sched, *(stream(i) for i in range(4)))
+    sched.add(long_prompt())
+
+    assert step_features(sched.schedule()).prefill_tokens == 512 - 4
+
+
+def test_the_tightest_tier_decoding_sets_the_target():
+    cfg = config(max_step_s=0.2, tiers=tiers(premium_tpot=0.05))
+    premium, standard = stream(0, "premium", "p"), stream(1, "standard", "s")
+
+    assert step_target_s(cfg, []) is None
+    assert step_target_s(cfg, [standard]) == 0.2
+    assert step_target_s(cfg, [standard, premium]) == 0.05
+    assert step_target_s(config(tiers=tiers(premium_tpot=0.05)), [standard]) is None
+
+    rooms = {}
+    for who in ("standard", "premium"):
+        sched = Scheduler(cfg)
+        decoding(sched, stream(0, who, who))
+        sched.add(long_prompt())
+        plan, cost = plan_with_cost(sched)
+        rooms[who] = step_features(plan).prefill_tokens
+        assert predict(cost, step_features(plan)) <= (0.05 if who == "premium" else 0.2)
+    assert rooms["premium"] < rooms["standard"] < 512
+
+
+def test_a_premium_long_prompt_still_advances_beside_standard_work_under_a_short_room():
+    # Standard's min share is a share of the step's room, not of the token budget: at 10% of 512
+    # tokens kept it would take the whole 16-token room every step and premium would never advance.
+    sched = Scheduler(config(max_step_s=0.001, standard_min_share=0.1))
+    decoding(sched, stream(0, "premium", "p", max_tokens=1000))
+    premium, standard = long_prompt(0, 200, "premium", "pl"), long_prompt(1, 200, "standard", "sl")
+    sched.add(premium)
+    sched.add(standard)
+    engine_step(sched)
+    for _ in range(5):
+        p, s = premium.num_computed_tokens, standard.num_computed_tokens
+        engine_step(sched)
+        assert premium.num_computed_tokens > p and standard.num_computed_tokens > s
+
+
+def test_a_light_tenants_express_request_must_fit_the_target_beside_decodes():
+    cfg = config(max_step_s=0.05)
+    sched = Scheduler(cfg)
+    decoding(sched, *(stream(i, tenant="flood") for i in range(4)))
+    sched.add(Sequence("light-big", list(range(1, 200)), tenant="light-a", max_tokens=2))
+    sched.add(Sequence("light-small", list(range(1, 20)), tenant="light-b", max_tokens=2))
+
+    express = sched.schedule_express(frozenset())
+
+    assert [c.seq.seq_id for c in express.chunks] == ["light-small"]
+    assert predict(sched.step_cost.coefficients(), step_features(express)) <= 0.05
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    target=st.sampled_from([0.005, 0.03, 0.08, 0.3]),
+    premium_tpot=st.sampled_from([None, 0.02, 0.06]),
+    budget=st.sampled_from([64, 256, 512]),
+    share=st.sampled_from([0.0, 0.1, 0.3]),
+    policy=st.sampled_from(["tiered", "fcfs"]),
+    seed=st.integers(0, 10**6),
+)
+def test_every_step_beside_decodes_fits_its_target_unless_it_is_the_minimum_chunk(
+    target, premium_tpot, budget, share, policy, seed
+):
+    rng = random.Random(seed)
+    # The engine's steps follow a cost other than the prior: the plans follow the fit as it moves.
+    truth = StepCost(0.02, 2e-3, 3e-4, 2e-6)
+    cfg = config(max_step_s=target, max_num_batched_tokens=budget, standard_min_share=share, policy=policy,
+                 tiers=tiers(premium_tpot), max_num_seqs=12, num_blocks=400)
+    sched = Scheduler(cfg)
+    made = 0
+    for _ in range(120):
+        if rng.random() < 0.3:
+            tier = rng.choice(["premium", "standard"])
+            size = rng.choice([3, 20, 150, 700])
+            sched.add(Sequence(f"r{made}", [rng.randrange(1, 900) for _ in range(size)], tier=tier,
+                               tenant=f"t{made % 3}", max_tokens=rng.randint(1, 40)))
+            made += 1
+        if not sched.has_unfinished():
+            continue
+        decodes = [s for s in sched.running if not s.is_prefilling and len(s.output_token_ids) < s.max_tokens]
+        plan, cost = plan_with_cost(sched)
+        features = step_features(plan)
+        planned_decodes = [c.seq for c in plan.chunks if c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens]
+        bound = step_target_s(cfg, decodes)
+        if planned_decodes and bound is not None and features.prefill_tokens > cfg.min_chunk:
+            assert predict(cost, features) <= bound + 1e-9
+        sched.observe_step(predict(truth, features), plan.num_tokens, features.prefill_tokens, plan)
+        apply(sched, plan)
+        sched.check_invariants()
+
+
+@pytest.mark.parametrize("stall, tolerance", [(1, 0.05), (30, 0.15)])
+def test_the_cost_model_learns_the_engines_steps_and_shrugs_off_a_stall(stall, tolerance):
+    truth = StepCost(0.02, 2e-3, 3e-4, 2e-6)
+    model = StepCostModel(COST, memory_steps=200)
+    rng = random.Random(1)
+    for i in range(400):
+        f = StepFeatures(rng.choice([0, 0, 16, 64, 300]), rng.randint(0, 12), rng.randint(10, 5000))
+        model.observe(f, predict(truth, f) * (stall if i == 350 else 1))  # one stall near the end
+    for f in (StepFeatures(0, 8, 800), StepFeatures(64, 4, 3000), StepFeatures(300, 12, 5000)):
+        assert model.predict(f) == pytest.approx(predict(truth, f), rel=tolerance)
+
+
+def test_the_cost_model_predicts_from_its_prior_before_any_step():
+    model = StepCostModel(COST)
+    assert model.coefficients() == COST
+    assert model.predict(StepFeatures(100, 2, 500)) == pytest.approx(0.01 + 0.1 + 2e-4 + 5e-4)
+
+
+@pytest.mark.parametrize("bad", [dict(max_step_s=0.0), dict(min_prefill_chunk=0),
+                                 dict(tiers=tiers(premium_tpot=-1.0))])
+def test_a_bound_it_cannot_keep_is_refused(bad):
+    with pytest.raises(ValueError):
+        Scheduler(config(**bad))
