@@ -1,0 +1,115 @@
+"""Float rows into GGUF block bytes, with the rounding of llama.cpp's reference quantizers.
+
+Q8_0 and Q4_0 come from gguf-py (``gguf.quants.quantize``, bit-exact with ggml's reference).
+gguf-py has no Q4_K quantizer, so ``_quantize_q4_k`` follows ggml's ``quantize_row_q4_K_ref``
+(what ``llama-quantize`` runs without an importance matrix): per 32-value sub-block a
+weighted least-squares search over 21 candidate scales for a scale and a min, then the eight
+scales and mins of a 256-value super-block rounded to 6 bits against two float16 factors, and
+the values requantized against the rounded scales. It is written here, vectorized over every
+sub-block at once in float32 numpy, because no maintained Python package implements it;
+sums run in numpy's order, so a value on a rounding boundary may land one step from
+llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+T = gguf.GGMLQuantizationType
+QK_K = 256
+SUB = 32  # values per Q4_K sub-block
+F32 = np.float32
+
+
+def quantize_rows(rows: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Float32 ``[n, in]`` into uint8 ``[n, bytes_per_row]`` of ``ggml_type`` (Q8_0, Q4_0 or Q4_K)."""
+    rows = np.ascontiguousarray(rows, dtype=F32)
+    if ggml_type in (T.Q8_0, T.Q4_0):
+        return gguf.quants.quantize(rows, ggml_type)
+    if ggml_type == T.Q4_K:
+        if rows.shape[-1] % QK_K:
+            raise ValueError(f"Q4_K needs rows of a multiple of {QK_K} values, got {rows.shape[-1]}")
+        blocks = _quantize_q4_k(rows.reshape(-1, QK_K))
+        return blocks.reshape(rows.shape[0], -1)
+    raise NotImplementedError(f"no quantizer for {ggml_type.name}")
+
+
+def _nearest(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int: round half to even."""
+    return np.rint(v).astype(np.int32)
+
+
+def _fit_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple:
+    """ggml's make_qkx2_quants (squared error) over every row of ``x`` ``[n, 32]`` at once:
+    (scale, the_min, levels) with ``x ≈ scale * levels - the_min``."""
+    w = np.sqrt((x * x).sum(axis=1, keepdims=True) / F32(x.shape[1])) + np.abs(x)
+    lo = np.minimum(x.min(axis=1, keepdims=True), F32(0))
+    hi = x.max(axis=1, keepdims=True)
+    span = hi - lo
+    flat = span[:, 0] == 0
+    span = np.where(span == 0, F32(1), span)
+    sum_w = w.sum(axis=1, keepdims=True)
+    sum_x = (w * x).sum(axis=1, keepdims=True)
+
+    iscale = F32(nmax) / span
+    scale = F32(1) / iscale
+    levels = np.clip(_nearest(iscale * (x - lo)), 0, nmax)
+    best = (w * np.square(scale * levels + lo - x)).sum(axis=1, keepdims=True)
+    mins = lo.copy()
+    for step in range(nstep + 1):
+        cand_iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / span
+        cand = np.clip(_nearest(cand_iscale * (x - lo)), 0, nmax).astype(F32)
+        sum_l = (w * cand).sum(axis=1, keepdims=True)
+        sum_l2 = (w * cand * cand).sum(axis=1, keepdims=True)
+        sum_xl = (w * cand * x).sum(axis=1, keepdims=True)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        ok = det > 0
+        safe_det = np.where(ok, det, F32(1))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe_det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe_det
+        positive = this_min > 0
+        this_min = np.where(positive, F32(0), this_min)
+        this_scale = np.where(positive, sum_xl / np.where(sum_l2 > 0, sum_l2, F32(1)), this_scale)
+        err = (w * np.square(this_scale * cand + this_min - x)).sum(axis=1, keepdims=True)
+        better = ok & (err < best) & ~(positive & (sum_l2 == 0))  # ggml's 0/0 there compares false
+        levels = np.where(better, cand.astype(np.int32), levels)
+        best = np.where(better, err, best)
+        scale = np.where(better, this_scale, scale)
+        mins = np.where(better, this_min, mins)
+    scale = np.where(flat[:, None], F32(0), scale)
+    levels = np.where(flat[:, None], 0, levels)
+    return scale[:, 0].astype(F32), (-mins[:, 0]).astype(F32), levels
+
+
+def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Super-blocks ``[n, 256]`` into Q4_K bytes ``[n, 144]``."""
+    n = x.shape[0]
+    sub = x.reshape(-1, SUB)
+    scales, mins, levels = _fit_scale_min(sub, 15, -1.0, 0.1, 20)
+    scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
+    levels = levels.reshape(n, 8, SUB)
+
+    max_scale = np.maximum(scales.max(axis=1, keepdims=True), F32(0))
+    max_min = np.maximum(mins.max(axis=1, keepdims=True), F32(0))
+    inv_scale = np.where(max_scale > 0, F32(63) / np.where(max_scale > 0, max_scale, F32(1)), F32(0))
+    inv_min = np.where(max_min > 0, F32(63) / np.where(max_min > 0, max_min, F32(1)), F32(0))
+    ls = np.minimum(_nearest(inv_scale * scales), 63).astype(np.uint8)
+    lm = np.minimum(_nearest(inv_min * mins), 63).astype(np.uint8)
+    d16 = (max_scale / F32(63)).astype(np.float16)
+    dmin16 = (max_min / F32(63)).astype(np.float16)
+
+    # The values again against the scales as stored; a sub-block whose scale rounded to zero keeps its levels.
+    d = d16.astype(F32) * ls.astype(F32)
+    dm = dmin16.astype(F32) * lm.astype(F32)
+    safe_d = np.where(d == 0, F32(1), d)
+    requant = np.clip(_nearest((x.reshape(n, 8, SUB) + dm[..., None]) / safe_d[..., None]), 0, 15)
+    levels = np.where((d == 0)[..., None], levels, requant).astype(np.uint8)
+
+    packed = np.zeros((n, 12), dtype=np.uint8)
+    packed[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
+    # Sub-blocks 2i and 2i+1 share 32 bytes: the first in the low nibbles, the second in the high.
+    qs = (levels[:, 0::2] | (levels[:, 1::2] << 4)).reshape(n, 128)
+    return np.concatenate([d16.view(np.uint8), dmin16.view(np.uint8), packed, qs], axis=1)
