@@ -71,7 +71,11 @@ def _check_blocks(blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType, in
 
 
 def _dequantize(blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """Rows of ``blocks`` as float32 ``[rows, in]``, exactly (gguf-py's reference dequantizers)."""
+    """Rows of ``blocks`` as float32 ``[rows, in]``, exactly as gguf-py's reference dequantizers give them
+    (the kernels' op where built: it runs in parallel, without numpy's temporaries)."""
+    if quant_kernels_present():
+        in_features = blocks.shape[1] // gguf.GGML_QUANT_SIZES[ggml_type][1] * gguf.GGML_QUANT_SIZES[ggml_type][0]
+        return torch.ops.tiergate.quant_dequantize(blocks.contiguous(), int(ggml_type), in_features)
     return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), ggml_type).astype(np.float32, copy=False))
 
 

@@ -1,0 +1,137 @@
+// GGUF block formats read into the one form the quantized kernels multiply.
+//
+// A weight row (ggml: one output feature, its blocks along the inputs) is decoded, for a
+// stretch of inputs, into
+//   q[i]   its quant as a byte: unsigned (0..63) for every format but Q8_0, whose int8 stays signed,
+//   d[j]   a float scale per 16 inputs,
+//   m[j]   a float offset per 16 inputs (zero for Q8_0),
+// with weight[i] = d[i / 16] * q[i] + m[i / 16]. Each of these is exact: a float16 scale times
+// a 6- or 8-bit integer has at most 19 significant bits, which float32 holds, so the kernels
+// multiply the file's values with no second rounding. Offsets of the symmetric formats
+// (Q4_0's -8, Q6_K's -32) become m = -8d and -32d, so the integer dot products only ever see
+// unsigned weights, which is what the u8 x s8 instructions (VNNI's dpbusd, AVX2's maddubs) take.
+// ggml's block layouts are from its ggml-common.h (the same as gguf-py's dequantizers).
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace tiergate_quant {
+
+// gguf.GGMLQuantizationType's values.
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct Format {
+  int64_t block_values;  // inputs per block
+  int64_t block_bytes;
+};
+
+inline bool known(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K;
+}
+
+inline Format format_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    default: return {256, 210};  // Q6_K
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// Q4_K/Q5_K pack eight 6-bit scales and eight 6-bit mins into 12 bytes: the low 6 bits of bytes
+// 0-3 (scales) and 4-7 (mins) for sub-blocks 0-3; for 4-7 a nibble of bytes 8-11 plus the top
+// two bits of bytes 0-3 (scales) or 4-7 (mins).
+inline void scale_min_k4(int j, const uint8_t* s, int& scale, int& min) {
+  if (j < 4) {
+    scale = s[j] & 63;
+    min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// The inputs [first_block * block_values, (first_block + blocks) * block_values) of one row.
+inline void decode_row(int64_t type, const uint8_t* row, int64_t first_block, int64_t blocks, uint8_t* q, float* d,
+                       float* m) {
+  const Format f = format_of(type);
+  const uint8_t* b = row + first_block * f.block_bytes;
+  for (int64_t blk = 0; blk < blocks; ++blk, b += f.block_bytes) {
+    switch (type) {
+      case Q8_0: {
+        std::memcpy(q, b + 2, 32);
+        d[0] = d[1] = half_at(b);
+        m[0] = m[1] = 0.f;
+        q += 32, d += 2, m += 2;
+        break;
+      }
+      case Q4_0:
+      case Q4_1: {
+        const uint8_t* qs = b + (type == Q4_0 ? 2 : 4);
+        for (int l = 0; l < 16; ++l) {
+          q[l] = qs[l] & 0xF;
+          q[l + 16] = qs[l] >> 4;
+        }
+        const float scale = half_at(b);
+        d[0] = d[1] = scale;
+        m[0] = m[1] = type == Q4_0 ? -8.f * scale : half_at(b + 2);
+        q += 32, d += 2, m += 2;
+        break;
+      }
+      case Q4_K:
+      case Q5_K: {
+        const float dd = half_at(b), dmin = half_at(b + 2);
+        const uint8_t* scales = b + 4;
+        const uint8_t* qh = b + 16;                         // Q5_K: bit j of qh[l] tops value l of sub-block j
+        const uint8_t* qs = b + (type == Q4_K ? 16 : 48);  // sub-blocks 2i, 2i+1: low, high nibbles of 32 bytes
+        for (int j = 0; j < 8; ++j) {
+          int sc, mn;
+          scale_min_k4(j, scales, sc, mn);
+          const uint8_t* src = qs + (j / 2) * 32;
+          const int shift = (j % 2) * 4;
+          for (int l = 0; l < 32; ++l) {
+            uint8_t v = (src[l] >> shift) & 0xF;
+            if (type == Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+            q[l] = v;
+          }
+          d[0] = d[1] = dd * float(sc);
+          m[0] = m[1] = -dmin * float(mn);
+          q += 32, d += 2, m += 2;
+        }
+        break;
+      }
+      default: {  // Q6_K: ql[128] (low nibbles), qh[64] (2 high bits), int8 scales[16], d
+        const uint8_t* ql = b;
+        const uint8_t* qh = b + 128;
+        const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+        const float dd = half_at(b + 208);
+        for (int half = 0; half < 2; ++half) {
+          for (int r = 0; r < 128; ++r) {
+            const uint8_t low = (ql[half * 64 + r % 64] >> (4 * (r / 64))) & 0xF;
+            const uint8_t high = (qh[half * 32 + r % 32] >> (2 * (r / 32))) & 3;
+            q[half * 128 + r] = low | (high << 4);
+          }
+        }
+        for (int j = 0; j < 16; ++j) {
+          d[j] = dd * float(scales[j]);
+          m[j] = -32.f * d[j];
+        }
+        q += 256, d += 16, m += 16;
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace tiergate_quant
