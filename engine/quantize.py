@@ -58,8 +58,11 @@ def _fit_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: 
     best = (w * np.square(scale * levels + lo - x)).sum(axis=1, keepdims=True)
     mins = lo.copy()
     for step in range(nstep + 1):
-        cand_iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / span
-        cand = np.clip(_nearest(cand_iscale * (x - lo)), 0, nmax).astype(F32)
+        # ggml searches from the best min so far, not the first one.
+        cur_span = hi - mins
+        cur_span = np.where(cur_span == 0, F32(1), cur_span)
+        cand_iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / cur_span
+        cand = np.clip(_nearest(cand_iscale * (x - mins)), 0, nmax).astype(F32)
         sum_l = (w * cand).sum(axis=1, keepdims=True)
         sum_l2 = (w * cand * cand).sum(axis=1, keepdims=True)
         sum_xl = (w * cand * x).sum(axis=1, keepdims=True)
@@ -113,3 +116,19 @@ def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
     # Sub-blocks 2i and 2i+1 share 32 bytes: the first in the low nibbles, the second in the high.
     qs = (levels[:, 0::2] | (levels[:, 1::2] << 4)).reshape(n, 128)
     return np.concatenate([d16.view(np.uint8), dmin16.view(np.uint8), packed, qs], axis=1)
+
+
+def random_blocks(ggml_type: gguf.GGMLQuantizationType, rows: int, in_features: int, seed: int = 0,
+                  scale: float = 0.01) -> np.ndarray:
+    """Valid uint8 ``[rows, bytes_per_row]`` of ``ggml_type`` with every quant bit random and float16
+    scales and mins drawn around ``scale`` (for tests and benches: any bit pattern is a valid block
+    but a non-finite float16)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, in_features // block_size, type_size), dtype=np.uint8)
+    # Where each format keeps its float16 fields: d (and dmin / m) first, Q6_K's d last.
+    offsets = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}[ggml_type]
+    for offset in offsets:
+        halves = (rng.standard_normal(blocks.shape[:2]) * scale).astype(np.float16)
+        blocks[..., offset:offset + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
