@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "quant_formats.h"
+#include "quant_kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -43,15 +44,6 @@ using namespace tiergate_quant;
 enum Isa : int64_t { AVX512 = 0, AVX2 = 1, SCALAR = 2 };
 
 constexpr int64_t GROUP = 16;  // outputs a thread decodes at once
-constexpr int64_t STEP = 64;   // inputs are padded to a multiple: one AVX-512 vector of int8
-
-// Activations quantized: per row, int8 values and per 16 inputs the block's scale and scale * sum.
-struct Acts {
-  std::vector<int8_t> q;   // [rows, in_pad]
-  std::vector<float> d;    // [rows, in_pad / 16]
-  std::vector<float> s;    // [rows, in_pad / 16]
-  int64_t in_pad = 0;
-};
 
 // A tile's operands: ROWS rows of x from `x`, OUTS decoded weight rows from `w`.
 struct Tile {
@@ -75,6 +67,7 @@ Acts quantize_acts(const at::Tensor& x) {
   a.q.assign(rows * a.in_pad, 0);
   a.d.assign(rows * n16, 0.f);
   a.s.assign(rows * n16, 0.f);
+  a.lanes.assign(rows * a.in_pad / 4, 0.f);
   const float* xp = x.const_data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -95,6 +88,7 @@ Acts quantize_acts(const at::Tensor& x) {
           a.d[r * n16 + b * 2 + h] = d;
           a.s[r * n16 + b * 2 + h] = d * float(sums[h]);
         }
+        std::fill_n(a.lanes.data() + r * a.in_pad / 4 + b * 8, 8, d);
       }
     }
   });
@@ -315,6 +309,8 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
   const Kernels unsigned_tiles = kernels_for(isa, false, std::make_integer_sequence<int, MAX_ROWS>{});
   const Kernels signed_tiles = kernels_for(isa, true, std::make_integer_sequence<int, MAX_ROWS>{});
   float* outp = out.mutable_data_ptr<float>();
+  // A few rows: AVX-512 decodes each weight chunk in registers for all of them (quant_fused_avx512.cpp).
+  const bool fused = isa == AVX512 && rows <= FUSED_MAX_ROWS;
 
   at::parallel_for(0, int64_t(groups.size()), 1, [&](int64_t begin, int64_t end) {
     // Zeroed once: the padding past `in` stays zero and weighs nothing; outputs past a part's
@@ -324,6 +320,11 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
     for (int64_t g = begin; g < end; ++g) {
       const Part& part = parts[groups[g].part];
       const int64_t first = groups[g].first, count = std::min(GROUP, part.out_features - first);
+      if (fused) {
+        const FusedArgs f{part.blocks, part.type, part.row_bytes, in, first, count, &a, 0, rows,
+                          outp + part.col0 + first, total};
+        if (fused_avx512(f)) continue;
+      }
       const int64_t nblocks = in / format_of(part.type).block_values;
       for (int64_t o = 0; o < count; ++o)
         decode_row(part.type, part.blocks + (first + o) * part.row_bytes, 0, nblocks, q.data() + o * a.in_pad,
