@@ -60,7 +60,8 @@ def build(settings: Settings, migrate: bool = True,
     engine = Engine(EngineConfig(model=settings.model, device=settings.device, dtype=settings.dtype,
                                  policy=settings.scheduler_policy, express_between_layers=settings.express_steps,
                                  prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
-                                 max_loras=settings.max_loras, tiers=tiers(settings)))
+                                 max_loras=settings.max_loras, tiers=tiers(settings), quantize=settings.quantize,
+                                 kv_cache_bytes=settings.kv_cache_bytes, kv_cache_tokens=settings.kv_cache_tokens))
     ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))
     if settings.spool_path is None:
         adopt_orphans(ledger.spool)  # before start(): the ledger replays them with its own
