@@ -17,6 +17,7 @@ Where the kernels cannot be built, the weight is dequantized in slices and multi
 
 from __future__ import annotations
 
+import functools
 import os
 
 import gguf
@@ -45,16 +46,22 @@ def quant_kernels_present() -> bool:
 def kernel_isa() -> str:
     """The kernel path calls take now: ``TIERGATE_QUANT_ISA`` if set, else the best this CPU runs.
     Raises ValueError for a name not in ``ISAS`` or a path this CPU cannot run."""
+    return ISAS[_isa_index(os.environ.get("TIERGATE_QUANT_ISA", "auto"))]
+
+
+@functools.cache
+def _isa_index(asked: str) -> int:
+    """``kernel_isa``'s index for a value of the variable, looked up once: a call reads the variable only."""
     if not quant_kernels_present():
         raise RuntimeError("the quantized kernels could not be built here")
-    asked = os.environ.get("TIERGATE_QUANT_ISA", "auto").strip().lower()
+    asked = asked.strip().lower()
     if asked in ("", "auto"):
-        return next(isa for isa in ISAS if torch.ops.tiergate.quant_isa_supported(ISAS.index(isa)))
+        return next(i for i in range(len(ISAS)) if torch.ops.tiergate.quant_isa_supported(i))
     if asked not in ISAS:
         raise ValueError(f"TIERGATE_QUANT_ISA={asked!r}: expected one of {', '.join(ISAS)} or auto")
     if not torch.ops.tiergate.quant_isa_supported(ISAS.index(asked)):
         raise ValueError(f"TIERGATE_QUANT_ISA={asked}: this CPU cannot run that path")
-    return asked
+    return ISAS.index(asked)
 
 
 def _check_blocks(blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType, in_features: int,
@@ -91,9 +98,10 @@ class QuantWeight(PackedWeight):
         # Read in place (an mmap's view stays one); rows must be contiguous for the kernels.
         self.blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, out_features
+        self._op_args = ([self.blocks], [int(ggml_type)], [out_features])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_matmul(x, [self])
+        return quant_matmul(x, [self], self._op_args)
 
     def dense(self) -> torch.Tensor:
         return _dequantize(self.blocks, self.ggml_type).t().contiguous()
@@ -125,9 +133,10 @@ class StackedQuantWeight(PackedWeight):
         self.parts = list(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
+        self._op_args = ([p.blocks for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_matmul(x, self.parts)
+        return quant_matmul(x, self.parts, self._op_args)
 
     def dense(self) -> torch.Tensor:
         return torch.cat([p.dense() for p in self.parts], dim=1)
@@ -143,8 +152,10 @@ def stack_outputs(parts: list[QuantWeight]) -> PackedWeight:
     return flat[0] if len(flat) == 1 else StackedQuantWeight(flat)
 
 
-def quant_matmul(x: torch.Tensor, parts: list[QuantWeight]) -> torch.Tensor:
-    """``x [rows, in]`` (float32 or bfloat16) times ``parts`` side by side: float32 ``[rows, sum(out)]``."""
+def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | None = None) -> torch.Tensor:
+    """``x [rows, in]`` (float32 or bfloat16) times ``parts`` side by side: float32 ``[rows, sum(out)]``.
+    ``op_args``: the parts' (blocks, types, out_features) lists, kept by a weight so a decode step
+    does not rebuild them per call."""
     if x.dim() != 2 or x.shape[1] != parts[0].in_features:
         raise ValueError(f"x must be [rows, {parts[0].in_features}], got {list(x.shape)}")
     if x.dtype != torch.float32:
@@ -153,8 +164,9 @@ def quant_matmul(x: torch.Tensor, parts: list[QuantWeight]) -> torch.Tensor:
         x = x.contiguous()
     if not quant_kernels_present():
         return _fallback_matmul(x, parts)
-    return torch.ops.tiergate.quant_linear(x, [p.blocks for p in parts], [int(p.ggml_type) for p in parts],
-                                           [p.out_features for p in parts], ISAS.index(kernel_isa()))
+    if op_args is None:
+        op_args = ([p.blocks for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
+    return torch.ops.tiergate.quant_linear(x, *op_args, _isa_index(os.environ.get("TIERGATE_QUANT_ISA", "auto")))
 
 
 def _fallback_matmul(x: torch.Tensor, parts: list[QuantWeight]) -> torch.Tensor:

@@ -34,13 +34,6 @@ TARGET_AVX512 inline float half(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
-// Lanes 0-7 from v[first], 8-15 from v[first + 1]: two 32-input blocks' values onto 64 inputs.
-TARGET_AVX512 inline __m512 pair_lanes(__m128 v, int first) {
-  const __m512i idx = _mm512_set_epi32(first + 1, first + 1, first + 1, first + 1, first + 1, first + 1, first + 1,
-                                       first + 1, first, first, first, first, first, first, first, first);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
-}
-
 // Two 16-byte runs of nibbles (blocks a and b: low nibbles are inputs 0-15, high 16-31) as 64 bytes.
 TARGET_AVX512 inline __m512i nibbles_of_two_blocks(const uint8_t* a, const uint8_t* b) {
   const __m256i qs = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
@@ -65,43 +58,62 @@ TARGET_AVX512 inline __m512i nibbles_of_32_bytes(const uint8_t* p) {
 template <int64_t TYPE>
 struct Decoder;
 
-template <>
-struct Decoder<Q8_0> {
-  static constexpr int OFFSET = 128, PER = 1;
-  static constexpr bool MIN = false;
-  TARGET_AVX512 static __m512 prepare(const uint8_t*, int64_t) { return _mm512_setzero_ps(); }
-  TARGET_AVX512 static Chunk at(const uint8_t* row, int64_t c, int, __m512) {
-    const uint8_t* a = row + 2 * c * 34;
-    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 2))),
-                                         _mm256_loadu_si256((const __m256i*)(a + 36)), 1);
-    const __m128 d = _mm_setr_ps(half(a), half(a + 34), 0.f, 0.f);
-    return {_mm512_xor_si512(q, _mm512_set1_epi8(char(0x80))), pair_lanes(d, 0), _mm512_setzero_ps()};
+// Lanes 0-7 from v[a], 8-15 from v[b].
+TARGET_AVX512 inline __m512 two_lanes(__m512 v, int a, int b) {
+  return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1), v);
+}
+
+// The float16 fields at `offset` of up to 8 blocks of `bytes` from `block`, as floats in lanes
+// 0-7 (lanes past `count` zero). Gathered by inserts: narrow stores then one wide load would
+// stall on store forwarding.
+TARGET_AVX512 inline __m256 halves_of_blocks(const uint8_t* block, int64_t bytes, int offset, int64_t count) {
+  __m128i h = _mm_setzero_si128();
+  uint16_t v[8];
+  for (int64_t b = 0; b < 8; ++b) {
+    if (b < count) __builtin_memcpy(&v[b], block + b * bytes + offset, 2);
+    else v[b] = 0;
+  }
+  h = _mm_insert_epi16(h, v[0], 0), h = _mm_insert_epi16(h, v[1], 1), h = _mm_insert_epi16(h, v[2], 2);
+  h = _mm_insert_epi16(h, v[3], 3), h = _mm_insert_epi16(h, v[4], 4), h = _mm_insert_epi16(h, v[5], 5);
+  h = _mm_insert_epi16(h, v[6], 6), h = _mm_insert_epi16(h, v[7], 7);
+  return _mm256_cvtph_ps(h);
+}
+
+// Q8_0, Q4_0, Q4_1: a step is 8 blocks (4 chunks); prepare() gathers their scales (and Q4_1's
+// mins) into lanes 0-7 (8-15) of one vector.
+template <int64_t TYPE>
+struct BlockDecoder {
+  static constexpr int64_t BYTES = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 20;
+  static constexpr int OFFSET = TYPE == Q8_0 ? 128 : TYPE == Q4_0 ? 8 : 0, PER = 4;
+  static constexpr bool MIN = TYPE == Q4_1;
+  TARGET_AVX512 static __m512 prepare(const uint8_t* row, int64_t step, int64_t blocks) {
+    const uint8_t* first = row + step * 8 * BYTES;
+    const int64_t count = std::min<int64_t>(8, blocks - step * 8);
+    const __m256 d = halves_of_blocks(first, BYTES, 0, count);
+    const __m256 m = MIN ? halves_of_blocks(first, BYTES, 2, count) : _mm256_setzero_ps();
+    return _mm512_insertf32x8(_mm512_castps256_ps512(d), m, 1);
+  }
+  TARGET_AVX512 static Chunk at(const uint8_t* row, int64_t step, int i, __m512 scales) {
+    const uint8_t* a = row + (step * 8 + 2 * i) * BYTES;
+    __m512i u;
+    if (TYPE == Q8_0) {
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 2))),
+                                           _mm256_loadu_si256((const __m256i*)(a + 36)), 1);
+      u = _mm512_xor_si512(q, _mm512_set1_epi8(char(0x80)));
+    } else {
+      const int qs = TYPE == Q4_0 ? 2 : 4;
+      u = nibbles_of_two_blocks(a + qs, a + BYTES + qs);
+    }
+    return {u, two_lanes(scales, 2 * i, 2 * i + 1), MIN ? two_lanes(scales, 8 + 2 * i, 9 + 2 * i) : _mm512_setzero_ps()};
   }
 };
 
 template <>
-struct Decoder<Q4_0> {
-  static constexpr int OFFSET = 8, PER = 1;
-  static constexpr bool MIN = false;
-  TARGET_AVX512 static __m512 prepare(const uint8_t*, int64_t) { return _mm512_setzero_ps(); }
-  TARGET_AVX512 static Chunk at(const uint8_t* row, int64_t c, int, __m512) {
-    const uint8_t* a = row + 2 * c * 18;
-    const __m128 d = _mm_setr_ps(half(a), half(a + 18), 0.f, 0.f);
-    return {nibbles_of_two_blocks(a + 2, a + 20), pair_lanes(d, 0), _mm512_setzero_ps()};
-  }
-};
-
+struct Decoder<Q8_0> : BlockDecoder<Q8_0> {};
 template <>
-struct Decoder<Q4_1> {
-  static constexpr int OFFSET = 0, PER = 1;
-  static constexpr bool MIN = true;
-  TARGET_AVX512 static __m512 prepare(const uint8_t*, int64_t) { return _mm512_setzero_ps(); }
-  TARGET_AVX512 static Chunk at(const uint8_t* row, int64_t c, int, __m512) {
-    const uint8_t* a = row + 2 * c * 20;
-    const __m128 dm = _mm_setr_ps(half(a), half(a + 20), half(a + 2), half(a + 22));
-    return {nibbles_of_two_blocks(a + 4, a + 24), pair_lanes(dm, 0), pair_lanes(dm, 2)};
-  }
-};
+struct Decoder<Q4_0> : BlockDecoder<Q4_0> {};
+template <>
+struct Decoder<Q4_1> : BlockDecoder<Q4_1> {};
 
 // Q4_K and Q5_K: a super-block's eight 6-bit scales and mins (quant_formats.h's scale_min_k4,
 // all at once on three 32-bit words) as 16 floats: d * scale for sub-blocks 0-7, then -dmin * min.
@@ -116,18 +128,13 @@ TARGET_AVX512 inline __m512 k_scales(const uint8_t* block) {
   return _mm512_mul_ps(ints, factors);
 }
 
-// Lanes 0-7 from v[a], 8-15 from v[b].
-TARGET_AVX512 inline __m512 two_lanes(__m512 v, int a, int b) {
-  return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1), v);
-}
-
 // Chunk i of a K super-block: sub-blocks 2i (low nibbles of 32 bytes) and 2i+1 (high nibbles).
 template <int64_t TYPE>
 struct KDecoder {
   static constexpr int OFFSET = 0, PER = 4;
   static constexpr bool MIN = true;
   static constexpr int64_t BYTES = TYPE == Q4_K ? 144 : 176, QS = TYPE == Q4_K ? 16 : 48;
-  TARGET_AVX512 static __m512 prepare(const uint8_t* row, int64_t step) { return k_scales(row + step * BYTES); }
+  TARGET_AVX512 static __m512 prepare(const uint8_t* row, int64_t step, int64_t) { return k_scales(row + step * BYTES); }
   TARGET_AVX512 static Chunk at(const uint8_t* row, int64_t step, int i, __m512 scales) {
     const uint8_t* block = row + step * BYTES;
     __m512i u = nibbles_of_32_bytes(block + QS + 32 * i);
@@ -153,7 +160,7 @@ struct Decoder<Q6_K> {
   static constexpr int OFFSET = 32, PER = 4;
   static constexpr bool MIN = false;
   // d times the 16 int8 scales, one per 16 inputs.
-  TARGET_AVX512 static __m512 prepare(const uint8_t* row, int64_t step) {
+  TARGET_AVX512 static __m512 prepare(const uint8_t* row, int64_t step, int64_t) {
     const uint8_t* block = row + step * 210;
     const __m512 ints = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(block + 192))));
     return _mm512_mul_ps(ints, _mm512_set1_ps(half(block + 208)));
@@ -180,7 +187,7 @@ template <int64_t TYPE, int ROWS>
 TARGET_AVX512 void run(const FusedArgs& a) {
   using D = Decoder<TYPE>;
   const Acts& x = *a.acts;
-  const int64_t chunks = a.in / 64, lanes_per_row = x.in_pad / 4;
+  const int64_t chunks = a.in / 64, lanes_per_row = x.in_pad / 4, blocks = a.in / format_of(TYPE).block_values;
   const __m512i zero = _mm512_setzero_si512(), offset = _mm512_set1_epi8(char(D::OFFSET)), ones = _mm512_set1_epi8(1);
   for (int64_t o0 = 0; o0 < a.count; o0 += OUTS) {
     // Past the last output, repeat it (computed, not stored): a tile always has OUTS rows.
@@ -189,14 +196,15 @@ TARGET_AVX512 void run(const FusedArgs& a) {
     __m512 acc[ROWS][OUTS];
     for (int r = 0; r < ROWS; ++r)
       for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_setzero_ps();
-    for (int64_t step = 0; step < chunks / D::PER; ++step) {
+    for (int64_t step = 0; step * D::PER < chunks; ++step) {
       __m512 prepared[OUTS];
-      for (int o = 0; o < OUTS; ++o) prepared[o] = D::prepare(w[o], step);
+      for (int o = 0; o < OUTS; ++o) prepared[o] = D::prepare(w[o], step, blocks);
 #pragma GCC unroll 4
       for (int i = 0; i < D::PER; ++i) {
         const int64_t c = step * D::PER + i;
+        if (c == chunks) break;  // a row of 32-input blocks may end inside a step
         Chunk wc[OUTS];
-        for (int o = 0; o < OUTS; ++o) wc[o] = D::at(w[o], D::PER == 1 ? c : step, i, prepared[o]);
+        for (int o = 0; o < OUTS; ++o) wc[o] = D::at(w[o], step, i, prepared[o]);
         for (int r = 0; r < ROWS; ++r) {
           const int64_t row = a.row0 + r;
           const __m512i q = _mm512_loadu_si512(x.q.data() + row * x.in_pad + c * 64);

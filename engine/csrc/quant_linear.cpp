@@ -79,10 +79,13 @@ Acts quantize_acts(const at::Tensor& x) {
         const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
         int sums[2] = {0, 0};
         for (int i = 0; i < 32; ++i) {
-          // Rounds half away from zero, as ggml's reference Q8 quantizer; clamped for a rounding at 127.
-          const int v = std::clamp(int(std::round(src[b * 32 + i] * id)), -127, 127);
-          q[b * 32 + i] = int8_t(v);
-          sums[i / 16] += v;
+          // Rounds half away from zero, as ggml's reference Q8 quantizer (std::round is a libm
+          // call per value; trunc and a compare vectorize), clamped for a rounding at 127.
+          const float v = src[b * 32 + i] * id, t = std::trunc(v);
+          const float r = t + (std::fabs(v - t) >= 0.5f ? std::copysign(1.f, v) : 0.f);
+          const int n = int(std::clamp(r, -127.f, 127.f));
+          q[b * 32 + i] = int8_t(n);
+          sums[i / 16] += n;
         }
         for (int h = 0; h < 2; ++h) {
           a.d[r * n16 + b * 2 + h] = d;
@@ -315,8 +318,9 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
   at::parallel_for(0, int64_t(groups.size()), 1, [&](int64_t begin, int64_t end) {
     // Zeroed once: the padding past `in` stays zero and weighs nothing; outputs past a part's
     // end compute on stale finite values and are not stored.
-    std::vector<uint8_t> q(GROUP * a.in_pad, 0);
-    std::vector<float> d(GROUP * n16, 0.f), m(GROUP * n16, 0.f);
+    // Allocated on first use: the fused path needs none.
+    std::vector<uint8_t> q;
+    std::vector<float> d, m;
     for (int64_t g = begin; g < end; ++g) {
       const Part& part = parts[groups[g].part];
       const int64_t first = groups[g].first, count = std::min(GROUP, part.out_features - first);
@@ -324,6 +328,11 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
         const FusedArgs f{part.blocks, part.type, part.row_bytes, in, first, count, &a, 0, rows,
                           outp + part.col0 + first, total};
         if (fused_avx512(f)) continue;
+      }
+      if (q.empty()) {
+        q.assign(GROUP * a.in_pad, 0);
+        d.assign(GROUP * n16, 0.f);
+        m.assign(GROUP * n16, 0.f);
       }
       const int64_t nblocks = in / format_of(part.type).block_values;
       for (int64_t o = 0; o < count; ++o)
