@@ -110,8 +110,10 @@ def describe_weights(model) -> dict:
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, PackedWeight):
-                kind = getattr(value, "ggml_type", None)
-                label = value.form + (f" {getattr(kind, 'name', kind)}" if kind is not None else "")
+                # A fused group (q|k|v, gate|up) of quantized parts may mix block types.
+                kinds = [getattr(part, "ggml_type", None) for part in getattr(value, "parts", [value])]
+                names = sorted({getattr(k, "name", str(k)) for k in kinds if k is not None})
+                label = " ".join([value.form, "+".join(names)]) if names else value.form
                 forms[label] += 1
                 by_kind[label] += value.nbytes
             elif isinstance(value, torch.Tensor) and value.data_ptr() not in seen:
@@ -170,7 +172,7 @@ class LlamaLog:
         """The distinct lines that say which buffers, layouts and attention llama.cpp used."""
         seen: dict[str, None] = {}
         for line in "".join(self.pieces).splitlines():
-            if any(k in line for k in self.KEYS):
+            if any(k in line for k in self.KEYS) and not line.startswith("~"):  # not the teardown's
                 seen.setdefault(" ".join(line.split()), None)
         return list(seen)
 

@@ -133,7 +133,8 @@ def render_markdown(result: dict) -> str:
         f"{s['streams']} streams: {s['stream_prompt']}-token prompts of real text, {s['stream_tokens']} tokens "
         "each, all submitted at once, decode tokens/s from the last stream's first token to the first stream's "
         "last (all streams running) and output tokens/s end to end; pp512: one 512-token prompt's time to first "
-        f"token. Single stream and pp512: median of {s['rounds']} rounds, engines alternating which goes first; "
+        f"token. Single stream and pp512: each engine's median of {s['rounds']} round(s), engines alternating "
+        "which goes first; "
         "streams: round 1. tiergate: the engine as the loader serves the file (its weight forms below); "
         "llama.cpp: llama-cpp-python's `llama_decode` driven as llama-server's slots (bench/peers/"
         "llama_cpp_runner.py), n_batch = n_ubatch = 512, its default flash attention and F16 KV cache.",

@@ -167,14 +167,21 @@ def test_describe_weights_counts_packed_forms_and_shared_storage_once():
         ggml_type = gguf.GGMLQuantizationType.Q4_K
         nbytes = 1000
 
+    class FakeStack(PackedWeight):
+        form = "quant"
+        parts = [FakeQuant(), FakeQuant()]
+        parts[1].ggml_type = gguf.GGMLQuantizationType.Q6_K
+        nbytes = 500
+
     model = torch.nn.Module()
     model.embed = torch.nn.Parameter(torch.zeros(10, 4), requires_grad=False)
     model.lm_head = model.embed  # tied: one storage
     model.layer = torch.nn.Module()
     model.layer.qkv = FakeQuant()
     model.layer.down = FakeQuant()
+    model.layer.gate_up = FakeStack()
     model.layer.norm = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16), requires_grad=False)
     described = describe_weights(model)
-    assert described["forms"] == {"quant Q4_K": 2}
-    assert described["by_kind"] == {"quant Q4_K": 2000, "float32": 160, "bfloat16": 8}
-    assert described["bytes"] == 2168
+    assert described["forms"] == {"quant Q4_K": 2, "quant Q4_K+Q6_K": 1}
+    assert described["by_kind"] == {"quant Q4_K": 2000, "quant Q4_K+Q6_K": 500, "float32": 160, "bfloat16": 8}
+    assert described["bytes"] == 2668
