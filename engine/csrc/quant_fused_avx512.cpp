@@ -236,7 +236,41 @@ void run_rows(const FusedArgs& a) {
   }
 }
 
+// One row into quant_linear.cpp's scratch form (quant_formats.h's decode_row), for the tiles of
+// many rows: u as bytes, and per 16 inputs d and m (an integer offset becomes m = -offset * d).
+template <int64_t TYPE>
+TARGET_AVX512 void decode_into(const uint8_t* row, int64_t in, uint8_t* q, float* d16, float* m16) {
+  using D = Decoder<TYPE>;
+  const int64_t chunks = in / 64, blocks = in / format_of(TYPE).block_values;
+  const __m512i every4 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  for (int64_t step = 0; step * D::PER < chunks; ++step) {
+    const __m512 prepared = D::prepare(row, step, blocks);
+    for (int i = 0; i < D::PER; ++i) {
+      const int64_t c = step * D::PER + i;
+      if (c == chunks) break;
+      const Chunk w = D::at(row, step, i, prepared);
+      _mm512_storeu_si512(q + c * 64, w.u);
+      const __m128 d = _mm512_castps512_ps128(_mm512_permutexvar_ps(every4, w.d));
+      _mm_storeu_ps(d16 + c * 4, d);
+      _mm_storeu_ps(m16 + c * 4, D::MIN ? _mm512_castps512_ps128(_mm512_permutexvar_ps(every4, w.m))
+                                        : _mm_mul_ps(d, _mm_set1_ps(-float(D::OFFSET))));
+    }
+  }
+}
+
 }  // namespace
+
+bool decode_avx512(int64_t type, const uint8_t* row, int64_t in, uint8_t* q, float* d16, float* m16) {
+  if (in % 64) return false;
+  switch (type) {
+    case Q4_0: decode_into<Q4_0>(row, in, q, d16, m16); return true;
+    case Q4_1: decode_into<Q4_1>(row, in, q, d16, m16); return true;
+    case Q4_K: decode_into<Q4_K>(row, in, q, d16, m16); return true;
+    case Q5_K: decode_into<Q5_K>(row, in, q, d16, m16); return true;
+    case Q6_K: decode_into<Q6_K>(row, in, q, d16, m16); return true;
+    default: return false;  // Q8_0's scratch form is its int8 bytes as they are: decode_row copies them
+  }
+}
 
 bool fused_avx512(const FusedArgs& a) {
   if (a.in % 64) return false;  // a 32-input format with an odd number of blocks: the scratch tiles take it

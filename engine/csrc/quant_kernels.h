@@ -36,4 +36,8 @@ constexpr int FUSED_MAX_ROWS = 4;
 // (true), or leaves them to the decode-to-scratch tiles (false: a format it does not decode).
 bool fused_avx512(const FusedArgs& a);
 
+// One weight row decoded as quant_formats.h's decode_row does, with AVX-512; false where it
+// leaves that to decode_row (Q8_0, whose bytes are copied, or rows of an odd number of 32-input blocks).
+bool decode_avx512(int64_t type, const uint8_t* row, int64_t in, uint8_t* q, float* d16, float* m16);
+
 }  // namespace tiergate_quant

@@ -335,9 +335,13 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
         m.assign(GROUP * n16, 0.f);
       }
       const int64_t nblocks = in / format_of(part.type).block_values;
-      for (int64_t o = 0; o < count; ++o)
-        decode_row(part.type, part.blocks + (first + o) * part.row_bytes, 0, nblocks, q.data() + o * a.in_pad,
-                   d.data() + o * n16, m.data() + o * n16);
+      for (int64_t o = 0; o < count; ++o) {
+        const uint8_t* row = part.blocks + (first + o) * part.row_bytes;
+        uint8_t* qo = q.data() + o * a.in_pad;
+        float *d_o = d.data() + o * n16, *m_o = m.data() + o * n16;
+        if (!(isa == AVX512 && decode_avx512(part.type, row, in, qo, d_o, m_o)))
+          decode_row(part.type, row, 0, nblocks, qo, d_o, m_o);
+      }
       const Kernels& tiles = part.type == Q8_0 ? signed_tiles : unsigned_tiles;
       for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
         const int64_t tile_rows = std::min<int64_t>(MAX_ROWS, rows - r0);

@@ -97,7 +97,8 @@ def check_product(w: QuantWeight, x: torch.Tensor, y: torch.Tensor) -> None:
 def shapes_for(ggml_type: T) -> list[tuple[int, int, int]]:
     """(rows, in, out): odd output counts, rows across tile edges, inputs of one to many blocks."""
     block = gguf.GGML_QUANT_SIZES[ggml_type][0]
-    ins = [block, 3 * block, 9 * block] if block == 32 else [256, 768]
+    # 576 (the bundled model's hidden size): whole 64-input chunks but not whole steps of 8 blocks.
+    ins = [block, 3 * block, 576, 9 * block] if block == 32 else [256, 768]
     rows = [1, 2, 3, 4, 5, 7, 13, 33, 70]
     outs = [1, 5, 17, 61]
     return [(r, ins[i % len(ins)], outs[i % len(outs)]) for i, r in enumerate(rows)]
