@@ -116,13 +116,12 @@ inline void decode_row(int64_t type, const uint8_t* row, int64_t first_block, in
         const uint8_t* qh = b + 128;
         const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
         const float dd = half_at(b + 208);
-        for (int half = 0; half < 2; ++half) {
-          for (int r = 0; r < 128; ++r) {
-            const uint8_t low = (ql[half * 64 + r % 64] >> (4 * (r / 64))) & 0xF;
-            const uint8_t high = (qh[half * 32 + r % 32] >> (2 * (r / 32))) & 3;
-            q[half * 128 + r] = low | (high << 4);
-          }
-        }
+        // Input 32s + l of a half (s = 0..3): nibble s / 2 of ql[32 (s % 2) + l], bits 2s of qh[l].
+        for (int half = 0; half < 2; ++half, ql += 64, qh += 32)
+          for (int s = 0; s < 4; ++s)
+            for (int l = 0; l < 32; ++l)
+              q[half * 128 + 32 * s + l] =
+                  ((ql[32 * (s % 2) + l] >> (4 * (s / 2))) & 0xF) | (((qh[l] >> (2 * s)) & 3) << 4);
         for (int j = 0; j < 16; ++j) {
           d[j] = dd * float(scales[j]);
           m[j] = -32.f * d[j];
