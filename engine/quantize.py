@@ -6,9 +6,9 @@ gguf-py has no Q4_K quantizer, so ``_quantize_q4_k`` follows ggml's ``quantize_r
 weighted least-squares search over 21 candidate scales for a scale and a min, then the eight
 scales and mins of a 256-value super-block rounded to 6 bits against two float16 factors, and
 the values requantized against the rounded scales. It is written here, vectorized over every
-sub-block at once in float32 numpy, because no maintained Python package implements it;
-sums run in numpy's order, so a value on a rounding boundary may land one step from
-llama.cpp's.
+sub-block at once in float32 numpy, because no maintained Python package implements it; its
+sums and products run in the C code's order, so its bytes are ggml's (checked against
+libggml's quantize_row_q4_K_ref, which compiles without fused multiply-adds there).
 """
 
 from __future__ import annotations
@@ -40,22 +40,35 @@ def _nearest(v: np.ndarray) -> np.ndarray:
     return np.rint(v).astype(np.int32)
 
 
-def _fit_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple:
-    """ggml's make_qkx2_quants (squared error) over every row of ``x`` ``[n, 32]`` at once:
-    (scale, the_min, levels) with ``x ≈ scale * levels - the_min``."""
-    w = np.sqrt((x * x).sum(axis=1, keepdims=True) / F32(x.shape[1])) + np.abs(x)
-    lo = np.minimum(x.min(axis=1, keepdims=True), F32(0))
-    hi = x.max(axis=1, keepdims=True)
-    span = hi - lo
-    flat = span[:, 0] == 0
-    span = np.where(span == 0, F32(1), span)
-    sum_w = w.sum(axis=1, keepdims=True)
-    sum_x = (w * x).sum(axis=1, keepdims=True)
+def _sum(terms: np.ndarray) -> np.ndarray:
+    """Sums over the first axis in ggml's order, one term after another in float32 (numpy's own
+    sum pairs terms up, and its roundings then moved some levels one step from llama.cpp's)."""
+    total = terms[0].copy()
+    for term in terms[1:]:
+        total += term
+    return total
 
+
+def _fit_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple:
+    """ggml's make_qkx2_quants (squared error) over every column of ``x`` ``[32, n]`` at once (one
+    sub-block a column, so each step of a sum is one contiguous pass): (scale, the_min, levels)
+    with ``x ≈ scale * levels - the_min``; products associate as ggml's C does."""
+    w = np.sqrt(_sum(x * x) / F32(x.shape[0])) + np.abs(x)
+    lo = np.minimum(x.min(axis=0), F32(0))
+    hi = x.max(axis=0)
+    flat = hi == lo
+    sum_w = _sum(w)
+    sum_x = _sum(w * x)
+
+    def error(scale: np.ndarray, levels: np.ndarray, low: np.ndarray) -> np.ndarray:
+        diff = scale * levels + low - x
+        return _sum(w * diff * diff)
+
+    span = np.where(flat, F32(1), hi - lo)
     iscale = F32(nmax) / span
     scale = F32(1) / iscale
-    levels = np.clip(_nearest(iscale * (x - lo)), 0, nmax)
-    best = (w * np.square(scale * levels + lo - x)).sum(axis=1, keepdims=True)
+    levels = np.clip(_nearest(iscale * (x - lo)), 0, nmax).astype(F32)
+    best = error(scale, levels, lo)
     mins = lo.copy()
     for step in range(nstep + 1):
         # ggml searches from the best min so far, not the first one.
@@ -63,9 +76,8 @@ def _fit_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: 
         cur_span = np.where(cur_span == 0, F32(1), cur_span)
         cand_iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / cur_span
         cand = np.clip(_nearest(cand_iscale * (x - mins)), 0, nmax).astype(F32)
-        sum_l = (w * cand).sum(axis=1, keepdims=True)
-        sum_l2 = (w * cand * cand).sum(axis=1, keepdims=True)
-        sum_xl = (w * cand * x).sum(axis=1, keepdims=True)
+        wl = w * cand
+        sum_l, sum_l2, sum_xl = _sum(wl), _sum(wl * cand), _sum(wl * x)
         det = sum_w * sum_l2 - sum_l * sum_l
         ok = det > 0
         safe_det = np.where(ok, det, F32(1))
@@ -74,21 +86,21 @@ def _fit_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: 
         positive = this_min > 0
         this_min = np.where(positive, F32(0), this_min)
         this_scale = np.where(positive, sum_xl / np.where(sum_l2 > 0, sum_l2, F32(1)), this_scale)
-        err = (w * np.square(this_scale * cand + this_min - x)).sum(axis=1, keepdims=True)
+        err = error(this_scale, cand, this_min)
         better = ok & (err < best) & ~(positive & (sum_l2 == 0))  # ggml's 0/0 there compares false
-        levels = np.where(better, cand.astype(np.int32), levels)
+        levels = np.where(better, cand, levels)
         best = np.where(better, err, best)
         scale = np.where(better, this_scale, scale)
         mins = np.where(better, this_min, mins)
-    scale = np.where(flat[:, None], F32(0), scale)
-    levels = np.where(flat[:, None], 0, levels)
-    return scale[:, 0].astype(F32), (-mins[:, 0]).astype(F32), levels
+    scale = np.where(flat, F32(0), scale)
+    levels = np.where(flat, F32(0), levels)
+    return scale.astype(F32), (-mins).astype(F32), levels.astype(np.int32).T
 
 
 def _quantize_q4_k(x: np.ndarray) -> np.ndarray:
     """Super-blocks ``[n, 256]`` into Q4_K bytes ``[n, 144]``."""
     n = x.shape[0]
-    sub = x.reshape(-1, SUB)
+    sub = np.ascontiguousarray(x.reshape(-1, SUB).T)
     scales, mins, levels = _fit_scale_min(sub, 15, -1.0, 0.1, 20)
     scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
     levels = levels.reshape(n, 8, SUB)
