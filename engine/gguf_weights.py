@@ -19,9 +19,8 @@ dequantized here, with one warning naming the tensors and the types.
 
 from __future__ import annotations
 
-import logging
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +30,8 @@ import numpy as np
 import torch
 
 from engine.model_config import ModelConfig
-from engine.packed_linear import Weight
+from engine.packed_linear import PackedWeight, Weight
 from engine.quant_linear import SERVED_TYPES, QuantWeight, stack_outputs
-
-log = logging.getLogger(__name__)
 
 # Architectures whose q/k rows llama.cpp's converter permutes (transformers undoes it for these).
 PERMUTED_QK_ARCHS = frozenset({"llama"})
@@ -55,11 +52,12 @@ class GgufWeights:
     projections: list[dict[str, Weight]]  # per layer: qkv, o, gate_up, down (QuantWeight or float [in, out])
     floats: list[tuple[str, torch.Tensor]]  # norms and biases, under their checkpoint names
     dequantized: dict[str, list[str]] = field(default_factory=dict)  # type name -> tensors without a kernel
+    types: dict[str, int] = field(default_factory=dict)  # type name -> tensors of it in the file read
 
     @property
     def quant_bytes(self) -> int:
         """Bytes of every weight kept quantized (shared ones once)."""
-        seen = {id(w): w for w in self._all() if isinstance(w, QuantWeight)}
+        seen = {id(w): w for w in self._all() if isinstance(w, PackedWeight) and w.form == "quant"}
         return sum(w.nbytes for w in seen.values())
 
     def _all(self) -> Iterator[Weight]:
@@ -75,6 +73,7 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> GgufWeights:
     reader = gguf.GGUFReader(str(path))
     arch = str(reader.fields["general.architecture"].contents())
     tensors = {t.name: t for t in reader.tensors}
+    types = Counter(t.tensor_type.name for t in reader.tensors)
     names = _name_map(arch, config.num_layers)
     fixups = _Fixups(arch, config)
     dequantized: dict[str, list[str]] = defaultdict(list)
@@ -129,7 +128,7 @@ def read_gguf_weights(path: Path, config: ModelConfig) -> GgufWeights:
         listed = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(dequantized.items()))
         warnings.warn(f"{path.name}: no kernel for these tensor types, dequantized to float32 at load ({listed})",
                       stacklevel=2)
-    return GgufWeights(embed, head, projections, floats, dict(dequantized))
+    return GgufWeights(embed, head, projections, floats, dict(dequantized), dict(types))
 
 
 def _name_map(arch: str, num_layers: int) -> gguf.TensorNameMap:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +24,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from engine.config import default_cache_dir
 from engine.gguf_cache import materialize_gguf, metadata_dir
 from engine.gguf_weights import read_gguf_weights
-from engine.model import QUANT_BLOCK, DecoderModel
+from engine.model import DecoderModel
 from engine.model_config import ModelConfig
+from engine.quant_linear import QUANTIZE_KINDS
 
-# --quantize's block formats for HF checkpoints (engine/quant_linear.py quantize_weight).
-QUANTIZE_KINDS = tuple(QUANT_BLOCK)
+log = logging.getLogger(__name__)
+
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DUMMY_PREFIX = "dummy:"
@@ -132,6 +134,8 @@ def _load_gguf_natively(path: Path, cache_dir: Path, device: str | torch.device,
     model = DecoderModel(config, device, dtype)
     weights = read_gguf_weights(path, config)
     model.load_packed_weights(weights.embed, weights.head, weights.projections, weights.floats)
+    log.info("%s served in its own quantization: %s; %.0f MiB of quantized weights", name,
+             ", ".join(f"{kind} x{count}" for kind, count in sorted(weights.types.items())), weights.quant_bytes / 2**20)
     return _with_tokenizer(model, config, folder, name, require_tokenizer=True)
 
 

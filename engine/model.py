@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+import gguf
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,14 +27,12 @@ from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
 from engine.norms import add_rms_norm_, fused_norms_available, rms_norm
 from engine.packed_linear import PackedWeight, Weight, linear, pack, panel_storage, release_freed_heap, weight_form
-from engine.quant_linear import quantize_weight
+from engine.quant_linear import QUANTIZE_KINDS, quantize_weight
 from engine.rope import Rope, apply_rope_
 
 
 # Below this many sampled rows the unpacked CPU LM head uses its transposed copy (see prepare_weights).
 LM_HEAD_TRANSPOSED_MAX_ROWS = 24
-# Values per block of --quantize's formats: a projection's input size must be a multiple.
-QUANT_BLOCK = {"q8_0": 32, "q4_0": 32, "q4_k": 256}
 # A layer's projection weights, in the order of the forward.
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -185,7 +184,7 @@ class DecoderModel(nn.Module):
                 weight = getattr(layer, name)
                 if isinstance(weight, PackedWeight):
                     raise ValueError(f"layer {i} {name} is packed already ({weight.form}): quantize before packing")
-                block = QUANT_BLOCK[kind]
+                block = gguf.GGML_QUANT_SIZES[QUANTIZE_KINDS[kind]][0]
                 if weight.shape[0] % block:
                     raise ValueError(f"--quantize {kind} needs every projection's input size to be a multiple of "
                                      f"{block}; layer {i} {name} has {weight.shape[0]}")

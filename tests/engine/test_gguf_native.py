@@ -6,9 +6,11 @@ the file's size, and a second start derives nothing again."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -21,7 +23,9 @@ from engine.packed_linear import PackedWeight
 from engine.runner import ModelRunner
 from scheduler.plan import StepPlan
 from scheduler.sequence import Sequence
-from tests.engine.conftest import BlockPool, chunk
+from tests.engine.conftest import BlockPool, build_tiny_model, chunk
+from tests.engine.test_gguf_families import SERVED as GGUF_FAMILIES
+from tests.engine.test_gguf_families import write_gguf
 from tests.engine.tiny_gguf import EVERY_SERVED, Q, Q4_K_M, TensorTypes, TinyShape, uniform, write_tiny_gguf
 
 # name -> (tensor types, shape): every served type in mixed fused groups with an untied head in Q5_K;
@@ -167,3 +171,31 @@ def test_a_gguf_asked_in_a_dtype_or_off_cpu_is_dequantized(files, cache):  # CUD
 def test_quantize_is_refused_for_a_gguf(files, cache):
     with pytest.raises(ValueError, match="--quantize is for Hugging Face checkpoints; q8_0_tied.gguf is a GGUF"):
         load_model(str(files["q8_0_tied"]), cache_dir=cache, native_gguf=True, quantize="q8_0")
+
+
+# One file per family whose tensors map differently: Llama's permuted q/k, Qwen2's biases, Qwen3's
+# q/k norms, Phi-3's fused qkv and gate|up, Gemma 2's and 3's sandwich norms stored plus one.
+FAMILY_CASES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+PROJECTION_NAME = re.compile(r"blk\.\d+\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down))\.weight")
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_every_familys_gguf_is_served_natively_with_the_dequantized_paths_logits(case, tmp_path, monkeypatch):
+    tiny, changes = GGUF_FAMILIES[case]
+    model_dir = build_tiny_model(tmp_path / case, tiny, **changes)
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_projections_in_q8_0(writer, name, tensor, *args, **kwargs):
+        if PROJECTION_NAME.fullmatch(name):
+            blocks = gguf.quants.quantize(tensor, Q.Q8_0)
+            return add_tensor(writer, name, blocks, raw_shape=blocks.shape, raw_dtype=Q.Q8_0)
+        return add_tensor(writer, name, tensor, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf.GGUFWriter, "add_tensor", add_projections_in_q8_0)
+        path = write_gguf(model_dir, tmp_path / f"{case}.gguf")
+    native = load_model(str(path), cache_dir=tmp_path / "cache", native_gguf=True)
+    assert {getattr(layer, p).form for layer in native.model.layers for p in PROJECTIONS} == {"quant"}
+    exact = prompt_logits(load_model(str(path), cache_dir=tmp_path / "cache"), PROMPT[:17])
+    without_kernels(monkeypatch)
+    assert (prompt_logits(native, PROMPT[:17]) - exact).abs().max().item() < 1e-4 * exact.abs().max().item()
