@@ -69,6 +69,10 @@ inline void scale_min_k4(int j, const uint8_t* s, int& scale, int& min) {
   }
 }
 
+// Runs of bytes as one vector each (GCC's vector extension): the byte loops did not vectorize.
+typedef uint8_t bytes16 __attribute__((vector_size(16)));
+typedef uint8_t bytes32 __attribute__((vector_size(32)));
+
 // The inputs [first_block * block_values, (first_block + blocks) * block_values) of one row,
 // for one format (TYPE fixed, so each block's loops compile without a switch around them).
 template <int64_t TYPE>
@@ -87,11 +91,12 @@ inline void decode_blocks(const uint8_t* row, int64_t first_block, int64_t block
       }
       case Q4_0:
       case Q4_1: {
-        const uint8_t* qs = b + (type == Q4_0 ? 2 : 4);
-        for (int l = 0; l < 16; ++l) {
-          q[l] = qs[l] & 0xF;
-          q[l + 16] = qs[l] >> 4;
-        }
+        bytes16 qs, lo, hi;
+        std::memcpy(&qs, b + (type == Q4_0 ? 2 : 4), 16);
+        lo = qs & 0xF;
+        hi = qs >> 4;
+        std::memcpy(q, &lo, 16);
+        std::memcpy(q + 16, &hi, 16);
         const float scale = half_at(b);
         d[0] = d[1] = scale;
         m[0] = m[1] = type == Q4_0 ? -8.f * scale : half_at(b + 2);
@@ -107,13 +112,14 @@ inline void decode_blocks(const uint8_t* row, int64_t first_block, int64_t block
         for (int j = 0; j < 8; ++j) {
           int sc, mn;
           scale_min_k4(j, scales, sc, mn);
-          const uint8_t* src = qs + (j / 2) * 32;
-          const int shift = (j % 2) * 4;
-          for (int l = 0; l < 32; ++l) {
-            uint8_t v = (src[l] >> shift) & 0xF;
-            if (type == Q5_K) v |= ((qh[l] >> j) & 1) << 4;
-            q[l] = v;
+          bytes32 v, high;
+          std::memcpy(&v, qs + (j / 2) * 32, 32);
+          v = (v >> ((j % 2) * 4)) & 0xF;
+          if (type == Q5_K) {
+            std::memcpy(&high, qh, 32);
+            v |= ((high >> j) & 1) << 4;
           }
+          std::memcpy(q, &v, 32);
           d[0] = d[1] = dd * float(sc);
           m[0] = m[1] = -dmin * float(mn);
           q += 32, d += 2, m += 2;
@@ -127,10 +133,13 @@ inline void decode_blocks(const uint8_t* row, int64_t first_block, int64_t block
         const float dd = half_at(b + 208);
         // Input 32s + l of a half (s = 0..3): nibble s / 2 of ql[32 (s % 2) + l], bits 2s of qh[l].
         for (int half = 0; half < 2; ++half, ql += 64, qh += 32)
-          for (int s = 0; s < 4; ++s)
-            for (int l = 0; l < 32; ++l)
-              q[half * 128 + 32 * s + l] =
-                  ((ql[32 * (s % 2) + l] >> (4 * (s / 2))) & 0xF) | (((qh[l] >> (2 * s)) & 3) << 4);
+          for (int s = 0; s < 4; ++s) {
+            bytes32 low, high;
+            std::memcpy(&low, ql + 32 * (s % 2), 32);
+            std::memcpy(&high, qh, 32);
+            const bytes32 v = ((low >> (4 * (s / 2))) & 0xF) | (((high >> (2 * s)) & 3) << 4);
+            std::memcpy(q + half * 128 + 32 * s, &v, 32);
+          }
         for (int j = 0; j < 16; ++j) {
           d[j] = dd * float(scales[j]);
           m[j] = -32.f * d[j];
