@@ -3,8 +3,9 @@ the dequantized path its float32 weights.
 
 transformers' GGUF support reads the file's metadata into an HF config and tokenizer (seconds of
 parsing); the result (config.json, tokenizer files) is kept under ``cache_dir`` keyed by the file's
-path, size and mtime, so a later start reads that directory and the file's tensors alone
-(``metadata_dir``; the weights come from the file itself, engine/gguf_weights.py). Serving a file
+path, size and mtime, with a table of where the file's tensors lie, so a later start reads that
+directory and maps the file's tensors without parsing its metadata again (``metadata_dir``; the
+weights come from the file itself, engine/gguf_weights.py). Serving a file
 dequantized (``--dtype float32`` or ``bfloat16``, CUDA) keeps the path that dequantizes it through
 transformers, tens of seconds even for the 135M bundled model, with the weights cached as
 model.safetensors beside (``materialize_gguf``).
@@ -25,9 +26,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.gguf_check import GgufMetadata, complete_config, refusal, unread_metadata
+from engine.gguf_weights import write_tensor_table
 from engine.model_config import ModelConfig
 
 COMPLETE_MARKER = "tiergate-complete"
+TENSOR_TABLE = "gguf-tensors.json"  # where the file's tensors lie (engine/gguf_weights.py), for native loading
 
 
 def cache_dir_for(gguf_path: Path, cache_dir: Path, kind: str = "gguf") -> Path:
@@ -97,7 +100,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, with_weights: bool = True) -> N
         tokenizer.save_pretrained(out_dir)
         progress.update()
 
-        if model is not None:
+        if model is None:
+            write_tensor_table(gguf_path, out_dir / TENSOR_TABLE)
+        else:
             tied = bool(config.get("tie_word_embeddings"))
             state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
             save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})

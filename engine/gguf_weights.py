@@ -1,7 +1,9 @@
 """A GGUF file's tensors as the model's weights, kept in the file's own quantization.
 
-The file is memory-mapped by gguf-py's ``GGUFReader``; nothing is dequantized that a kernel of
-``engine.quant_linear`` can multiply as it is stored. Each tensor is found under the llama.cpp name
+Where each tensor lies is read once by gguf-py's ``GGUFReader`` and kept in a small table beside the
+cached config (its metadata parse takes seconds); a start maps the file read-only and takes the
+tensors' bytes in place. Nothing is dequantized that a kernel of ``engine.quant_linear`` can
+multiply as it is stored. Each tensor is found under the llama.cpp name
 that gguf-py's own table (``gguf.get_tensor_name_map``) gives the checkpoint name our family's
 weight table uses, as transformers' GGUF loader finds them, and undergoes the same fix-ups that
 loader applies per architecture, so the served weights are the reference's values:
@@ -19,6 +21,7 @@ dequantized here, with one warning naming the tensors and the types.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -68,17 +71,50 @@ class GgufWeights:
             yield from layer.values()
 
 
-def read_gguf_weights(path: Path, config: ModelConfig) -> GgufWeights:
-    """The weights of the GGUF at ``path`` for the model ``config`` describes (its cached config.json)."""
+@dataclass(frozen=True)
+class FileTensor:
+    """One tensor of the file as gguf-py reads it: its bytes are ``data`` (a view of the mapped file)."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # ggml's order: the row length first
+    data: np.ndarray
+
+
+def write_tensor_table(path: Path, out: Path) -> None:
+    """Where each tensor of the GGUF at ``path`` lies, as gguf-py's reader finds it, saved to ``out``:
+    parsing the file's metadata (its token lists above all) takes seconds, reading this takes none."""
     reader = gguf.GGUFReader(str(path))
-    arch = str(reader.fields["general.architecture"].contents())
-    tensors = {t.name: t for t in reader.tensors}
-    types = Counter(t.tensor_type.name for t in reader.tensors)
+    table = {"architecture": str(reader.fields["general.architecture"].contents()),
+             "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(n) for n in t.shape],
+                          "offset": int(t.data_offset), "dtype": t.data.dtype.str, "dims": list(t.data.shape)}
+                         for t in reader.tensors]}
+    out.write_text(json.dumps(table))
+
+
+def read_tensor_table(path: Path, table_file: Path) -> tuple[str, dict[str, FileTensor]]:
+    """The file's architecture and tensors, mapped read-only at the places ``write_tensor_table`` saved."""
+    table = json.loads(table_file.read_text())
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for t in table["tensors"]:
+        dtype = np.dtype(t["dtype"])
+        size = int(np.prod(t["dims"])) * dtype.itemsize
+        data = mapped[t["offset"]:t["offset"] + size].view(dtype).reshape(t["dims"])
+        tensors[t["name"]] = FileTensor(t["name"], gguf.GGMLQuantizationType(t["type"]), tuple(t["shape"]), data)
+    return table["architecture"], tensors
+
+
+def read_gguf_weights(path: Path, config: ModelConfig, table_file: Path) -> GgufWeights:
+    """The weights of the GGUF at ``path`` for the model ``config`` describes (its cached config.json),
+    its tensors found through ``table_file`` (``write_tensor_table``'s)."""
+    arch, tensors = read_tensor_table(path, table_file)
+    types = Counter(t.tensor_type.name for t in tensors.values())
     names = _name_map(arch, config.num_layers)
     fixups = _Fixups(arch, config)
     dequantized: dict[str, list[str]] = defaultdict(list)
 
-    def find(hf_name: str) -> gguf.ReaderTensor:
+    def find(hf_name: str) -> FileTensor:
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = names.get_name(base)
         tensor = tensors.get(f"{gguf_name}.{suffix}") if gguf_name else None

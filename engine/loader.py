@@ -22,7 +22,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine.config import default_cache_dir
-from engine.gguf_cache import materialize_gguf, metadata_dir
+from engine.gguf_cache import TENSOR_TABLE, materialize_gguf, metadata_dir
 from engine.gguf_weights import read_gguf_weights
 from engine.model import DecoderModel
 from engine.model_config import ModelConfig
@@ -132,7 +132,7 @@ def _load_gguf_natively(path: Path, cache_dir: Path, device: str | torch.device,
     folder = metadata_dir(path, cache_dir)
     config = _read_config(folder / "config.json")
     model = DecoderModel(config, device, dtype)
-    weights = read_gguf_weights(path, config)
+    weights = read_gguf_weights(path, config, folder / TENSOR_TABLE)
     model.load_packed_weights(weights.embed, weights.head, weights.projections, weights.floats)
     log.info("%s served in its own quantization: %s; %.0f MiB of quantized weights", name,
              ", ".join(f"{kind} x{count}" for kind, count in sorted(weights.types.items())), weights.quant_bytes / 2**20)
