@@ -2,7 +2,7 @@
 
 Tensors of a type gguf-py can quantize (Q8_0, Q4_0, Q4_1, Q5_0, ...) are float weights quantized by
 it; the K-types (Q4_K, Q5_K, Q6_K), which gguf-py only dequantizes, get valid random blocks: random
-quant and sub-scale bytes with finite f16 super-block scales written where ggml keeps them. q and k
+quants and sub-scales, finite f16 super-block scales where ggml keeps them, weights centred on zero. q and k
 rows are whatever the file holds: the loader's row permutation is checked against the dequantized
 path, which undoes it the way transformers does.
 """
@@ -16,8 +16,10 @@ import gguf
 import numpy as np
 
 Q = gguf.GGMLQuantizationType
-# Where each K-type block keeps its f16 scales (byte offsets), and a scale that keeps weights near 0.05.
-F16_FIELDS = {Q.Q4_K: ((0, 2e-4), (2, 1e-4)), Q.Q5_K: ((0, 1e-4), (2, 5e-5)), Q.Q6_K: ((208, 5e-5),)}
+# K-types' super-block scale d (f16 at byte 0, or 208 for Q6_K) near a value that keeps weights near 0.05.
+K_SCALE = {Q.Q4_K: 7e-4, Q.Q5_K: 3.5e-4, Q.Q6_K: 5e-5}
+# Q4_K and Q5_K: the mean of their unsigned quants, which the block's min (dmin * m) is set to cancel.
+K_MEAN_QUANT = {Q.Q4_K: 7.5, Q.Q5_K: 15.5}
 VOCAB = 320
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -63,15 +65,28 @@ def quantized(weight: np.ndarray, kind: Q, rng: np.random.Generator) -> np.ndarr
     """``weight`` [rows, cols] as ``kind``'s bytes (gguf-py's quantizer), or random valid K-type blocks."""
     if kind == Q.F32:
         return weight.astype(np.float32)
-    if kind not in F16_FIELDS:
+    if kind not in K_SCALE:
         return gguf.quants.quantize(weight.astype(np.float32), kind)
     block, size = gguf.GGML_QUANT_SIZES[kind]
     rows, cols = weight.shape
     blocks = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for offset, scale in F16_FIELDS[kind]:
-        values = (scale * rng.uniform(0.5, 1.5, size=blocks.shape[:2])).astype(np.float16)
-        blocks[..., offset:offset + 2] = values.view(np.uint8).reshape(*values.shape, 2)
+    d = (K_SCALE[kind] * rng.uniform(0.5, 1.5, size=blocks.shape[:2])).astype(np.float16)
+    if kind == Q.Q6_K:  # symmetric quants (q - 32) and signed sub-scales: random bytes are centred already
+        blocks[..., 208:210] = f16_bytes(d)
+        return blocks.reshape(rows, -1)
+    # Sub-scales s_j and mins m_j equal, in 1..15 (so the 6-bit packing keeps them in its low bits):
+    # with dmin = d * mean quant, each sub-block's weights d * s_j * (q - mean) are centred on zero,
+    # as a trained model's are, instead of all positive.
+    sub = rng.integers(1, 16, size=(*blocks.shape[:2], 8), dtype=np.uint8)
+    blocks[..., 4:8], blocks[..., 8:12] = sub[..., :4], sub[..., :4]
+    blocks[..., 12:16] = sub[..., 4:] | (sub[..., 4:] << 4)
+    blocks[..., 0:2] = f16_bytes(d)
+    blocks[..., 2:4] = f16_bytes((d.astype(np.float32) * K_MEAN_QUANT[kind]).astype(np.float16))
     return blocks.reshape(rows, -1)
+
+
+def f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
 
 
 def write_tiny_gguf(out: Path, types: TensorTypes, shape: TinyShape = TinyShape(), seed: int = 0) -> Path:
