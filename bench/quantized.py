@@ -169,12 +169,18 @@ class LlamaLog:
         self.pieces.append(text.decode("utf-8", errors="replace"))
 
     def lines(self) -> list[str]:
-        """The distinct lines that say which buffers, layouts and attention llama.cpp used."""
+        """The distinct lines that say which buffers, layouts and attention llama.cpp used; its one line
+        per repacked tensor summed into one per layout."""
         seen: dict[str, None] = {}
-        for line in "".join(self.pieces).splitlines():
-            if any(k in line for k in self.KEYS) and not line.startswith("~"):  # not the teardown's
-                seen.setdefault(" ".join(line.split()), None)
-        return list(seen)
+        repacked: Counter[str] = Counter()
+        text = "".join(self.pieces).replace("repack: repack tensor", "\nrepack: repack tensor")
+        for line in text.splitlines():
+            line = " ".join(line.strip(". ").split())
+            if line.startswith("repack: repack tensor") and " with " in line:
+                repacked[line.rsplit(" with ", 1)[1]] += 1
+            elif any(k in line for k in self.KEYS) and not line.startswith("~"):  # not the teardown's
+                seen.setdefault(line, None)
+        return list(seen) + [f"repack: {n} tensors repacked to {layout}" for layout, n in repacked.items()]
 
 
 def llama_bench_check(path: Path, threads: int, reps: int = 3) -> dict:

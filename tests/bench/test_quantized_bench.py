@@ -185,3 +185,17 @@ def test_describe_weights_counts_packed_forms_and_shared_storage_once():
     assert described["forms"] == {"quant Q4_K": 2, "quant Q4_K+Q6_K": 1}
     assert described["by_kind"] == {"quant Q4_K": 2000, "quant Q4_K+Q6_K": 500, "float32": 160, "bfloat16": 8}
     assert described["bytes"] == 2668
+
+
+def test_llama_cpp_log_keeps_its_buffer_lines_and_counts_repacked_tensors_per_layout():
+    from bench.quantized import LlamaLog
+
+    log = LlamaLog.__new__(LlamaLog)  # without installing the callback: the parsing alone
+    log.pieces = ["load_tensors: CPU_REPACK model buffer size = 21.09 MiB\n", "print_info: n_head = 15\n",
+                  "......repack: repack tensor blk.4.ffn_down.weight with q4_K_8x8\n", ".",
+                  "repack: repack tensor blk.5.ffn_down.weight with q4_K_8x8\n",
+                  "repack: repack tensor blk.5.attn_q.weight with q4_0_8x8\n",
+                  "~llama_context: CPU compute buffer size is 99.7 MiB\n", "llama_context: flash_attn = auto\n",
+                  "llama_context: flash_attn = auto\n"]
+    assert log.lines() == ["load_tensors: CPU_REPACK model buffer size = 21.09 MiB", "llama_context: flash_attn = auto",
+                           "repack: 2 tensors repacked to q4_K_8x8", "repack: 1 tensors repacked to q4_0_8x8"]
