@@ -103,7 +103,11 @@ def _engine_details(name: str, rounds: list[dict]) -> list[str]:
     first = next((r for r in rounds if "error" not in r), None)
     if first is None:
         return [f"- {name}: **failed**: {rounds[0].get('error') if rounds else 'no round ran'}"]
-    lines = []
+    ok = [r for r in rounds if "error" not in r]
+    each = {m: ", ".join(f"{r[m]['tokens_per_s']:.1f}" for r in ok if m in r) for m in ("single", "pp512")}
+    loads = ", ".join(f"{r['load_s']:.1f}" for r in ok)
+    lines = [f"- {name} rounds in order: single stream {each['single']} tok/s; pp512 {each['pp512']} tok/s; "
+             f"load {loads} s."]
     if "weights" in first:
         forms = ", ".join(f"{label} x{n}" for label, n in first["weights"]["forms"].items()) or "none packed"
         lines.append(f"- tiergate served: {forms}; weights resident {first['weights']['bytes'] / 1e6:.0f} MB "

@@ -147,6 +147,7 @@ def test_each_engine_reads_its_median_round_and_the_ratios_judge_the_goals():
     assert "CPU_REPACK model buffer size = 20.0 MiB" in text
     assert "pp512 510.0 tok/s, tg128 26.0 tok/s" in text
     assert "quant Q4_K x64" in text
+    assert "- tiergate rounds in order: single stream 30.0, 36.0, 24.0 tok/s; pp512 400.0, 380.0, 420.0 tok/s;" in text
 
 
 def test_a_failed_engine_is_reported_and_gets_no_ratio():
