@@ -24,7 +24,7 @@ def cpu_has_native_bf16() -> bool:
 class EngineConfig:
     model: str = "bundled"  # "bundled", an HF directory, a .gguf file, or "dummy:<config.json | dir>"
     device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    dtype: str | None = None  # None: float32 on CPU (a GGUF in its own quantization), bfloat16 on CUDA
     block_size: int = 16
     # The KV pool: an exact block count, else a budget in bytes or tokens, else sized from the memory
     # left after the weights (engine/kv_cache.py default_pool_bytes).

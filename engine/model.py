@@ -179,12 +179,12 @@ class DecoderModel(nn.Module):
         """Every projection quantized into the block format ``kind`` (``--quantize``: q8_0, q4_0, q4_k),
         blocks along its inputs; a fused weight is quantized whole, as each output's blocks are its own.
         The embedding, the head, norms and biases stay float."""
+        block = gguf.GGML_QUANT_SIZES[QUANTIZE_KINDS[kind]][0]
         for i, layer in enumerate(self.layers):
             for name in PROJECTIONS:
                 weight = getattr(layer, name)
                 if isinstance(weight, PackedWeight):
                     raise ValueError(f"layer {i} {name} is packed already ({weight.form}): quantize before packing")
-                block = gguf.GGML_QUANT_SIZES[QUANTIZE_KINDS[kind]][0]
                 if weight.shape[0] % block:
                     raise ValueError(f"--quantize {kind} needs every projection's input size to be a multiple of "
                                      f"{block}; layer {i} {name} has {weight.shape[0]}")

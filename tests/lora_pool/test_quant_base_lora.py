@@ -14,7 +14,10 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 import engine.quant_linear
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.loader import load_model
+from engine.request import EngineRequest, SamplingParams
 from engine.quant_linear import quantize_weight
 from engine.runner import ModelRunner
 from lora_pool import BaseShapes, LoraPool
@@ -25,6 +28,7 @@ from tests.lora_pool.test_engine_matches_peft import (  # noqa: F401 (fixtures)
     REQUESTS,
     adapter_dirs,
     base_dir,
+    peft_greedy,
     peft_last_logits,
     prompts,
 )
@@ -95,3 +99,19 @@ def test_adapters_over_a_quantized_base_on_the_kernels_stay_within_the_activatio
     for adapter, ours, expected in run_mixed_batch(base_dir, adapter_dirs, peft_models, kind):
         spread = expected.abs().max().item()
         assert (ours - expected).abs().max().item() < KERNEL_RTOL * spread, f"adapter {adapter}"
+
+
+def test_an_engine_configured_to_quantize_serves_adapters_with_peft_greedy_tokens(base_dir, adapter_dirs,  # noqa: F811
+                                                                                  peft_models, kind, monkeypatch):
+    monkeypatch.setattr(engine.quant_linear, "quant_kernels_present", lambda: False)
+    config = EngineConfig(model=str(base_dir), quantize=kind, max_loras=4, max_cpu_loras=4, max_lora_rank=16,
+                          num_kv_blocks=128, block_size=4)
+    with Engine(config) as served:
+        assert served.runner.model.layers[0].qkv.form == "quant"
+        for name, path in adapter_dirs.items():
+            served.register_adapter(name, str(path))
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        results = served.generate_batch_sync([EngineRequest(f"r{i}", ids, params, adapter=name)
+                                              for i, ((name, _), ids) in enumerate(zip(REQUESTS, prompts()))])
+    for (name, _), ids, (_, tokens) in zip(REQUESTS, prompts(), results):
+        assert tokens == peft_greedy(peft_models[name], ids, 5)[0], f"adapter {name}"
