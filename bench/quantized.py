@@ -106,10 +106,12 @@ def describe_weights(model) -> dict:
 
     forms: Counter[str] = Counter()
     by_kind: Counter[str] = Counter()
-    seen: set[int] = set()
+    seen: set[int] = set()  # tensors' data pointers
+    packed: set[int] = set()  # packed weights' ids
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, PackedWeight):
+            if isinstance(value, PackedWeight) and id(value) not in packed:  # a tied head is the embedding
+                packed.add(id(value))
                 # A fused group (q|k|v, gate|up) of quantized parts may mix block types.
                 kinds = [getattr(part, "ggml_type", None) for part in getattr(value, "parts", [value])]
                 names = sorted({getattr(k, "name", str(k)) for k in kinds if k is not None})

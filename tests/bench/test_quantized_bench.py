@@ -181,11 +181,13 @@ def test_describe_weights_counts_packed_forms_and_shared_storage_once():
     model.layer.qkv = FakeQuant()
     model.layer.down = FakeQuant()
     model.layer.gate_up = FakeStack()
+    model.embed_q = FakeQuant()
+    model.head = model.embed_q  # a quantized tied head: the same weight
     model.layer.norm = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16), requires_grad=False)
     described = describe_weights(model)
-    assert described["forms"] == {"quant Q4_K": 2, "quant Q4_K+Q6_K": 1}
-    assert described["by_kind"] == {"quant Q4_K": 2000, "quant Q4_K+Q6_K": 500, "float32": 160, "bfloat16": 8}
-    assert described["bytes"] == 2668
+    assert described["forms"] == {"quant Q4_K": 3, "quant Q4_K+Q6_K": 1}
+    assert described["by_kind"] == {"quant Q4_K": 3000, "quant Q4_K+Q6_K": 500, "float32": 160, "bfloat16": 8}
+    assert described["bytes"] == 3668
 
 
 def test_llama_cpp_log_keeps_its_buffer_lines_and_counts_repacked_tensors_per_layout():
