@@ -62,6 +62,12 @@ def benches() -> list[Bench]:
                "--single-stream-requests", "6", "--single-stream-rounds", "5", "--engines",
                "tiergate,llama.cpp-F32,hf-transformers,tiergate-plain,tiergate-onednn"],
               ["--requests", "16", "--concurrency", "1,8", "--single-stream-requests", "2"], timeout_s=1200),
+        # The bundled file and the 360M Q4_K_M one; `python -m bench.quantized --full` runs every file
+        # (360M and 1B in Q8_0, Q4_0 and Q4_K_M: about an hour more, the 1B files most of it).
+        Bench("quantized", "Quantized GGUF serving: tiergate vs llama.cpp on the same files",
+              ["--models", "bundled,360m", "--quants", "q4_k_m", "--rounds", "3"],
+              ["--models", "bundled", "--rounds", "1", "--tokens", "16", "--streams", "4", "--stream-tokens", "8",
+               "--pp-reps", "1"], timeout_s=1800),
         Bench("bf16_quality", "The bfloat16 opt-in: logprob drift and decode speed against float32",
               quick_args=["--tokens", "32"]),
         Bench("projections", "A decode step's projections: the panel kernel vs oneDNN and torch.mm",

@@ -24,10 +24,15 @@ def cpu_has_native_bf16() -> bool:
 class EngineConfig:
     model: str = "bundled"  # "bundled", an HF directory, a .gguf file, or "dummy:<config.json | dir>"
     device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    dtype: str | None = None  # None: float32 on CPU (a GGUF in its own quantization), bfloat16 on CUDA
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 0.25
+    # The KV pool: an exact block count, else a budget in bytes or tokens, else sized from the memory
+    # left after the weights (engine/kv_cache.py default_pool_bytes).
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_tokens: int | None = None
+    # HF checkpoints: projections quantized at load into this block format (q8_0, q4_0, q4_k; CPU).
+    quantize: str | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
@@ -73,6 +78,12 @@ class EngineConfig:
             tiers=self.tiers, standard_min_share=self.standard_min_share, long_context_after=long_context_after,
             express_spare_blocks=self.express_spare_blocks if self.express_steps_on else 0,
             max_step_s=self.max_step_s, min_prefill_chunk=self.min_prefill_chunk)
+
+    @property
+    def native_gguf(self) -> bool:
+        """Whether a GGUF is served in its own quantization: on CPU unless a dtype is asked for, which
+        dequantizes it (float32: exactly the file's values, as HF transformers computes them)."""
+        return self.device == "cpu" and self.dtype is None
 
     @property
     def express_steps_on(self) -> bool:

@@ -1,6 +1,7 @@
 """Builds the engine's C++ CPU operators (engine/csrc/) on first use and loads them into ``torch.ops.tiergate``.
 
-The sources are compiled together, in parallel by ninja, into one extension with
+The sources are compiled together, in parallel by ninja, into one extension (the quantized
+kernels, ``csrc/quant*.cpp``, into a second one of their own) with
 ``torch.utils.cpp_extension.load`` (JIT, into ``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``) and cached there for later starts. Built at run time rather than by ``pip install`` because
 a build step in pip runs in an isolated environment that would download a CUDA
@@ -27,17 +28,33 @@ CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
+# The quantized kernels (csrc/quant*.cpp) build apart from the others: an edit to either
+# set leaves the other's cached build in use.
+QUANT_PREFIX = "quant"
+
+
 @functools.cache
 def cpu_kernels_loaded() -> bool:
-    """Compile (or find compiled) every ``engine/csrc/*.cpp`` and load the operators, once per
-    process; False when they cannot be built."""
+    """Compile (or find compiled) every ``engine/csrc/*.cpp`` but the quantized kernels and load the
+    operators, once per process; False when they cannot be built."""
+    sources = sorted(str(p) for p in CSRC.glob("*.cpp") if not p.name.startswith(QUANT_PREFIX))
+    return _load("tiergate_cpu_kernels_", sources)
+
+
+@functools.cache
+def quant_kernels_loaded() -> bool:
+    """As ``cpu_kernels_loaded``, for the quantized kernels (``engine/csrc/quant*.cpp``)."""
+    return _load("tiergate_quant_kernels_", sorted(str(p) for p in CSRC.glob(QUANT_PREFIX + "*.cpp")))
+
+
+def _load(prefix: str, sources: list[str]) -> bool:
     try:
         _ensure_ninja_on_path()
         from torch.utils.cpp_extension import load
 
-        log.info("loading the CPU kernels (built once, then cached)")
-        sources = sorted(str(path) for path in CSRC.glob("*.cpp"))
-        load(name=_build_name(sources), sources=sources, extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+        log.info("loading the CPU kernels %s (built once, then cached)", prefix.rstrip("_"))
+        load(name=prefix + _build_name(sources), sources=sources, extra_cflags=CFLAGS, is_python_module=False,
+             verbose=False)
         return True
     except Exception as error:  # any build failure leaves the callers' fallbacks, which are always correct
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -58,7 +75,7 @@ def _build_name(sources: list[str]) -> str:
     digest = hashlib.sha1("".join(lines).encode())
     for source in [*sources, *sorted(str(path) for path in CSRC.glob("*.h"))]:
         digest.update(Path(source).read_bytes())
-    return "tiergate_cpu_kernels_" + digest.hexdigest()[:10]
+    return digest.hexdigest()[:10]
 
 
 def _ensure_ninja_on_path() -> None:

@@ -19,7 +19,7 @@ from engine.cpu_threads import run_torch_serially_here
 from engine.events import Listener
 from engine.grammar_compiler import Compiled, GrammarCompiler
 from engine.inbox import AbortRequest, AddRequest, Inbox, UnregisterAdapter
-from engine.kv_cache import num_blocks_for_budget
+from engine.kv_cache import pool_blocks
 from engine.loader import load_model
 from engine.request import Delta, EngineRequest
 from engine.request_state import RequestState
@@ -41,7 +41,8 @@ class Engine:
         self.config = config
         self.dtype = config.torch_dtype()
         run_torch_serially_here()  # only the engine thread runs torch on several (engine/cpu_threads.py)
-        loaded = load_model(config.model, config.device, self.dtype, config.cache_dir, seed=config.seed)
+        loaded = load_model(config.model, config.device, self.dtype, config.cache_dir, seed=config.seed,
+                            native_gguf=config.native_gguf, quantize=config.quantize)
         self.model_name: str = loaded.name
         self.model_config = loaded.model_config
         self.tokenizer = TextTokenizer(
@@ -52,9 +53,9 @@ class Engine:
             eos_token_ids=tuple(loaded.eos_token_ids),
         )
         self.max_model_len = min(config.max_model_len, loaded.model_config.max_position_embeddings)
-        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            loaded.model_config, config.block_size, self.dtype, int(config.kv_cache_memory_gb * 2**30)
-        )
+        num_blocks = config.num_kv_blocks or pool_blocks(
+            loaded.model_config, config.block_size, self.dtype, config.device, config.kv_cache_bytes,
+            config.kv_cache_tokens, config.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype)
         self.num_kv_blocks = num_blocks
         self.grammars = GrammarCompiler(

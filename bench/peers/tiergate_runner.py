@@ -91,6 +91,8 @@ class TiergateRunner:
         self.recorder = StepRecorder(self.engine, block_size)
         self.engine.add_listener(self.recorder)
         self.steps: list[StepSample] = []  # of every run, for the cost model
+        # Per request index, when each of its tokens reached the client (seconds from the run's start).
+        self.token_times: dict[int, list[float]] = {}
 
     def warm_up(self) -> None:
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -110,6 +112,7 @@ class TiergateRunner:
 
     async def _drive(self, requests: list[BenchRequest], concurrency: int) -> tuple[float, list[RequestTiming]]:
         slots = asyncio.Semaphore(concurrency)
+        self.token_times = {r.index: [] for r in requests}
         begin = time.perf_counter()
 
         async def one(r: BenchRequest) -> RequestTiming:
@@ -123,6 +126,7 @@ class TiergateRunner:
                         raise RuntimeError(f"request {r.index} failed: {delta.error}")
                     if delta.token_ids:
                         produced += len(delta.token_ids)
+                        self.token_times[r.index] += [time.perf_counter() - begin] * len(delta.token_ids)
                         if first is None:
                             first = time.perf_counter() - begin
                 return RequestTiming(r.index, r.prompt_len, produced, issued, first, time.perf_counter() - begin)

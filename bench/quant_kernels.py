@@ -1,0 +1,119 @@
+"""The quantized projection kernels alone (engine/csrc/quant_linear.cpp) against the float32 panel kernel.
+
+Every projection of ``--layers`` layers of a ~1B Llama shape (hidden 2048, FFN 8192: 2048->3072
+qkv, 2048->2048 o, 2048->16384 gate/up, 8192->2048 down), multiplied by ``rows`` rows, in each
+GGUF block format and as float32 panels. Two layers of the smallest format (Q4_0, ~68 MB) are
+beyond the caches, so a pass reads its weights from memory as a decode step does. Random valid
+blocks: the kernels' speed does not depend on the values. Formats and panels alternate, rounds
+in turn, in one process; printed: the median time of a pass (wall, and CPU per thread, which
+a machine shared with other work inflates less), the weight bytes read per second (the decode
+bound), multiply-adds per second (the prefill bound) and the panel kernel's time over each format's.
+
+    .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,512] [--rounds 5] [--threads 2] [--layers 2]
+        [--types Q8_0,Q4_0,Q4_1,Q4_K,Q5_K,Q6_K] [--isa auto|avx512|avx2|scalar] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import gguf
+import torch
+
+from bench import machine
+from engine.packed_linear import PackedWeight, pack, panel_kernel_present
+from engine.quant_linear import QuantWeight, kernel_isa, quant_kernels_present
+from engine.quantize import random_blocks
+
+LAYER_SHAPES = ((2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048))  # (in, out)
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _quant_weights(type_name: str, layers: int) -> list[PackedWeight]:
+    ggml_type = gguf.GGMLQuantizationType[type_name]
+    return [QuantWeight(torch.from_numpy(random_blocks(ggml_type, n, k, seed=i)), ggml_type, k, n)
+            for i, (k, n) in enumerate(LAYER_SHAPES * layers)]
+
+
+def _panel_weights(layers: int) -> list[PackedWeight]:
+    gen = torch.Generator().manual_seed(0)
+    return [pack(torch.randn(k, n, generator=gen) * 0.05, "panels") for k, n in LAYER_SHAPES * layers]
+
+
+def _pass(weights: list[PackedWeight], inputs: dict[int, torch.Tensor]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process) of one pass over ``weights``."""
+    started, cpu = time.perf_counter(), time.process_time()
+    for w in weights:
+        w(inputs[w.in_features])
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: list[str]) -> dict:
+    torch.set_num_threads(threads)
+    if not quant_kernels_present() or not panel_kernel_present():
+        raise SystemExit("the CPU kernels did not build here")
+    forms = {t: _quant_weights(t, layers) for t in types}
+    forms["F32 panels"] = _panel_weights(layers)
+    macs = sum(k * n for k, n in LAYER_SHAPES * layers)
+    results = []
+    for rows in rows_list:
+        inputs = {k: torch.randn(rows, k) for k, _ in LAYER_SHAPES}
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in forms}
+        for i in range(rounds + 1):  # the first round warms up
+            for name in forms if i % 2 == 0 else reversed(list(forms)):
+                elapsed = _pass(forms[name], inputs)
+                if i:
+                    times[name].append(elapsed)
+        panel = statistics.median(wall for wall, _ in times["F32 panels"])
+        for name, t in times.items():
+            median = statistics.median(wall for wall, _ in t)
+            nbytes = sum(w.nbytes for w in forms[name])
+            # CPU time per thread: on a machine shared with other work the wall time counts their turns too.
+            cpu = statistics.median(c for _, c in t) / threads
+            results.append({"rows": rows, "form": name, "median_ms": median * 1e3, "cpu_ms_per_thread": cpu * 1e3,
+                            "weight_mb": nbytes / 1e6, "weight_gb_s": nbytes / median / 1e9,
+                            "gmac_s": macs * rows / median / 1e9, "panel_time_over_this": panel / median})
+    return {"machine": machine.describe(), "threads": threads, "layers": layers, "isa": kernel_isa(),
+            "rounds": rounds, "results": results}
+
+
+def _print(report: dict) -> None:
+    print(f"isa {report['isa']}, {report['threads']} threads, {report['layers']} layers of the ~1B shape, "
+          f"median of {report['rounds']} rounds")
+    print(f"{'rows':>5} {'form':>11} {'ms':>9} {'cpu ms':>9} {'MB':>7} {'GB/s':>7} {'GMAC/s':>8} {'panel/this':>10}")
+    for r in report["results"]:
+        print(f"{r['rows']:>5} {r['form']:>11} {r['median_ms']:>9.2f} {r['cpu_ms_per_thread']:>9.2f} "
+              f"{r['weight_mb']:>7.1f} {r['weight_gb_s']:>7.1f} {r['gmac_s']:>8.1f} {r['panel_time_over_this']:>9.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8,32,512")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument("--isa", default="auto")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    os.environ["TIERGATE_QUANT_ISA"] = args.isa
+    types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
+    unknown = [t for t in types if t not in TYPES]
+    if unknown:
+        print(f"--types: unknown {unknown}; expected some of {','.join(TYPES)}", file=sys.stderr)
+        return 2
+    report = run([int(r) for r in args.rows.split(",")], args.rounds, args.threads, args.layers, types)
+    _print(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+// What the quantized kernels' translation units share: the quantized activations and the
+// entry of the AVX-512 path that decodes weights in registers (quant_fused_avx512.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace tiergate_quant {
+
+constexpr int64_t STEP = 64;  // inputs are padded to a multiple: one AVX-512 vector of int8
+
+// Activations quantized per row: int8 values in blocks of 32, each block's scale d, and per 16
+// inputs d and d times the sum of the block's int8 values (which the formats' offsets multiply).
+struct Acts {
+  std::vector<int8_t> q;      // [rows, in_pad]
+  std::vector<float> d;       // [rows, in_pad / 16]
+  std::vector<float> s;       // [rows, in_pad / 16]
+  std::vector<float> lanes;   // [rows, in_pad / 4]: d once per 4 inputs, as an int32 lane of dot products sums them
+  int64_t in_pad = 0;
+};
+
+// Outputs [first, first + count) of one weight (`blocks`, ggml rows of `row_bytes`) for `rows`
+// (<= FUSED_MAX_ROWS) rows of `acts` from `row0`, written to out[r * out_stride + col].
+struct FusedArgs {
+  const uint8_t* blocks;
+  int64_t type, row_bytes, in, first, count;
+  const Acts* acts;
+  int64_t row0, rows;
+  float* out;  // at (row0, the part's column of `first`)
+  int64_t out_stride;
+};
+
+constexpr int FUSED_MAX_ROWS = 4;
+
+// Whether the AVX-512 VNNI path served these outputs by decoding each weight chunk in registers
+// (true), or leaves them to the decode-to-scratch tiles (false: a format it does not decode).
+bool fused_avx512(const FusedArgs& a);
+
+// One weight row decoded as quant_formats.h's decode_row does, with AVX-512; false where it
+// leaves that to decode_row (Q8_0, whose bytes are copied, or rows of an odd number of 32-input blocks).
+bool decode_avx512(int64_t type, const uint8_t* row, int64_t in, uint8_t* q, float* d16, float* m16);
+
+}  // namespace tiergate_quant

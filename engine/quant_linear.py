@@ -1,0 +1,196 @@
+"""Projections whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
+
+A ``QuantWeight`` keeps a weight's rows exactly as the GGUF stores them (ggml's row is one
+output feature, its blocks run along the inputs) and multiplies activations by them with
+tiergate's kernels (csrc/quant_linear.cpp, built on first use by engine/cpu_build.py): each
+activation row is quantized once per call to int8 in blocks of 32 with a float scale, and the
+dot products run on integers, as llama.cpp does, so a decode step reads the file's bytes, not a
+float32 copy 4-7x their size. ``stack_outputs`` puts several weights side by side behind one
+call (a fused q|k|v or gate|up whose parts may differ in type).
+
+Where the kernels cannot be built, the weight is dequantized in slices and multiplied by
+``torch.mm``: slower, exact in the weight, and with no activation rounding.
+
+``TIERGATE_QUANT_ISA`` forces a kernel path (``avx512``, ``avx2`` or ``scalar``); unset or
+``auto``, the best this CPU runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import gguf
+import numpy as np
+import torch
+
+from engine.cpu_build import quant_kernels_loaded
+from engine.packed_linear import PackedWeight
+from engine.quantize import quantize_rows
+
+T = gguf.GGMLQuantizationType
+SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K})
+# --quantize's names for the formats it writes.
+QUANTIZE_KINDS: dict[str, gguf.GGMLQuantizationType] = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_k": T.Q4_K}
+# Kernel paths, in the order auto prefers them; csrc/quant_linear.cpp numbers them the same way.
+ISAS = ("avx512", "avx2", "scalar")
+# Output rows the fallback dequantizes at a time: bounds its float copy to a few MB.
+FALLBACK_SLICE_ROWS = 256
+
+
+def quant_kernels_present() -> bool:
+    """Whether the quantized kernels are built and loaded (built here on the first call)."""
+    return quant_kernels_loaded()
+
+
+def kernel_isa() -> str:
+    """The kernel path calls take now: ``TIERGATE_QUANT_ISA`` if set, else the best this CPU runs.
+    Raises ValueError for a name not in ``ISAS`` or a path this CPU cannot run."""
+    return ISAS[_isa_index(os.environ.get("TIERGATE_QUANT_ISA", "auto"))]
+
+
+@functools.cache
+def _isa_index(asked: str) -> int:
+    """``kernel_isa``'s index for a value of the variable, looked up once: a call reads the variable only."""
+    if not quant_kernels_present():
+        raise RuntimeError("the quantized kernels could not be built here")
+    asked = asked.strip().lower()
+    if asked in ("", "auto"):
+        return next(i for i in range(len(ISAS)) if torch.ops.tiergate.quant_isa_supported(i))
+    if asked not in ISAS:
+        raise ValueError(f"TIERGATE_QUANT_ISA={asked!r}: expected one of {', '.join(ISAS)} or auto")
+    if not torch.ops.tiergate.quant_isa_supported(ISAS.index(asked)):
+        raise ValueError(f"TIERGATE_QUANT_ISA={asked}: this CPU cannot run that path")
+    return ISAS.index(asked)
+
+
+def _check_blocks(blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType, in_features: int,
+                  out_features: int) -> None:
+    if ggml_type not in SERVED_TYPES:
+        raise ValueError(f"no quantized kernel for {ggml_type.name}; served: {sorted(t.name for t in SERVED_TYPES)}")
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    if in_features % block_size:
+        raise ValueError(f"{ggml_type.name} needs the input size to be a multiple of {block_size}, got {in_features}")
+    expected = (out_features, in_features // block_size * type_size)
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
+        raise ValueError(f"{ggml_type.name} blocks for [{in_features} in, {out_features} out] must be uint8 "
+                         f"{list(expected)}, got {blocks.dtype} {list(blocks.shape)}")
+
+
+def _dequantize(blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """Rows of ``blocks`` as float32 ``[rows, in]``, exactly as gguf-py's reference dequantizers give them
+    (the kernels' op where built: it runs in parallel, without numpy's temporaries)."""
+    if quant_kernels_present():
+        in_features = blocks.shape[1] // gguf.GGML_QUANT_SIZES[ggml_type][1] * gguf.GGML_QUANT_SIZES[ggml_type][0]
+        return torch.ops.tiergate.quant_dequantize(blocks.contiguous(), int(ggml_type), in_features)
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), ggml_type).astype(np.float32, copy=False))
+
+
+class QuantWeight(PackedWeight):
+    """One projection weight in a GGUF block format: ``blocks`` uint8 ``[out, bytes_per_row]``."""
+
+    form = "quant"
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType, in_features: int,
+                 out_features: int) -> None:
+        ggml_type = gguf.GGMLQuantizationType(ggml_type)
+        _check_blocks(blocks, ggml_type, in_features, out_features)
+        # Read in place (an mmap's view stays one); rows must be contiguous for the kernels.
+        self.blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
+        self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, out_features
+        self._op_args = ([self.blocks], [int(ggml_type)], [out_features])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_matmul(x, [self], self._op_args)
+
+    def dense(self) -> torch.Tensor:
+        return _dequantize(self.blocks, self.ggml_type).t().contiguous()
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 ``[len(ids), in]``: the rows (output features) ``ids``, e.g. a quantized token embedding's."""
+        flat = ids.reshape(-1).to(torch.long)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            raise IndexError(f"row ids must be in [0, {self.out_features})")
+        rows = _dequantize(self.blocks.index_select(0, flat), self.ggml_type)
+        return rows.view(*ids.shape, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
+class StackedQuantWeight(PackedWeight):
+    """Several ``QuantWeight``s sharing their input, their outputs side by side: one call quantizes
+    the activations once for all of them."""
+
+    form = "quant"
+
+    def __init__(self, parts: list[QuantWeight]) -> None:
+        if not parts:
+            raise ValueError("stack_outputs needs at least one weight")
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError(f"stacked weights must share their input size, got {[p.in_features for p in parts]}")
+        self.parts = list(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self._op_args = ([p.blocks for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_matmul(x, self.parts, self._op_args)
+
+    def dense(self) -> torch.Tensor:
+        return torch.cat([p.dense() for p in self.parts], dim=1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def stack_outputs(parts: list[QuantWeight]) -> PackedWeight:
+    """One weight whose outputs are ``parts``' outputs side by side (a fused q|k|v or gate|up)."""
+    flat = [q for p in parts for q in (p.parts if isinstance(p, StackedQuantWeight) else [p])]
+    return flat[0] if len(flat) == 1 else StackedQuantWeight(flat)
+
+
+def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | None = None) -> torch.Tensor:
+    """``x [rows, in]`` (float32 or bfloat16) times ``parts`` side by side: float32 ``[rows, sum(out)]``.
+    ``op_args``: the parts' (blocks, types, out_features) lists, kept by a weight so a decode step
+    does not rebuild them per call."""
+    if x.dim() != 2 or x.shape[1] != parts[0].in_features:
+        raise ValueError(f"x must be [rows, {parts[0].in_features}], got {list(x.shape)}")
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not quant_kernels_present():
+        return _fallback_matmul(x, parts)
+    if op_args is None:
+        op_args = ([p.blocks for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
+    return torch.ops.tiergate.quant_linear(x, *op_args, _isa_index(os.environ.get("TIERGATE_QUANT_ISA", "auto")))
+
+
+def _fallback_matmul(x: torch.Tensor, parts: list[QuantWeight]) -> torch.Tensor:
+    """The kernels' result without them: each slice of output rows dequantized, then ``torch.mm``."""
+    out = torch.empty(x.shape[0], sum(p.out_features for p in parts), dtype=torch.float32)
+    first = 0
+    for part in parts:
+        for lo in range(0, part.out_features, FALLBACK_SLICE_ROWS):
+            rows = _dequantize(part.blocks[lo:lo + FALLBACK_SLICE_ROWS], part.ggml_type)
+            out[:, first + lo:first + lo + rows.shape[0]] = torch.mm(x, rows.t())
+        first += part.out_features
+    return out
+
+
+def quantize_weight(weight_in_out: torch.Tensor, kind: str) -> QuantWeight:
+    """A float ``[in, out]`` weight quantized into ``kind`` (``q8_0``, ``q4_0``, ``q4_k``) as llama.cpp's
+    reference quantizers do (engine/quantize.py), for an HF checkpoint served with ``--quantize``."""
+    if kind not in QUANTIZE_KINDS:
+        raise ValueError(f"unknown quantization {kind!r}: expected one of {', '.join(QUANTIZE_KINDS)}")
+    ggml_type = QUANTIZE_KINDS[kind]
+    in_features, out_features = weight_in_out.shape
+    block_size = gguf.GGML_QUANT_SIZES[ggml_type][0]
+    if in_features % block_size:
+        raise ValueError(f"{kind} needs the input size to be a multiple of {block_size}, got {in_features}")
+    rows = weight_in_out.detach().t().to(torch.float32).contiguous().numpy()
+    blocks = torch.from_numpy(quantize_rows(rows, ggml_type))
+    return QuantWeight(blocks, ggml_type, in_features, out_features)

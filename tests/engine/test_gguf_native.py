@@ -1,0 +1,201 @@
+"""A GGUF served in its own quantization: the file's tensors become the model's weights without a
+float copy, with exactly the values the dequantized path (``--dtype float32``, equal to HF
+transformers) computes with, and logits that differ from that path's only by the kernels' rounding
+of activations to int8; a type without a kernel is dequantized with one warning; the weights take
+the file's size, and a second start derives nothing again."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+import engine.gguf_cache
+import engine.quant_linear
+from engine.config import EngineConfig
+from engine.loader import LoadedModel, bundled_gguf_path, load_model
+from engine.model import PROJECTIONS
+from engine.packed_linear import PackedWeight
+from engine.runner import ModelRunner
+from scheduler.plan import StepPlan
+from scheduler.sequence import Sequence
+from tests.engine.conftest import BlockPool, build_tiny_model, chunk
+from tests.engine.test_gguf_families import SERVED as GGUF_FAMILIES
+from tests.engine.test_gguf_families import write_gguf
+from tests.engine.tiny_gguf import EVERY_SERVED, Q, Q4_K_M, TensorTypes, TinyShape, uniform, write_tiny_gguf
+
+# name -> (tensor types, shape): every served type in mixed fused groups with an untied head in Q5_K;
+# llama.cpp's Q4_K_M mix (Q6_K head); a tied Q8_0 file as the bundled one is laid out.
+FILES = {
+    "every_type": (EVERY_SERVED, TinyShape(tied=False)),
+    "q4_k_m": (Q4_K_M, TinyShape(tied=False)),
+    "q8_0_tied": (uniform(Q.Q8_0), TinyShape(tied=True)),
+}
+PROMPT = list(range(5, 45))
+# The kernels round each activation row to int8 in blocks of 32: an element's error is at most 1/254
+# of its block's largest value, so one projection's output is off by at most ~0.4% of sum |x||w|.
+# Nine projections deep (two layers and the head), with attention and norms passing relative errors
+# on and random weights amplifying them, the logits stay within a tenth of their range; a wrong
+# weight (a row out of place, a scale misread) moves them by their whole range.
+KERNEL_RTOL = 0.1
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    return {name: write_tiny_gguf(folder / f"{name}.gguf", types, shape) for name, (types, shape) in FILES.items()}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gguf-cache")
+
+
+@pytest.fixture(scope="module")
+def loaded(files, cache) -> dict[str, tuple[LoadedModel, LoadedModel]]:
+    """Each file served natively, and dequantized (the --dtype float32 path, through transformers)."""
+    return {name: (load_model(str(path), cache_dir=cache, native_gguf=True), load_model(str(path), cache_dir=cache))
+            for name, path in files.items()}
+
+
+def prompt_logits(loaded: LoadedModel, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """Every position's logits of one prefill of ``prompt``."""
+    blocks = -(-len(prompt) // 4)
+    runner = ModelRunner(loaded, num_blocks=blocks, block_size=4)
+    seq = Sequence("p", prompt)
+    plan = StepPlan([chunk(seq, 0, len(prompt), BlockPool(blocks), 4)])
+    _, hidden = runner.execute_with_hidden(plan, list(range(len(prompt))))
+    return runner.head_logits(hidden)
+
+
+def without_kernels(monkeypatch) -> None:
+    """QuantWeights computed by their exact fallback (dequantize, then torch.mm): no activation rounding."""
+    monkeypatch.setattr(engine.quant_linear, "quant_kernels_present", lambda: False)
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_a_gguf_is_served_in_its_own_types_with_the_dequantized_paths_exact_weights(name, loaded):
+    native, exact = loaded[name]
+    model, ref = native.model, exact.model
+    assert model.weight_forms() == {"quant"}
+    for i, (layer, ref_layer) in enumerate(zip(model.layers, ref.layers)):
+        for proj in PROJECTIONS:
+            weight = getattr(layer, proj)
+            assert isinstance(weight, PackedWeight) and weight.form == "quant"
+            assert torch.equal(weight.dense(), getattr(ref_layer, proj).detach()), f"layer {i} {proj}"
+        for norm in ("input_norm", "post_norm"):
+            assert torch.equal(getattr(layer, norm), getattr(ref_layer, norm))
+    ids = torch.tensor([0, 7, 319, 7])
+    assert torch.equal(model.embed.dequantize_rows(ids), ref.embed[ids])
+    head = ref.embed if native.model_config.tie_word_embeddings else ref.lm_head
+    assert torch.equal(model.head.dense().t(), head.detach())
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_native_logits_equal_the_dequantized_paths_without_activation_rounding(name, loaded, monkeypatch):
+    exact = prompt_logits(loaded[name][1])
+    without_kernels(monkeypatch)
+    native = prompt_logits(loaded[name][0])
+    assert exact.abs().max() > 1.0
+    assert (native - exact).abs().max().item() < 1e-4 * exact.abs().max().item()
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_native_logits_on_the_kernels_stay_within_the_activation_rounding(name, loaded):
+    assert engine.quant_linear.quant_kernels_present()
+    exact = prompt_logits(loaded[name][1])
+    native = prompt_logits(loaded[name][0])
+    spread = exact.abs().max().item()
+    assert (native - exact).abs().max().item() < KERNEL_RTOL * spread
+    assert (native.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+def test_a_type_without_a_kernel_is_dequantized_with_one_warning_naming_tensors_and_type(tmp_path, cache,
+                                                                                          monkeypatch):
+    types = TensorTypes(projections={"attn_v": Q.Q5_0, "1.ffn_down": Q.Q5_1}, default=Q.Q8_0)
+    path = write_tiny_gguf(tmp_path / "q5.gguf", types, TinyShape(tied=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_model(str(path), cache_dir=cache, native_gguf=True)
+    mine = [w for w in caught if "no kernel" in str(w.message)]
+    assert len(mine) == 1
+    message = str(mine[0].message)
+    assert "Q5_0: blk.0.attn_v.weight, blk.1.attn_v.weight" in message and "Q5_1: blk.1.ffn_down.weight" in message
+    layers = loaded.model.layers
+    assert not isinstance(layers[0].qkv, PackedWeight) and isinstance(layers[0].down, PackedWeight)
+    assert not isinstance(layers[1].down, PackedWeight) and isinstance(layers[1].gate_up, PackedWeight)
+    without_kernels(monkeypatch)
+    exact = prompt_logits(load_model(str(path), cache_dir=cache))
+    assert (prompt_logits(loaded) - exact).abs().max().item() < 1e-4 * exact.abs().max().item()
+
+
+def test_the_native_weights_take_the_files_size_not_four_times_it(cache):
+    path = bundled_gguf_path()
+    loaded = load_model("bundled", cache_dir=cache, native_gguf=True)
+    ModelRunner(loaded, num_blocks=4, block_size=16)  # prepare_weights: nothing more is packed
+    size = path.stat().st_size
+    assert loaded.model.weight_forms() == {"quant"}
+    assert 0.9 * size < loaded.model.weight_bytes() < 1.05 * size
+    cfg = loaded.model_config
+    float_bytes = 4 * (cfg.vocab_size * cfg.hidden_size + cfg.num_layers * (
+        cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size))
+    assert loaded.model.weight_bytes() < float_bytes / 3.5
+
+
+def test_a_second_native_start_reads_the_file_and_its_cached_config_only(files, tmp_path, monkeypatch):
+    first = load_model(str(files["q8_0_tied"]), cache_dir=tmp_path, native_gguf=True)
+    assert not list(first.path.glob("*.safetensors")), "a float copy of the weights was cached"
+    assert (first.path / "config.json").is_file() and (first.path / "tokenizer.json").is_file()
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the file's metadata was derived again")
+
+    monkeypatch.setattr(engine.gguf_cache, "convert_gguf", no_conversion)
+    again = load_model(str(files["q8_0_tied"]), cache_dir=tmp_path, native_gguf=True)
+    assert again.path == first.path and again.model.weight_forms() == {"quant"}
+
+
+def test_a_gguf_asked_in_a_dtype_or_off_cpu_is_dequantized(files, cache):  # CUDA by logic: no GPU here
+    assert EngineConfig().native_gguf
+    assert not EngineConfig(dtype="float32").native_gguf and not EngineConfig(dtype="bfloat16").native_gguf
+    assert not EngineConfig(device="cuda").native_gguf  # CUDA: dequantized at load, served in bf16
+    loaded = load_model(str(files["q8_0_tied"]), cache_dir=cache, native_gguf=True, dtype=torch.bfloat16)
+    assert loaded.model.weight_forms() == {"plain"} and loaded.model.dtype == torch.bfloat16
+
+
+def test_quantize_is_refused_for_a_gguf(files, cache):
+    with pytest.raises(ValueError, match="--quantize is for Hugging Face checkpoints; q8_0_tied.gguf is a GGUF"):
+        load_model(str(files["q8_0_tied"]), cache_dir=cache, native_gguf=True, quantize="q8_0")
+
+
+# One file per family whose tensors map differently: Llama's permuted q/k, Qwen2's biases, Qwen3's
+# q/k norms, Phi-3's fused qkv and gate|up, Gemma 2's and 3's sandwich norms stored plus one.
+FAMILY_CASES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+PROJECTION_NAME = re.compile(r"blk\.\d+\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down))\.weight")
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_every_familys_gguf_is_served_natively_with_the_dequantized_paths_logits(case, tmp_path, monkeypatch):
+    tiny, changes = GGUF_FAMILIES[case]
+    model_dir = build_tiny_model(tmp_path / case, tiny, **changes)
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_projections_in_q8_0(writer, name, tensor, *args, **kwargs):
+        if PROJECTION_NAME.fullmatch(name):
+            blocks = gguf.quants.quantize(tensor, Q.Q8_0)
+            return add_tensor(writer, name, blocks, raw_shape=blocks.shape, raw_dtype=Q.Q8_0)
+        return add_tensor(writer, name, tensor, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf.GGUFWriter, "add_tensor", add_projections_in_q8_0)
+        path = write_gguf(model_dir, tmp_path / f"{case}.gguf")
+    native = load_model(str(path), cache_dir=tmp_path / "cache", native_gguf=True)
+    assert {getattr(layer, p).form for layer in native.model.layers for p in PROJECTIONS} == {"quant"}
+    exact = prompt_logits(load_model(str(path), cache_dir=tmp_path / "cache"), PROMPT[:17])
+    without_kernels(monkeypatch)
+    assert (prompt_logits(native, PROMPT[:17]) - exact).abs().max().item() < 1e-4 * exact.abs().max().item()

@@ -1,0 +1,247 @@
+"""The quantized projection kernels (csrc/quant_linear.cpp via engine/quant_linear.py) against float64.
+
+The reference is x (float64) times the weight gguf-py dequantizes from the same bytes, in
+float64. The kernels quantize each row of x to int8 in blocks of 32 (scale d = max|x| / 127,
+rounded half away from zero), so x_i is read as d·q_i with |x_i - d·q_i| <= d/2, and
+
+    |y - y_ref| <= sum over blocks b of (d_b / 2) · sum_{i in b} |w_i|        (activation rounding)
+                 + FLOAT_SLACK · sum_i |x_i| |w_i|                              (float32 sums)
+
+``activation_bound`` computes this; the kernels' error is typically a tenth of it. A second,
+tighter check quantizes x as the kernel does (``_as_kernel_reads``) and compares within the
+float32 term alone, which a wrong nibble, scale or offset anywhere would far exceed.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine import quant_linear
+from engine.quant_linear import (
+    ISAS,
+    SERVED_TYPES,
+    QuantWeight,
+    kernel_isa,
+    quant_kernels_present,
+    quantize_weight,
+    stack_outputs,
+)
+from engine.quantize import random_blocks
+
+T = gguf.GGMLQuantizationType
+TYPES = sorted(SERVED_TYPES)
+# Relative float32 error allowed on sum |x||w|: products rounded once, sums of in/4 lane terms.
+FLOAT_SLACK = 2e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels_built():
+    assert quant_kernels_present(), "the quantized kernels did not build on this machine (see the log)"
+
+
+def available_isas() -> list[str]:
+    return [isa for isa in ISAS if torch.ops.tiergate.quant_isa_supported(ISAS.index(isa))]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Each kernel path this CPU runs, forced through TIERGATE_QUANT_ISA."""
+    if request.param not in available_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    monkeypatch.setenv("TIERGATE_QUANT_ISA", request.param)
+    return request.param
+
+
+def weight(ggml_type: T, in_features: int, out_features: int, seed: int = 0) -> QuantWeight:
+    blocks = torch.from_numpy(random_blocks(ggml_type, out_features, in_features, seed=seed))
+    return QuantWeight(blocks, ggml_type, in_features, out_features)
+
+
+def reference_weight(w: QuantWeight) -> np.ndarray:
+    """float64 ``[in, out]`` from gguf-py's dequantizer on the same bytes."""
+    return gguf.quants.dequantize(w.blocks.numpy(), w.ggml_type).astype(np.float64).T
+
+
+def activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    rows, in_features = x.shape
+    amax = np.abs(x).reshape(rows, -1, 32).max(axis=2)  # [rows, blocks]
+    w_abs = np.abs(w).reshape(-1, 32, w.shape[1]).sum(axis=1)  # [blocks, out]
+    return 1.001 * (amax / 127 / 2) @ w_abs + FLOAT_SLACK * np.abs(x) @ np.abs(w)
+
+
+def _as_kernel_reads(x: np.ndarray) -> np.ndarray:
+    """x after the kernels' int8 rounding, in float64: d = float32(max|x| / 127), q = round(x · (1/d))."""
+    x32 = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(x32).max(axis=2, keepdims=True) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    v = (x32 * inv).astype(np.float64)
+    q = np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5), -127, 127)
+    return (q * d.astype(np.float64)).reshape(x.shape)
+
+
+def check_product(w: QuantWeight, x: torch.Tensor, y: torch.Tensor) -> None:
+    ref = reference_weight(w)
+    x64 = x.double().numpy()
+    assert y.dtype == torch.float32 and y.shape == (x.shape[0], w.out_features)
+    y64 = y.double().numpy()
+    err = np.abs(y64 - x64 @ ref)
+    assert (err <= activation_bound(x64, ref)).all(), f"max error {err.max()}"
+    xq = _as_kernel_reads(x64)
+    tight = np.abs(y64 - xq @ ref)
+    assert (tight <= FLOAT_SLACK * (np.abs(xq) @ np.abs(ref)) + 1e-30).all(), f"max error {tight.max()}"
+
+
+def shapes_for(ggml_type: T) -> list[tuple[int, int, int]]:
+    """(rows, in, out): odd output counts, rows across tile edges, inputs of one to many blocks."""
+    block = gguf.GGML_QUANT_SIZES[ggml_type][0]
+    # 576 (the bundled model's hidden size): whole 64-input chunks but not whole steps of 8 blocks.
+    ins = [block, 3 * block, 576, 9 * block] if block == 32 else [256, 768]
+    rows = [1, 2, 3, 4, 5, 7, 13, 33, 70]
+    outs = [1, 5, 17, 61]
+    return [(r, ins[i % len(ins)], outs[i % len(outs)]) for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_kernel_matches_float64_dequantized_reference_within_activation_rounding(ggml_type, isa):
+    for i, (rows, in_features, out_features) in enumerate(shapes_for(ggml_type)):
+        w = weight(ggml_type, in_features, out_features, seed=i)
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(i))
+        check_product(w, x, w(x))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_kernel_reads_strided_and_transposed_x(ggml_type, isa):
+    in_features = 256
+    w = weight(ggml_type, in_features, 19)
+    wide = torch.randn(9, in_features * 2)
+    rows_strided = wide[:, 10:10 + in_features]  # rows apart by 2 * in
+    transposed = torch.randn(in_features, 6).t()  # columns contiguous, rows not
+    for x in (rows_strided, transposed, wide[::2, :in_features]):
+        assert not x.is_contiguous()
+        check_product(w, x, w(x))
+
+
+def test_bfloat16_x_is_read_as_float32():
+    w = weight(T.Q4_K, 256, 7)
+    x = torch.randn(3, 256).bfloat16()
+    assert torch.equal(w(x), w(x.float()))
+
+
+def test_stacked_weights_of_mixed_types_give_each_part_side_by_side_in_one_call(isa):
+    parts = [weight(T.Q4_K, 512, 40, seed=1), weight(T.Q6_K, 512, 13, seed=2), weight(T.Q8_0, 512, 24, seed=3),
+             weight(T.Q5_K, 512, 3, seed=4)]
+    fused = stack_outputs(parts)
+    assert fused.form == "quant" and fused.in_features == 512 and fused.out_features == 80
+    assert fused.nbytes == sum(p.nbytes for p in parts)
+    x = torch.randn(11, 512)
+    y = fused(x)
+    assert torch.equal(y, torch.cat([p(x) for p in parts], dim=1))
+    for part, piece in zip(parts, y.split([p.out_features for p in parts], dim=1)):
+        check_product(part, x, piece)
+    assert torch.equal(fused.dense(), torch.cat([p.dense() for p in parts], dim=1))
+
+
+def test_stack_outputs_of_one_weight_is_that_weight():
+    w = weight(T.Q4_0, 64, 3)
+    assert stack_outputs([w]) is w
+
+
+def test_stack_outputs_refuses_parts_of_different_input_sizes():
+    with pytest.raises(ValueError, match="input size"):
+        stack_outputs([weight(T.Q4_0, 64, 3), weight(T.Q4_0, 96, 3)])
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_dense_is_exactly_gguf_py_dequantize(ggml_type):
+    w = weight(ggml_type, 512, 33)
+    dense = w.dense()
+    assert dense.shape == (512, 33) and dense.dtype == torch.float32
+    assert np.array_equal(dense.numpy(), gguf.quants.dequantize(w.blocks.numpy(), ggml_type).T)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_dequantize_rows_gives_the_rows_a_token_embedding_looks_up(ggml_type):
+    w = weight(ggml_type, 256, 50)
+    ids = torch.tensor([[3, 49, 3], [0, 7, 12]])
+    rows = w.dequantize_rows(ids)
+    assert rows.shape == (2, 3, 256)
+    assert torch.equal(rows, w.dense().t()[ids])
+    with pytest.raises(IndexError):
+        w.dequantize_rows(torch.tensor([50]))
+
+
+@pytest.mark.parametrize("kind,ggml_type", [("q8_0", T.Q8_0), ("q4_0", T.Q4_0)])
+def test_quantize_weight_writes_the_bytes_gguf_py_quantizer_writes(kind, ggml_type):
+    w_in_out = torch.randn(320, 21, generator=torch.Generator().manual_seed(5)) * 0.05
+    q = quantize_weight(w_in_out, kind)
+    assert q.ggml_type == ggml_type and (q.in_features, q.out_features) == (320, 21)
+    expected = gguf.quants.quantize(w_in_out.t().contiguous().numpy(), ggml_type)
+    assert np.array_equal(q.blocks.numpy(), expected)
+    assert np.array_equal(q.dense().numpy(), gguf.quants.dequantize(expected, ggml_type).T)
+
+
+def test_quantize_weight_q4_k_round_trips_through_gguf_py_and_beats_q4_0():
+    """gguf-py has no Q4_K quantizer: ours must write blocks gguf-py reads back as our dense(),
+    at least as close to the float weight as Q4_0 at the same size (its point: scales and mins
+    fitted per 32 values)."""
+    w_in_out = torch.randn(1024, 24, generator=torch.Generator().manual_seed(6)) * 0.05
+    w_in_out[:256, 0] = 0.0  # an all-zero super-block
+    w_in_out[256:288, 1] = 0.25  # a constant sub-block
+    q = quantize_weight(w_in_out, "q4_k")
+    assert q.ggml_type == T.Q4_K and q.nbytes == 24 * 4 * 144
+    back = gguf.quants.dequantize(q.blocks.numpy(), T.Q4_K).T
+    assert np.array_equal(q.dense().numpy(), back)
+    assert (back[:256, 0] == 0).all()
+    err_k = np.sqrt(np.mean((back - w_in_out.numpy()) ** 2))
+    err_0 = np.sqrt(np.mean((quantize_weight(w_in_out, "q4_0").dense().numpy() - w_in_out.numpy()) ** 2))
+    assert err_k < err_0
+
+
+def test_quantize_weight_refuses_unknown_kinds_and_ragged_inputs():
+    with pytest.raises(ValueError, match="q5_k"):
+        quantize_weight(torch.zeros(256, 4), "q5_k")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize_weight(torch.zeros(288, 4), "q4_k")
+
+
+def test_quant_weight_refuses_unserved_types_and_wrong_byte_counts():
+    with pytest.raises(ValueError, match="Q2_K"):
+        QuantWeight(torch.zeros(4, 84, dtype=torch.uint8), T.Q2_K, 256, 4)
+    with pytest.raises(ValueError, match=r"\[4, 144\]"):
+        QuantWeight(torch.zeros(4, 140, dtype=torch.uint8), T.Q4_K, 256, 4)
+
+
+def test_the_kernel_runs_not_the_fallback(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dequantize-then-mm fallback ran")
+
+    monkeypatch.setattr(quant_linear, "_fallback_matmul", refuse)
+    w = weight(T.Q4_1, 64, 5)
+    x = torch.randn(2, 64)
+    check_product(w, x, w(x))
+
+
+def test_fallback_gives_the_exact_weights_product():
+    w = weight(T.Q5_K, 256, 300)  # more outputs than one fallback slice
+    x = torch.randn(4, 256)
+    y = quant_linear._fallback_matmul(x, [w])
+    ref = x.double().numpy() @ reference_weight(w)
+    assert np.allclose(y.numpy(), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_auto_picks_the_widest_path_and_unknown_or_unsupported_paths_are_refused(monkeypatch):
+    monkeypatch.delenv("TIERGATE_QUANT_ISA", raising=False)
+    assert kernel_isa() == available_isas()[0]
+    monkeypatch.setenv("TIERGATE_QUANT_ISA", "neon")
+    with pytest.raises(ValueError, match="TIERGATE_QUANT_ISA"):
+        kernel_isa()
+    monkeypatch.setenv("TIERGATE_QUANT_ISA", "scalar")
+    assert kernel_isa() == "scalar"
+
+
+def test_empty_x_gives_an_empty_result():
+    w = weight(T.Q4_0, 64, 5)
+    assert w(torch.empty(0, 64)).shape == (0, 5)
