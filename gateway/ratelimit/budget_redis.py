@@ -17,7 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.ratelimit.base import LimiterUnavailable
-from gateway.ratelimit.budget_store import EPSILON, Ask, BudgetKey, Hold, Reservation, Reservations, Settlement
+from gateway.ratelimit.budget_store import (EPSILON, Ask, BudgetKey, BudgetStore, Hold, Reservation, Reservations,
+                                            Settlement)
 from gateway.ratelimit.redis_budget import redis_client
 
 KEEP_AFTER_PERIOD_S = 7 * 86400
@@ -117,7 +118,7 @@ def _num(value: float) -> str:
     return repr(float(value))
 
 
-class RedisBudgetStore:
+class RedisBudgetStore(BudgetStore):
     def __init__(self, url: str, key_prefix: str = "tiergate:rl") -> None:
         self.key_prefix = key_prefix
         self.client = redis_client(url)
@@ -143,12 +144,6 @@ class RedisBudgetStore:
             return Reservations([int(i) for i in out[1:]], [])
         return Reservations([], [Reservation(out[i] == b"1", float(out[i + 1]), max(0.0, float(out[i + 2])))
                                  for i in range(1, len(out), 3)])
-
-    async def reserve(self, key: BudgetKey, request_id: str, amount: float, limit: float,
-                      now: float) -> Reservation | None:
-        """reserve_all of one ask; None if its state is not loaded."""
-        out = await self.reserve_all([Ask(key, amount, limit)], request_id, now)
-        return None if out.missing else out.decisions[0]
 
     async def load(self, key: BudgetKey, spent: float, counted: list[str], loaded_at: float,
                    cutoff: float) -> None:

@@ -94,6 +94,12 @@ class BudgetStore(Protocol):
         """Hold each ask's amount if, in every one, spent + held + amount <= limit (one atomic step)."""
         ...
 
+    async def reserve(self, key: BudgetKey, request_id: str, amount: float, limit: float,
+                      now: float) -> Reservation | None:
+        """reserve_all of one ask; None if its state is not loaded."""
+        out = await self.reserve_all([Ask(key, amount, limit)], request_id, now)
+        return None if out.missing else out.decisions[0]
+
     async def load(self, key: BudgetKey, spent: float, counted: list[str], loaded_at: float,
                    cutoff: float) -> None:
         """Set a state from the ledger, unless another replica loaded it first."""
@@ -132,7 +138,7 @@ class _State:
     warned: bool = False
 
 
-class InProcessBudgetStore:
+class InProcessBudgetStore(BudgetStore):
     """The states of one process (no Redis): lost with it, and rebuilt from the ledger at the next start."""
 
     def __init__(self) -> None:
@@ -150,12 +156,6 @@ class InProcessBudgetStore:
             s.holds[request_id] = Hold(request_id, a.amount, now)
             s.held += a.amount
         return Reservations([], [Reservation(True, s.spent, s.held) for s in states])
-
-    async def reserve(self, key: BudgetKey, request_id: str, amount: float, limit: float,
-                      now: float) -> Reservation | None:
-        """reserve_all of one ask; None if its state is not loaded."""
-        out = await self.reserve_all([Ask(key, amount, limit)], request_id, now)
-        return None if out.missing else out.decisions[0]
 
     async def load(self, key: BudgetKey, spent: float, counted: list[str], loaded_at: float,
                    cutoff: float) -> None:
