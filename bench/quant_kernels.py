@@ -10,7 +10,7 @@ a machine shared with other work inflates less), the weight bytes read per secon
 bound), multiply-adds per second (the prefill bound) and the panel kernel's time over each format's.
 
     .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,512] [--rounds 5] [--threads 2] [--layers 2]
-        [--types Q8_0,Q4_0,Q4_1,Q4_K,Q5_K,Q6_K] [--isa auto|avx512|avx2|scalar] [--json PATH]
+        [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K] [--isa auto|avx512|avx2|scalar] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from engine.quant_linear import QuantWeight, kernel_isa, quant_kernels_present
 from engine.quantize import random_blocks
 
 LAYER_SHAPES = ((2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048))  # (in, out)
-TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _quant_weights(type_name: str, layers: int) -> list[PackedWeight]:

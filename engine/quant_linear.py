@@ -1,4 +1,4 @@
-"""Projections whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
+"""Projections whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
 
 A ``QuantWeight`` keeps a weight's rows exactly as the GGUF stores them (ggml's row is one
 output feature, its blocks run along the inputs) and multiplies activations by them with
@@ -29,7 +29,8 @@ from engine.packed_linear import PackedWeight
 from engine.quantize import quantize_rows
 
 T = gguf.GGMLQuantizationType
-SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K})
+SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K,
+                                                             T.Q5_K, T.Q6_K})
 # --quantize's names for the formats it writes.
 QUANTIZE_KINDS: dict[str, gguf.GGMLQuantizationType] = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_k": T.Q4_K}
 # Kernel paths, in the order auto prefers them; csrc/quant_linear.cpp numbers them the same way.

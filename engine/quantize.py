@@ -139,7 +139,7 @@ def random_blocks(ggml_type: gguf.GGMLQuantizationType, rows: int, in_features: 
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows, in_features // block_size, type_size), dtype=np.uint8)
     # Where each format keeps its float16 fields: d (and dmin / m) first, Q6_K's d last.
-    offsets = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}[ggml_type]
+    offsets = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}[ggml_type]
     for offset in offsets:
         halves = (rng.standard_normal(blocks.shape[:2]) * scale).astype(np.float16)
         blocks[..., offset:offset + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)

@@ -24,7 +24,7 @@
 namespace tiergate_quant {
 
 // gguf.GGMLQuantizationType's values.
-enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 struct Format {
   int64_t block_values;  // inputs per block
@@ -32,13 +32,15 @@ struct Format {
 };
 
 inline bool known(int64_t type) {
-  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K;
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K;
 }
 
 constexpr Format format_of(int64_t type) {
   switch (type) {
     case Q4_0: return {32, 18};
     case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
     case Q8_0: return {32, 34};
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
@@ -103,6 +105,24 @@ inline void decode_blocks(const uint8_t* row, int64_t first_block, int64_t block
         q += 32, d += 2, m += 2;
         break;
       }
+      case Q5_0:
+      case Q5_1: {  // d (, m), 32 high bits qh (bit i tops input i), then Q4_0's 16 bytes of nibbles
+        bytes16 qs, lo, hi;
+        const int64_t at_qh = type == Q5_0 ? 2 : 4;
+        std::memcpy(&qs, b + at_qh + 4, 16);
+        uint32_t qh;
+        std::memcpy(&qh, b + at_qh, 4);
+        lo = qs & 0xF;
+        hi = qs >> 4;
+        std::memcpy(q, &lo, 16);
+        std::memcpy(q + 16, &hi, 16);
+        for (int i = 0; i < 32; ++i) q[i] |= uint8_t(((qh >> i) & 1) << 4);
+        const float scale = half_at(b);
+        d[0] = d[1] = scale;
+        m[0] = m[1] = type == Q5_0 ? -16.f * scale : half_at(b + 2);
+        q += 32, d += 2, m += 2;
+        break;
+      }
       case Q4_K:
       case Q5_K: {
         const float dd = half_at(b), dmin = half_at(b + 2);
@@ -157,6 +177,8 @@ inline void decode_row(int64_t type, const uint8_t* row, int64_t first_block, in
     case Q8_0: return decode_blocks<Q8_0>(row, first_block, blocks, q, d, m);
     case Q4_0: return decode_blocks<Q4_0>(row, first_block, blocks, q, d, m);
     case Q4_1: return decode_blocks<Q4_1>(row, first_block, blocks, q, d, m);
+    case Q5_0: return decode_blocks<Q5_0>(row, first_block, blocks, q, d, m);
+    case Q5_1: return decode_blocks<Q5_1>(row, first_block, blocks, q, d, m);
     case Q4_K: return decode_blocks<Q4_K>(row, first_block, blocks, q, d, m);
     case Q5_K: return decode_blocks<Q5_K>(row, first_block, blocks, q, d, m);
     default: return decode_blocks<Q6_K>(row, first_block, blocks, q, d, m);

@@ -3,8 +3,8 @@
 // from memory with no scratch copy between. Per 64 inputs a format gives
 //   u  64 unsigned quants (one zmm of bytes, in input order),
 //   d  the float scale of each int32 lane (a lane sums 4 inputs' products),
-//   m  the float offset of each lane (formats with a min: Q4_1, Q4_K, Q5_K), or
-//   an integer offset (Q4_0's 8, Q6_K's 32, Q8_0's 128 after flipping its sign bit), which
+//   m  the float offset of each lane (formats with a min: Q4_1, Q5_1, Q4_K, Q5_K), or
+//   an integer offset (Q4_0's 8, Q5_0's 16, Q6_K's 32, Q8_0's 128 after flipping its sign bit), which
 //      enters the int32 dot as -offset * sum(x) through dpbusd's accumulator, for free.
 // Used for up to FUSED_MAX_ROWS rows; more rows amortize a decode over more of them in
 // quant_linear.cpp's scratch tiles.
@@ -79,13 +79,14 @@ TARGET_AVX512 inline __m256 halves_of_blocks(const uint8_t* block, int64_t bytes
   return _mm256_cvtph_ps(h);
 }
 
-// Q8_0, Q4_0, Q4_1: a step is 8 blocks (4 chunks); prepare() gathers their scales (and Q4_1's
-// mins) into lanes 0-7 (8-15) of one vector.
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: a step is 8 blocks (4 chunks); prepare() gathers their scales
+// (and Q4_1's / Q5_1's mins) into lanes 0-7 (8-15) of one vector.
 template <int64_t TYPE>
 struct BlockDecoder {
-  static constexpr int64_t BYTES = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 20;
-  static constexpr int OFFSET = TYPE == Q8_0 ? 128 : TYPE == Q4_0 ? 8 : 0, PER = 4;
-  static constexpr bool MIN = TYPE == Q4_1;
+  static constexpr int64_t BYTES = format_of(TYPE).block_bytes;
+  static constexpr int OFFSET = TYPE == Q8_0 ? 128 : TYPE == Q4_0 ? 8 : TYPE == Q5_0 ? 16 : 0, PER = 4;
+  static constexpr bool MIN = TYPE == Q4_1 || TYPE == Q5_1;
+  static constexpr bool FIVE = TYPE == Q5_0 || TYPE == Q5_1;
   TARGET_AVX512 static __m512 prepare(const uint8_t* row, int64_t step, int64_t blocks) {
     const uint8_t* first = row + step * 8 * BYTES;
     const int64_t count = std::min<int64_t>(8, blocks - step * 8);
@@ -100,6 +101,15 @@ struct BlockDecoder {
       const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 2))),
                                            _mm256_loadu_si256((const __m256i*)(a + 36)), 1);
       u = _mm512_xor_si512(q, _mm512_set1_epi8(char(0x80)));
+    } else if (FIVE) {
+      // Bit k of a block's 32-bit qh tops its input k: the two blocks' qh are one mask of the 64 bytes.
+      const int at_qh = TYPE == Q5_0 ? 2 : 4;
+      uint32_t qh[2];
+      __builtin_memcpy(&qh[0], a + at_qh, 4);
+      __builtin_memcpy(&qh[1], a + BYTES + at_qh, 4);
+      const __mmask64 high = __mmask64(qh[0]) | (__mmask64(qh[1]) << 32);
+      u = _mm512_or_si512(nibbles_of_two_blocks(a + at_qh + 4, a + BYTES + at_qh + 4),
+                          _mm512_maskz_set1_epi8(high, 0x10));
     } else {
       const int qs = TYPE == Q4_0 ? 2 : 4;
       u = nibbles_of_two_blocks(a + qs, a + BYTES + qs);
@@ -114,6 +124,10 @@ template <>
 struct Decoder<Q4_0> : BlockDecoder<Q4_0> {};
 template <>
 struct Decoder<Q4_1> : BlockDecoder<Q4_1> {};
+template <>
+struct Decoder<Q5_0> : BlockDecoder<Q5_0> {};
+template <>
+struct Decoder<Q5_1> : BlockDecoder<Q5_1> {};
 
 // Q4_K and Q5_K: a super-block's eight 6-bit scales and mins (quant_formats.h's scale_min_k4,
 // all at once on three 32-bit words) as 16 floats: d * scale for sub-blocks 0-7, then -dmin * min.
@@ -265,6 +279,8 @@ bool decode_avx512(int64_t type, const uint8_t* row, int64_t in, uint8_t* q, flo
   switch (type) {
     case Q4_0: decode_into<Q4_0>(row, in, q, d16, m16); return true;
     case Q4_1: decode_into<Q4_1>(row, in, q, d16, m16); return true;
+    case Q5_0: decode_into<Q5_0>(row, in, q, d16, m16); return true;
+    case Q5_1: decode_into<Q5_1>(row, in, q, d16, m16); return true;
     case Q4_K: decode_into<Q4_K>(row, in, q, d16, m16); return true;
     case Q5_K: decode_into<Q5_K>(row, in, q, d16, m16); return true;
     case Q6_K: decode_into<Q6_K>(row, in, q, d16, m16); return true;
@@ -278,6 +294,8 @@ bool fused_avx512(const FusedArgs& a) {
     case Q8_0: run_rows<Q8_0>(a); return true;
     case Q4_0: run_rows<Q4_0>(a); return true;
     case Q4_1: run_rows<Q4_1>(a); return true;
+    case Q5_0: run_rows<Q5_0>(a); return true;
+    case Q5_1: run_rows<Q5_1>(a); return true;
     case Q4_K: run_rows<Q4_K>(a); return true;
     case Q5_K: run_rows<Q5_K>(a); return true;
     case Q6_K: run_rows<Q6_K>(a); return true;

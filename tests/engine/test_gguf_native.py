@@ -116,15 +116,15 @@ def test_native_logits_on_the_kernels_stay_within_the_activation_rounding(name, 
 
 def test_a_type_without_a_kernel_is_dequantized_with_one_warning_naming_tensors_and_type(tmp_path, cache,
                                                                                           monkeypatch):
-    types = TensorTypes(projections={"attn_v": Q.Q5_0, "1.ffn_down": Q.Q5_1}, default=Q.Q8_0)
-    path = write_tiny_gguf(tmp_path / "q5.gguf", types, TinyShape(tied=True))
+    types = TensorTypes(projections={"attn_v": Q.Q3_K, "1.ffn_down": Q.Q2_K}, default=Q.Q8_0)
+    path = write_tiny_gguf(tmp_path / "k_low.gguf", types, TinyShape(tied=True))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = load_model(str(path), cache_dir=cache, native_gguf=True)
     mine = [w for w in caught if "no kernel" in str(w.message)]
     assert len(mine) == 1
     message = str(mine[0].message)
-    assert "Q5_0: blk.0.attn_v.weight, blk.1.attn_v.weight" in message and "Q5_1: blk.1.ffn_down.weight" in message
+    assert "Q3_K: blk.0.attn_v.weight, blk.1.attn_v.weight" in message and "Q2_K: blk.1.ffn_down.weight" in message
     layers = loaded.model.layers
     assert not isinstance(layers[0].qkv, PackedWeight) and isinstance(layers[0].down, PackedWeight)
     assert not isinstance(layers[1].down, PackedWeight) and isinstance(layers[1].gate_up, PackedWeight)

@@ -112,7 +112,7 @@ def test_kernel_matches_float64_dequantized_reference_within_activation_rounding
         check_product(w, x, w(x))
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q5_1, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
 def test_kernel_reads_strided_and_transposed_x(ggml_type, isa):
     in_features = 256
     w = weight(ggml_type, in_features, 19)
@@ -132,9 +132,9 @@ def test_bfloat16_x_is_read_as_float32():
 
 def test_stacked_weights_of_mixed_types_give_each_part_side_by_side_in_one_call(isa):
     parts = [weight(T.Q4_K, 512, 40, seed=1), weight(T.Q6_K, 512, 13, seed=2), weight(T.Q8_0, 512, 24, seed=3),
-             weight(T.Q5_K, 512, 3, seed=4)]
+             weight(T.Q5_K, 512, 3, seed=4), weight(T.Q5_0, 512, 9, seed=5), weight(T.Q5_1, 512, 6, seed=6)]
     fused = stack_outputs(parts)
-    assert fused.form == "quant" and fused.in_features == 512 and fused.out_features == 80
+    assert fused.form == "quant" and fused.in_features == 512 and fused.out_features == 95
     assert fused.nbytes == sum(p.nbytes for p in parts)
     x = torch.randn(11, 512)
     y = fused(x)
@@ -162,7 +162,7 @@ def test_dense_is_exactly_gguf_py_dequantize(ggml_type):
     assert np.array_equal(dense.numpy(), gguf.quants.dequantize(w.blocks.numpy(), ggml_type).T)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
 def test_dequantize_rows_gives_the_rows_a_token_embedding_looks_up(ggml_type):
     w = weight(ggml_type, 256, 50)
     ids = torch.tensor([[3, 49, 3], [0, 7, 12]])

@@ -1,8 +1,8 @@
 """Tiny random-weight Llama GGUF files in the block formats llama.cpp writes, for the native loading tests.
 
-Tensors of a type gguf-py can quantize (Q8_0, Q4_0, Q4_1, Q5_0, ...) are float weights quantized by
-it; the K-types (Q4_K, Q5_K, Q6_K), which gguf-py only dequantizes, get valid random blocks: random
-quants and sub-scales, finite f16 super-block scales where ggml keeps them, weights centred on zero. q and k
+Tensors of a type gguf-py can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are float weights quantized by
+it; the K-types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), which gguf-py only dequantizes, get valid random blocks:
+random quants and sub-scales, finite f16 super-block scales where ggml keeps them, weights centred on zero. q and k
 rows are whatever the file holds: the loader's row permutation is checked against the dequantized
 path, which undoes it the way transformers does.
 """
@@ -18,6 +18,11 @@ import numpy as np
 Q = gguf.GGMLQuantizationType
 # K-types' super-block scale d (f16 at byte 0, or 208 for Q6_K) near a value that keeps weights near 0.05.
 K_SCALE = {Q.Q4_K: 7e-4, Q.Q5_K: 3.5e-4, Q.Q6_K: 5e-5}
+# Types tiergate has no kernel for (dequantized at load): where their f16 super-block scales sit, and a d
+# near which weights stay near 0.05. Q3_K is symmetric with signed sub-scales (random bytes are centred);
+# Q2_K's dmin at 82 is set to d times its mean sub-scale times mean quant, about centring it.
+UNSERVED_K = {Q.Q2_K: (80, 1e-3), Q.Q3_K: (108, 1.5e-3)}
+Q2_K_MEAN = 7.5 * 1.5
 # Q4_K and Q5_K: the mean of their unsigned quants, which the block's min (dmin * m) is set to cancel.
 K_MEAN_QUANT = {Q.Q4_K: 7.5, Q.Q5_K: 15.5}
 VOCAB = 320
@@ -52,7 +57,7 @@ def uniform(kind: Q, embed: Q | None = None) -> TensorTypes:
     return TensorTypes(default=kind, embed=embed or kind, head=kind)
 
 
-SERVED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SERVED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Every served type in every position of a fused group over two layers (q|k|v and gate|up of mixed types).
 EVERY_SERVED = TensorTypes(projections={f"{layer}.{proj}": SERVED[(i + 3 * layer) % len(SERVED)]
                                         for layer in range(2) for i, proj in enumerate(PROJECTIONS)},
@@ -65,11 +70,18 @@ def quantized(weight: np.ndarray, kind: Q, rng: np.random.Generator) -> np.ndarr
     """``weight`` [rows, cols] as ``kind``'s bytes (gguf-py's quantizer), or random valid K-type blocks."""
     if kind == Q.F32:
         return weight.astype(np.float32)
-    if kind not in K_SCALE:
+    if kind not in K_SCALE and kind not in UNSERVED_K:
         return gguf.quants.quantize(weight.astype(np.float32), kind)
     block, size = gguf.GGML_QUANT_SIZES[kind]
     rows, cols = weight.shape
     blocks = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    if kind in UNSERVED_K:
+        at, scale = UNSERVED_K[kind]
+        d = (scale * rng.uniform(0.5, 1.5, size=blocks.shape[:2])).astype(np.float16)
+        blocks[..., at:at + 2] = f16_bytes(d)
+        if kind == Q.Q2_K:
+            blocks[..., 82:84] = f16_bytes((d.astype(np.float32) * Q2_K_MEAN).astype(np.float16))
+        return blocks.reshape(rows, -1)
     d = (K_SCALE[kind] * rng.uniform(0.5, 1.5, size=blocks.shape[:2])).astype(np.float16)
     if kind == Q.Q6_K:  # symmetric quants (q - 32) and signed sub-scales: random bytes are centred already
         blocks[..., 208:210] = f16_bytes(d)
