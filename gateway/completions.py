@@ -184,7 +184,7 @@ async def _serve(request: Request, endpoint: Endpoint, gw: Gateway, tenant, requ
                                        tenant_weight=tenant.weight, more_prompts=tuple(prompts[1:]))
         check_request(gw.engine, engine_request, req.max_tokens is not None)
     except APIError:
-        await _count_refusal(gw, tenant, request_id)
+        await count_refusal(gw, tenant, request_id)
         raise
     prompt_tokens = sum(map(len, prompts))
     admitted = AdmittedRequest(
@@ -289,7 +289,7 @@ async def _with_grammar(gw: Gateway, tenant, admitted: AdmittedRequest, request:
     return dataclasses.replace(request, compiled_grammar=compiled)
 
 
-async def _count_refusal(gw: Gateway, tenant, request_id: str) -> None:
+async def count_refusal(gw: Gateway, tenant, request_id: str) -> None:
     """A request refused for its prompt counts against its tenant's RPM (a 429 once over it).
 
     Reading and measuring a prompt we then refuse is work: were it free, a tenant could

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.completions import _count_refusal, read_body, resolve_adapter
+from gateway.completions import count_refusal, read_body, resolve_adapter
 from gateway.errors import invalid_param, service_unavailable
 from gateway.json_fields import bool_field, is_int, optional
 from gateway.lifecycle import DRAIN_RETRY_S
@@ -47,7 +47,7 @@ async def _admit(request: Request, body_wanted: bool) -> tuple[Gateway, dict[str
             raise invalid_param("model", "Invalid type for 'model': expected a string.", "invalid_type")
         resolve_adapter(model, tenant, gw.engine)
     # One RPM unit, taken as a refused request's is: it runs nothing, so it reserves no tokens.
-    await _count_refusal(gw, tenant, f"tok-{gw.ids.getrandbits(128):032x}")
+    await count_refusal(gw, tenant, f"tok-{gw.ids.getrandbits(128):032x}")
     return gw, body
 
 
