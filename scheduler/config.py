@@ -106,6 +106,8 @@ class TierLoad:
     # as much of each other tenant's, not for the whole tier's. None without fair share.
     newcomer_ttft_s: float | None = None  # a tenant with nothing queued in the tier
     tenant_ttft_s: Mapping[str | None, float] = field(default_factory=dict)  # tenants with work queued
+    # Fair share: waiting sequences per tenant (each of n choices counts), for the queue bound's share.
+    tenant_waiting: Mapping[str | None, int] = field(default_factory=dict)
 
     def predicted_ttft_for(self, tenant: str | None) -> float:
         """Predicted TTFT of a new request of ``tenant`` (None: unknown, the tier's prediction)."""
