@@ -40,7 +40,7 @@ class Settings:
     # Fair share: a light tenant's short request runs between two layers of a long step under
     # way instead of after it (engine/step_loop.py). Off: it waits for the step's end.
     express_steps: bool = True
-    # "tenant": a request hits only its own tenant's cached prefixes; "shared": anyone's (see README).
+    # "tenant": a request hits only its own tenant's cached prefixes; "shared": anyone's (docs/tenants.md).
     prefix_cache_scope: str = "tenant"
     # Grammars (response_format, structured_outputs, tools): a compile past grammar_compile_timeout_s is
     # a 400; a tenant compiles at most grammar_compiles_per_tenant at once (more: 429), on
