@@ -1,7 +1,7 @@
 """Chooses the CPU intra-op thread count by timing real steps, and re-checks now and then.
 
 The best count depends on whether the cores are shared, which no setting can know
-ahead, and on the step's size (docs/performance.md has the measurements). So each step
+ahead, and on the step's size (docs/performance.md; bench/RESULTS.md has the measurements). So each step
 size (its token count rounded up to a power of two) keeps its own choice: its steps
 alternate between the candidates for a few steps, the fastest per token wins, and the
 trial is repeated every ``period`` steps of that size. ``TIERGATE_CPU_THREADS`` pins a
