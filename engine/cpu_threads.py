@@ -17,10 +17,11 @@ regions and puts workers to sleep instead, which slows every step of the engine 
 
 from __future__ import annotations
 
-import os
 import statistics
 
 import torch
+
+from tiergate_common.env import CPU_THREADS
 
 # torch's own default (one per physical core), read before any tuner changes it.
 DEFAULT_THREADS = torch.get_num_threads()
@@ -88,8 +89,8 @@ class ThreadTuner:
 
         Counts apply to the thread that runs the steps, so a pinned one is set there too, by ``before_step``.
         """
-        pinned = os.environ.get("TIERGATE_CPU_THREADS")
-        return cls([int(pinned)] if pinned else [1, DEFAULT_THREADS])
+        pinned = CPU_THREADS.get()
+        return cls([pinned] if pinned is not None else [1, DEFAULT_THREADS])
 
     def chosen(self, num_tokens: int) -> int:
         """The count steps of this many tokens run on outside a trial."""

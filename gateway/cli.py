@@ -7,7 +7,6 @@ non-zero, never a traceback: scripts check the exit code, people read the line.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from datetime import date, datetime
@@ -19,6 +18,7 @@ from billing.errors import BillingError
 from gateway import budget_cli
 from gateway.adapter_dirs import AdapterDirError
 from gateway.settings import Settings, SettingsError, load_settings
+from tiergate_common.env import DEBUG, EnvError
 
 
 class CommandError(Exception):
@@ -259,9 +259,10 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        debug = DEBUG.get()
         settings = _settings(args)
         COMMANDS[args.command](args, settings)
-    except (CommandError, SettingsError, BillingError, AdapterDirError) as e:
+    except (CommandError, SettingsError, EnvError, BillingError, AdapterDirError) as e:
         print(f"tiergate: error: {e}", file=sys.stderr)
         return 1
     except SQLAlchemyError as e:
@@ -271,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # e.g. a model path the engine cannot load: still one line, not a traceback
-        if os.environ.get("TIERGATE_DEBUG"):
+        if debug:
             raise
         print(f"tiergate: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
