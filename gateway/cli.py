@@ -19,6 +19,7 @@ from gateway import budget_cli
 from gateway.adapter_dirs import AdapterDirError
 from gateway.settings import Settings, SettingsError, load_settings
 from tiergate_common.env import DEBUG, EnvError
+from tiergate_common.errors import first_line
 
 
 class CommandError(Exception):
@@ -266,8 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tiergate: error: {e}", file=sys.stderr)
         return 1
     except SQLAlchemyError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"tiergate: database error: {first} (did you run `tiergate db upgrade`?)", file=sys.stderr)
+        print(f"tiergate: database error: {first_line(e)} (did you run `tiergate db upgrade`?)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

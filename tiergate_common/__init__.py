@@ -2,5 +2,5 @@
 
 It imports nothing of ours (pyproject's import contracts), so scheduler/ and billing/, which import
 nothing of the project's other packages, may still use it. `env`: the TIERGATE_* environment's one
-parser and the variables no gateway setting carries.
+parser and the variables no gateway setting carries; `errors`: an exception's one-line summary.
 """
