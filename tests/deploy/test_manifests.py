@@ -18,7 +18,8 @@ from starlette.testclient import TestClient
 from gateway.app import create_app
 from gateway.metrics import GatewayMetrics, render
 from gateway.settings import Settings
-from scheduler.config import TierLoad, default_tiers
+from scheduler.config import default_tiers
+from scheduler.load import TierLoad
 from tests.deploy.conftest import one, server_container, server_deployment
 from tiergate_common.env import PREFIX as ENV_PREFIX
 
