@@ -34,11 +34,11 @@ def test_slot_holds_the_adapter_zero_padded_with_its_scale(make_pool, shapes):
     slot = pool.resident()["a0"]
     spec = pool.spec("a0")
     weights = load_adapter(inspect_adapter("a0", spec.path, shapes, 8), shapes, torch.float32)
-    assert torch.equal(pool.a["q"][:, slot, : spec.rank], weights.a["q"])
-    assert torch.equal(pool.a["q"][:, slot, spec.rank:], torch.zeros_like(pool.a["q"][:, slot, spec.rank:]))
-    assert torch.equal(pool.b["v"][:, slot, :, : spec.rank], weights.b["v"])
-    assert torch.equal(pool.a["gate"][:, slot], torch.zeros_like(pool.a["gate"][:, slot]))  # not a target
-    assert pool.scales[slot].item() == pytest.approx(spec.scale)
+    assert torch.equal(pool.stacks.a["q"][:, slot, : spec.rank], weights.a["q"])
+    assert torch.equal(pool.stacks.a["q"][:, slot, spec.rank:], torch.zeros_like(pool.stacks.a["q"][:, slot, spec.rank:]))
+    assert torch.equal(pool.stacks.b["v"][:, slot, :, : spec.rank], weights.b["v"])
+    assert torch.equal(pool.stacks.a["gate"][:, slot], torch.zeros_like(pool.stacks.a["gate"][:, slot]))  # not a target
+    assert pool.stacks.scales[slot].item() == pytest.approx(spec.scale)
 
 
 def test_least_recently_used_slot_is_evicted(make_pool):
@@ -115,10 +115,10 @@ def test_unregister_drops_cached_copies_and_frees_the_slot(make_pool):
 def test_registering_a_name_again_serves_the_new_weights(make_pool, adapter_dir):
     pool = make_pool(1)
     pool.batch_for([("a0", 1)])
-    old = pool.a["q"][:, pool.resident()["a0"]].clone()
+    old = pool.stacks.a["q"][:, pool.resident()["a0"]].clone()
     pool.register("a0", adapter_dir("replacement", seed=42, r=2))
     pool.batch_for([("a0", 1)])
-    assert not torch.equal(pool.a["q"][:, pool.resident()["a0"]], old)
+    assert not torch.equal(pool.stacks.a["q"][:, pool.resident()["a0"]], old)
 
 
 def test_pool_refuses_a_host_cache_smaller_than_the_slots(shapes):
