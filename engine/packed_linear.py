@@ -75,11 +75,6 @@ def weight_form(device: torch.device | str, dtype: torch.dtype) -> str:
     return "onednn" if _onednn_present() else "plain"
 
 
-def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether projections on this device and dtype are packed in one form or another."""
-    return weight_form(device, dtype) != "plain"
-
-
 class PackedWeight:
     """A projection weight packed for a CPU kernel; ``x [rows, in] -> [rows, out]``."""
 

@@ -118,11 +118,6 @@ class LoraPool:
                 return
         self._host_weights(name)
 
-    def is_ready(self, name: str) -> bool:
-        """Whether a step could use the adapter without reading from disk."""
-        with self._lock:
-            return name in self._slot_of or name in self._host
-
     # --- slots ----------------------------------------------------------------------------
 
     def resident(self) -> dict[str, int]:
