@@ -250,7 +250,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lines", type=int, default=2000)
     p.add_argument("--line-tokens", type=int, default=16)
     p.add_argument("--line-prompt", type=int, default=120)
-    p.add_argument("--window", type=int, default=32, help="batch lines in flight (completions path)")
+    p.add_argument("--window", type=int, default=16, help="batch lines in flight (completions path)")
     p.add_argument("--batch-lead-s", type=float, default=5.0)
     p.add_argument("--settle-s", type=float, default=5.0)
     p.add_argument("--sample-s", type=float, default=2.0)

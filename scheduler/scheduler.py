@@ -21,7 +21,7 @@ from scheduler.load import LoadEstimator, tier_loads
 from scheduler.plan import StepBuilder, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.spare import decode_features, interactive_waits, spare_bound
+from scheduler.spare import decode_features, interactive_waits_for_first_token, spare_bound
 from scheduler.step_budget import StepTimeBound, first_token_target_s, scaled_share, step_target_s
 from scheduler.step_cost import StepCostModel, step_features
 from scheduler.step_update import apply_step
@@ -176,10 +176,10 @@ class Scheduler:
     def _plan_spare(self, step: StepBuilder, decodes: list[Sequence]) -> None:
         """The spare-capacity queues' work, into what the step's interactive work left (scheduler/spare.py)."""
         spare = [q for q in self.policy.queue_names() if self.policy.is_spare(q)]
-        if not spare or interactive_waits(self.waiting, step, self.running, self.policy.is_spare,
-                                          self.policy.queue_of):
+        if not spare or interactive_waits_for_first_token(self.waiting, step, self.running, self.policy.is_spare,
+                                                          self.policy.queue_of):
             return  # spare rows would lengthen a step some interactive request waits for
-        step.time = spare_bound(self.config, step, self.step_cost.coefficients(), decodes)
+        step.time = spare_bound(self.config, step, self.step_cost.coefficients())
         for seq in decodes:
             if (
                 step.tokens_left > 0  # a row may fit the time bound where no prefill token does

@@ -26,6 +26,7 @@ def plan_and_check(sched: Scheduler) -> StepPlan:
     batch_chunks = [c for c in plan.chunks if c.seq.tier == "batch"]
     if batch_chunks:
         assert not any(sched.waiting[t] for t in INTERACTIVE), "a batch row beside a queued interactive request"
+        assert all(c.is_decode for c in plan.chunks if c.seq.tier in INTERACTIVE), "a batch row beside a prompt"
         chunks = {c.seq.seq_id: c for c in plan.chunks}
         for seq in sched.running:
             if seq.tier in INTERACTIVE and seq.is_prefilling:
