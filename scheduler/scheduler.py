@@ -179,13 +179,14 @@ class Scheduler:
         if not spare or interactive_waits_for_first_token(self.waiting, step, self.running, self.policy.is_spare,
                                                           self.policy.queue_of):
             return  # spare rows would lengthen a step some interactive request waits for
+        beside = bool(step.plan.chunks)  # interactive decodes, whose step spare rows may grow only so much
         step.time = spare_bound(self.config, step, self.step_cost.coefficients())
         for seq in decodes:
             if (
                 step.tokens_left > 0  # a row may fit the time bound where no prefill token does
                 and seq.seq_id not in step.preempted
                 and len(seq.output_token_ids) < seq.max_tokens
-                and (step.time is None or step.time.fits(step.features + decode_features(seq)))
+                and (not beside or step.time is None or step.time.fits(step.features + decode_features(seq)))
                 and self._grow_running(seq, seq.num_computed_tokens + 1, step)
             ):
                 step.add(seq, 1)

@@ -5,9 +5,10 @@ no interactive request waits for its first token: none in a queue, no running pr
 and none whose prompt this step computes. Such a request would wait longer beside spare rows,
 which lengthen the step it waits for. A step of interactive decodes grows by at most
 ``SchedulerConfig.spare_step_share`` of its predicted time for spare rows, and never past the
-inter-token bound it has (scheduler/step_budget.py). A step of spare work alone is bounded by the
-tightest interactive bound (``max_step_s``, the tiers' TPOT SLOs): a request that arrives while it
-runs waits for it, as it would for a step of streams.
+inter-token bound it has (scheduler/step_budget.py). A step of spare work alone decodes every spare
+stream, and its prefill is bounded as a step of streams is, by the tightest interactive bound
+(``max_step_s``, the tiers' TPOT SLOs), one block always going in: a request that arrives while it
+runs waits for it about as long as for a step of streams.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def spare_bound(config: SchedulerConfig, step: StepBuilder, cost: StepCost) -> S
             limits.append(PLAN_TO * min(bounds))
     if not limits:
         return None
-    # No guaranteed chunk: spare prefill may wait for a step with room.
-    return StepTimeBound(min(limits) / PLAN_TO, cost, min_chunk=0)
+    # Beside interactive decodes no guaranteed chunk: spare prefill may wait for a step with room. Alone,
+    # a step always advances its prompt, as any bounded step does, or spare work could starve forever
+    # on a machine whose every step outlasts the bound.
+    return StepTimeBound(min(limits) / PLAN_TO, cost, min_chunk=0 if step.plan.chunks else config.min_chunk)
 
 
 def decode_features(seq: Sequence) -> StepFeatures:

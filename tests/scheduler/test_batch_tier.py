@@ -218,3 +218,15 @@ def test_random_mixes_keep_batch_out_of_interactive_work_and_leak_no_blocks(ops,
             sched.abort(made[op[1] % len(made)].seq_id)
             sched.check_invariants()
     drain(sched)
+
+
+def test_batch_work_alone_advances_on_a_machine_whose_every_step_outlasts_the_bound(seq):
+    slow = StepCost(base_s=0.5, per_prefill_token_s=6e-3, per_decode_seq_s=1e-2, per_context_token_s=1e-4)
+    config = SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=64, max_step_s=0.15,
+                             step_cost_prior=slow)
+    sched = Scheduler(config)
+    batch = [seq(30, tier="batch", max_tokens=6, tenant="t") for _ in range(4)]
+    for s in batch:
+        sched.add(s)
+    drain(sched, limit=200)
+    assert all(len(s.output_token_ids) == 6 for s in batch)
