@@ -13,6 +13,8 @@ The engine publishes, per tier, a predicted TTFT for a request arriving now
   ``standard_shed_fraction`` of premium's SLO: standard work competes with
   premium for the same steps, so it is shed first, before premium misses.
 Retry-After is the predicted drain time of the backlog that caused the refusal.
+A spare-capacity tier (batch) is refused only when its queue is full: its lines wait for idle
+steps by design, and its backlog is no interactive tier's (scheduler/spare.py).
 
 Only a backlog (requests waiting in a queue) is a reason to refuse for
 latency: on hardware whose single prefill already exceeds the SLO (a laptop
@@ -67,6 +69,8 @@ class LoadShedder:
         if self._queue_full(tier, mine, tenant):
             return Refusal("overload", f"The {tier} queue is full ({mine.queue_depth} requests waiting); "
                            "retry later.", mine.predicted_ttft_s)
+        if config.spare_only:
+            return None
         if config.ttft_slo_s is not None:
             if mine.queue_depth > 0 and predicted > config.ttft_slo_s:
                 return Refusal("slo", f"The server is overloaded: predicted time to first token "

@@ -14,17 +14,22 @@ class TierConfig:
     # Time per output token: while a sequence of this tier decodes, no step is planned to last longer
     # (scheduler/step_budget.py). None: only SchedulerConfig.max_step_s bounds its steps.
     tpot_slo_s: float | None = None
+    # A spare-capacity tier (OpenAI's Batch API lines): admitted only while no request of a tier
+    # without this flag waits and the KV pool keeps ``SchedulerConfig.spare_kv_margin`` free beyond
+    # the reserves; planned after every other tier's work in a step, preempted before any of it.
+    spare_only: bool = False
 
 
 def default_tiers(
     premium_slo_s: float = 0.5, premium_kv_reserve: float = 0.30, standard_slo_s: float | None = None,
     premium_tpot_slo_s: float | None = None,
 ) -> tuple[TierConfig, ...]:
-    """The two tiers billing knows; the one table the gateway, the engine and the benches build on."""
+    """The tiers billing knows; the one table the gateway, the engine and the benches build on."""
     return (
         TierConfig("premium", priority=0, ttft_slo_s=premium_slo_s, kv_reserve_fraction=premium_kv_reserve,
                    tpot_slo_s=premium_tpot_slo_s),
         TierConfig("standard", priority=1, ttft_slo_s=standard_slo_s),
+        TierConfig("batch", priority=2, ttft_slo_s=None, spare_only=True),
     )
 
 
@@ -95,6 +100,12 @@ class SchedulerConfig:
     # (CPU-scale, the bundled model's order of magnitude), and how many recent steps the fit weighs.
     step_cost_prior: StepCost = field(default_factory=StepCost)
     step_cost_memory_steps: int = 200
+    # Spare-capacity tiers (``TierConfig.spare_only``): a sequence of one starts only if the pool keeps
+    # the other tiers' reserves plus this share of it free, so interactive work that arrives finds room
+    # without preempting; and a step that carries interactive work grows by at most this share of its
+    # predicted time for spare rows, so that work's first tokens and gaps stay about what they were.
+    spare_kv_margin: float = 0.1
+    spare_step_share: float = 0.2
 
     @property
     def min_chunk(self) -> int:

@@ -49,6 +49,15 @@ class Policy(ABC):
     def caps(self) -> tuple[TierCap, ...]:
         return ()
 
+    def is_spare(self, queue: str) -> bool:
+        """Whether ``queue`` holds a spare-capacity tier (``TierConfig.spare_only``): its work is planned
+        after every other queue's, and only while none of those has a request waiting."""
+        return False
+
+    def spare_headroom_blocks(self) -> int:
+        """Blocks a spare-capacity admission must leave free: the other tiers' reserves and the margin."""
+        return 0
+
     @abstractmethod
     def tiers_ahead(self, tier: str) -> set[str]:
         """The tiers whose queued prefill a new request of ``tier`` waits behind (its own included)."""
@@ -143,6 +152,7 @@ class TieredPolicy(Policy):
     def __init__(self, config: SchedulerConfig, arrival: dict[str, int]) -> None:
         super().__init__(config, arrival)
         self.priority = {t.name: t.priority for t in config.tiers}
+        self.spare = frozenset(t.name for t in config.tiers if t.spare_only)
         self.fair = (
             VirtualTokenCounters(config.fair_prefill_weight, config.fair_decode_weight) if config.fair_share else None
         )
@@ -177,7 +187,7 @@ class TieredPolicy(Policy):
         """
         if self.fair is None:
             return []
-        queue = list(queue)
+        queue = [s for s in queue if s.tier not in self.spare]  # spare work never jumps in between layers
         runs = Counter((s.tier, s.tenant) for s in running)
         most = Counter()
         for (tier, _), n in runs.items():
@@ -223,6 +233,13 @@ class TieredPolicy(Policy):
     def queue_of(self, seq: Sequence) -> str:
         return seq.tier
 
+    def is_spare(self, queue: str) -> bool:
+        return queue in self.spare
+
+    def spare_headroom_blocks(self) -> int:
+        reserved = sum(t.kv_reserve_fraction for t in self.config.tiers if not t.spare_only)
+        return math.ceil((reserved + self.config.spare_kv_margin) * self.config.num_blocks)
+
     def tiers_ahead(self, tier: str) -> set[str]:
         return {name for name, rank in self.priority.items() if rank <= self.priority[tier]}
 
@@ -254,13 +271,19 @@ class TieredPolicy(Policy):
     def _worse(self, seq: Sequence, running: list[Sequence]) -> list[Sequence]:
         return [s for s in running if self.priority[s.tier] > self.priority[seq.tier]]
 
+    def _worst(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Those of ``seqs`` in the worst tier among them: a worse tier is preempted before a better one
+        (batch before standard), so spare work always goes first."""
+        bottom = max(self.priority[s.tier] for s in seqs)
+        return [s for s in seqs if self.priority[s.tier] == bottom]
+
     def _most_blocks(self, seqs: list[Sequence]) -> Sequence:
         return max(seqs, key=lambda s: (len(s.block_table), self.arrival[s.seq_id]))
 
     def victim_for_running(self, needy: Sequence, running: list[Sequence]) -> Sequence:
         worse = self._worse(needy, running)
         if worse:
-            return self._most_blocks(worse)
+            return self._most_blocks(self._worst(worse))
         # Never a better tier: among equals the latest arrival of the most served tenant goes first.
         equals = [s for s in running if self.priority[s.tier] == self.priority[needy.tier]]
         if self.fair is not None:
@@ -279,10 +302,10 @@ class TieredPolicy(Policy):
         if not worse:
             return self._fair_victim(waiting, reason, running, frees_enough) if self.fair is not None else None
         if reason == NO_SLOT:
-            return self.latest(worse)
+            return self.latest(self._worst(worse))
         if reason == NO_BLOCKS:
             # Preempting is pointless if all of the worse tiers' blocks would not do.
-            return self._most_blocks(worse) if frees_enough(worse) else None
+            return self._most_blocks(self._worst(worse)) if frees_enough(worse) else None
         # NO_ADAPTER: free a slot held only by worse tiers, losing the fewest
         # sequences (ties: the group with the latest arrival).
         kept = {s.adapter for s in running if s not in worse}
@@ -292,7 +315,9 @@ class TieredPolicy(Policy):
                 groups.setdefault(s.adapter, []).append(s)
         if not groups:
             return None
-        group = min(groups.values(), key=lambda g: (len(g), -self.arrival[self.latest(g).seq_id]))
+        # A slot held by the worst tier alone goes first; then the one losing the fewest sequences.
+        group = min(groups.values(), key=lambda g: (-min(self.priority[s.tier] for s in g), len(g),
+                                                    -self.arrival[self.latest(g).seq_id]))
         return self.latest(group)
 
     def _fair_victim(

@@ -55,6 +55,10 @@ class StepTimeBound:
     cost: StepCost
     min_chunk: int
 
+    def fits(self, features: StepFeatures) -> bool:
+        """Whether a step computing ``features`` is predicted within the target (as planned, ``PLAN_TO`` of it)."""
+        return predict(self.cost, features) <= PLAN_TO * self.target_s + 1e-12
+
     def room(self, features: StepFeatures, start: int | None = None) -> int:
         """Prefill tokens a step computing ``features`` so far may still take in a new chunk beginning at
         position ``start`` (None: leave out the chunk's fixed context cost, for an estimate of what is left)."""

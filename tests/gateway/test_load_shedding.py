@@ -80,3 +80,10 @@ def test_a_tenant_filling_the_queue_sheds_itself_not_a_neighbour():
     assert c.check("standard", full, "newcomer") is None
     past_hard = {**full, "standard": TierLoad(128, 32, 5.0, newcomer_ttft_s=1.0, tenant_waiting={"flood": 128})}
     assert c.check("standard", past_hard, "newcomer").reason == "overload"
+
+
+def test_batch_is_refused_only_for_a_full_queue_never_for_latency_or_premiums_backlog():
+    c = controller(max_queued=10)
+    busy = {**load(premium_ttft=0.45, premium_queue=2), "batch": TierLoad(4, 8, 1e4)}
+    assert c.check("batch", busy) is None  # a batch line waits for idle steps by design
+    assert c.check("batch", {**busy, "batch": TierLoad(5, 8, 1e4)}).reason == "overload"
