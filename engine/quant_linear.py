@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from engine.cpu_build import quant_kernels_loaded
-from engine.packed_linear import PackedWeight
+from engine.packed_linear import PackedWeight, advise_huge_pages
 from engine.quantize import quantize_rows
 
 T = gguf.GGMLQuantizationType
@@ -42,6 +42,8 @@ QUANTIZE_KINDS: dict[str, gguf.GGMLQuantizationType] = {"q8_0": T.Q8_0, "q4_0": 
 # Kernel paths as csrc/quant_linear.cpp numbers them, and the order auto prefers them in.
 ISAS = ("avx512", "avx2", "scalar", "avxvnni")
 AUTO_ORDER = ("avx512", "avxvnni", "avx2", "scalar")
+# Output rows per group of csrc/quant_packed.h's layout (its PACK_ROWS).
+PACK_ROWS = 16
 # Formats repacked at load into csrc/quant_packed.h's layout for the few-row kernels.
 REPACKED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K})
 # Output rows the fallback dequantizes at a time: bounds its float copy to a few MB.
@@ -115,7 +117,11 @@ class QuantWeight(PackedWeight):
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, out_features
         self.packed = repack_enabled(ggml_type)
         if self.packed:  # the source (a view of the mapped file, or a copy) is not kept
-            self.storage = torch.ops.tiergate.quant_repack(blocks.contiguous(), int(ggml_type))
+            block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+            out = torch.empty(-(-out_features // PACK_ROWS), in_features // block_size, PACK_ROWS * type_size,
+                              dtype=torch.uint8)
+            advise_huge_pages(out)  # a decode step streams it whole: a TLB miss per 4 KB page otherwise
+            self.storage = torch.ops.tiergate.quant_repack(blocks.contiguous(), int(ggml_type), out)
         else:  # read in place (an mmap's view stays one); rows must be contiguous for the kernels
             self.storage = blocks if blocks.is_contiguous() else blocks.contiguous()
         self._op_args = ([self.storage], [int(ggml_type)], [out_features])

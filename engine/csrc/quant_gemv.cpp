@@ -7,7 +7,7 @@
 // output), then the threads split the groups of 16 outputs of every part between them and run
 // one instruction set's kernels (quant_gemv_body.h).
 //
-// Registered: torch.ops.tiergate.quant_repack(blocks, type) -> packed and
+// Registered: torch.ops.tiergate.quant_repack(blocks, type, out) -> out (packed) and
 // quant_unpack_rows(packed, type, in_features, ids) -> the ggml rows `ids`, byte for byte.
 
 #include <ATen/Parallel.h>
@@ -81,14 +81,19 @@ namespace {
 
 int64_t groups_of(int64_t rows) { return (rows + PACK_ROWS - 1) / PACK_ROWS; }
 
-at::Tensor quant_repack(const at::Tensor& blocks, int64_t type) {
+// Into `out` (uint8 [groups, blocks, tile bytes], allocated by the caller: engine/quant_linear.py
+// asks for huge pages on it before its pages are first touched here).
+at::Tensor quant_repack(const at::Tensor& blocks, int64_t type, const at::Tensor& out) {
   TORCH_CHECK(repacked(type), "quant_repack: no packed layout for block format ", type);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.is_contiguous() && blocks.size(1) % format_of(type).block_bytes == 0,
               "quant_repack: blocks must be a contiguous uint8 CPU tensor [out, whole blocks]");
   const int64_t rows = blocks.size(0), row_bytes = blocks.size(1), bb = format_of(type).block_bytes;
   const int64_t nblocks = row_bytes / bb, tb = tile_bytes(type);
-  at::Tensor packed = at::empty({groups_of(rows), nblocks, tb}, blocks.options());
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 3 &&
+                  out.size(0) == groups_of(rows) && out.size(1) == nblocks && out.size(2) == tb,
+              "quant_repack: out must be a contiguous uint8 CPU tensor [groups of 16 rows, blocks, 16 * block bytes]");
+  const at::Tensor& packed = out;
   const uint8_t* src = blocks.const_data_ptr<uint8_t>();
   uint8_t* dst = packed.mutable_data_ptr<uint8_t>();
   at::parallel_for(0, groups_of(rows), 1, [&](int64_t g0, int64_t g1) {
@@ -101,7 +106,7 @@ at::Tensor quant_repack(const at::Tensor& blocks, int64_t type) {
           move_block(type, dst + (g * nblocks + b) * tb, r, block, true);
         }
   });
-  return packed;
+  return out;
 }
 
 at::Tensor quant_unpack_rows(const at::Tensor& packed, int64_t type, int64_t in, const at::Tensor& ids) {
@@ -135,7 +140,7 @@ at::Tensor quant_unpack_rows(const at::Tensor& packed, int64_t type, int64_t in,
 }  // namespace tiergate_quant
 
 TORCH_LIBRARY_FRAGMENT(tiergate, m) {
-  m.def("quant_repack(Tensor blocks, int type) -> Tensor");
+  m.def("quant_repack(Tensor blocks, int type, Tensor(a!) out) -> Tensor(a!)");
   m.impl("quant_repack", c10::DispatchKey::CPU, TORCH_FN(tiergate_quant::quant_repack));
   m.def("quant_unpack_rows(Tensor packed, int type, int in_features, Tensor ids) -> Tensor");
   m.impl("quant_unpack_rows", c10::DispatchKey::CPU, TORCH_FN(tiergate_quant::quant_unpack_rows));
