@@ -33,6 +33,7 @@ import torch
 from engine.cpu_build import quant_kernels_loaded
 from engine.packed_linear import PackedWeight, advise_huge_pages
 from engine.quantize import quantize_rows
+from tiergate_common.env import QUANT_REPACK
 
 T = gguf.GGMLQuantizationType
 SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K,
@@ -100,8 +101,7 @@ def _dequantize(blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType) -> t
 
 def repack_enabled(ggml_type: gguf.GGMLQuantizationType) -> bool:
     """Whether a weight of this format is repacked at load (see the module docstring)."""
-    asked = os.environ.get("TIERGATE_QUANT_REPACK", "1").strip().lower()
-    return ggml_type in REPACKED_TYPES and asked not in ("0", "false", "no", "off") and quant_kernels_present()
+    return ggml_type in REPACKED_TYPES and QUANT_REPACK.get() != "off" and quant_kernels_present()
 
 
 class QuantWeight(PackedWeight):
