@@ -106,7 +106,8 @@ def build_parser() -> OneLineParser:
     for parser in (tc, ts):
         parser.add_argument("--rpm", type=positive_int)
         parser.add_argument("--tpm", type=positive_int)
-        parser.add_argument("--max-concurrent", type=positive_int)
+        parser.add_argument("--max-concurrent", type=positive_int,
+                            help="sequences in flight at once (n choices of each prompt count one each)")
         parser.add_argument("--weight", type=positive_float,
                             help="share of the tier's engine time relative to its other tenants (default 1)")
 

@@ -31,15 +31,23 @@ def default_tiers(
 @dataclass(frozen=True)
 class StepCost:
     """Step time as a linear cost: ``base_s + per_prefill_token_s * prefill tokens + per_decode_seq_s *
-    decode rows + per_context_token_s * context tokens`` (the model bench/step_cost.py fits offline)."""
+    decode rows + per_context_token_s * context tokens + per_attention_pair_s * prefill attention pairs``
+    (bench/step_cost.py fits the first four offline; the scheduler's online fit learns all five).
+
+    The pair term is a prefill chunk's attention: each of its rows attends to every position before it,
+    so a chunk deep into a long prompt costs per token in proportion to its depth; without it a chunk
+    at position 1,900 is predicted as cheap as one at 0. Zero by default: a GPU's flash attention
+    barely shows it, and the online fit finds it where it shows (a CPU)."""
 
     base_s: float = 0.012
     per_prefill_token_s: float = 6e-4
     per_decode_seq_s: float = 1.5e-4
     per_context_token_s: float = 3e-6
+    per_attention_pair_s: float = 0.0
 
-    def as_tuple(self) -> tuple[float, float, float, float]:
-        return (self.base_s, self.per_prefill_token_s, self.per_decode_seq_s, self.per_context_token_s)
+    def as_tuple(self) -> tuple[float, float, float, float, float]:
+        return (self.base_s, self.per_prefill_token_s, self.per_decode_seq_s, self.per_context_token_s,
+                self.per_attention_pair_s)
 
 
 @dataclass(frozen=True)

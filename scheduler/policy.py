@@ -162,16 +162,18 @@ class TieredPolicy(Policy):
         return self.fair is not None and self.fair.counter(waiting) < self.fair.counter(running)
 
     def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int) -> list[Sequence]:
-        """The first request of each tenant that runs two fewer sequences of the tier than another
-        and has no other prefill work in it, if its prompt fits.
+        """The first request of each tenant that has no other prefill work in its tier, if its prompt
+        fits, when another tenant of the tier runs two more sequences than it or is prefilling a
+        prompt with more than a whole step's token budget left.
 
         A step lasts as long as its longest work, and every prefill that ends in it waits for
-        all of it: beside a flood's prefill chunks, a neighbour's short request would take as
-        long as the flood's step, not its own. Such a request (a light tenant's turn, not a
-        backlog) gets a step with the running decodes and no other tenant's prefill of its tier.
-        A flood's own new request never qualifies (no one runs more than it), and the scheduler
-        grants no two such steps in a row, so a backlogged tenant's prefill is held for at most
-        every other step.
+        all of it: beside a flood's prefill chunks, or one long prompt's step-sized chunk, a
+        neighbour's short request would take as long as that step, not its own. Such a request
+        (a light tenant's turn, not a backlog) gets a step with the running decodes and no other
+        tenant's prefill of its tier. A flood's or a long prompt's own new request never
+        qualifies (its tenant is prefilling already, or no one runs more than it), and the
+        scheduler grants no two such steps in a row, so a backlogged tenant's prefill is held for
+        at most every other step.
         """
         if self.fair is None:
             return []
@@ -181,11 +183,17 @@ class TieredPolicy(Policy):
         for (tier, _), n in runs.items():
             most[tier] = max(most[tier], n)
         busy = {(s.tier, s.tenant) for s in running if s.is_prefilling}
+        step_tokens = self.config.max_num_batched_tokens
+        long_prefills = {(s.tier, s.tenant) for s in running
+                         if s.is_prefilling and s.num_tokens - s.num_computed_tokens > step_tokens}
         waiting = Counter((s.tier, s.tenant) for s in queue)
         picked = []
         for seq in queue:
             key = (seq.tier, seq.tenant)
-            if key in busy or waiting[key] > 1 or seq.num_tokens > budget or runs[key] + 2 > most[seq.tier]:
+            if key in busy or waiting[key] > 1 or seq.num_tokens > budget:
+                continue
+            beside_long = any(tier == seq.tier and tenant != seq.tenant for tier, tenant in long_prefills)
+            if runs[key] + 2 > most[seq.tier] and not beside_long:
                 continue
             picked.append(seq)
             budget -= seq.num_tokens
