@@ -13,6 +13,12 @@ Where the kernels cannot be built, the weight is dequantized in slices and multi
 
 ``TIERGATE_QUANT_ISA`` forces a kernel path (``avx512``, ``avx2`` or ``scalar``); unset or
 ``auto``, the best this CPU runs.
+
+A call with many rows of x (a prefill chunk, a batch of many streams) takes the panel path
+instead where the CPU runs oneDNN's bfloat16 micro-kernel (AMX): csrc/quant_dequant_panel.cpp
+decodes the weight a panel of outputs at a time to bfloat16 and multiplies on the tiles, with
+float32 sums. ``TIERGATE_QUANT_PANEL_ROWS`` sets the fewest rows that take it (``off``: never);
+unset or ``auto``, ``PANEL_MIN_ROWS`` where the CPU runs it, never elsewhere.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, 
 QUANTIZE_KINDS: dict[str, gguf.GGMLQuantizationType] = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_k": T.Q4_K}
 # Kernel paths, in the order auto prefers them; csrc/quant_linear.cpp numbers them the same way.
 ISAS = ("avx512", "avx2", "scalar")
+# Rows of x from which the panel path beat the int8 tiles on the AMX CPU it was measured on
+# (bench/quant_kernels.py, bench/RESULTS.md).
+PANEL_MIN_ROWS = 16
 # Output rows the fallback dequantizes at a time: bounds its float copy to a few MB.
 FALLBACK_SLICE_ROWS = 256
 
@@ -63,6 +72,29 @@ def _isa_index(asked: str) -> int:
     if not torch.ops.tiergate.quant_isa_supported(ISAS.index(asked)):
         raise ValueError(f"TIERGATE_QUANT_ISA={asked}: this CPU cannot run that path")
     return ISAS.index(asked)
+
+
+def panel_min_rows() -> int | None:
+    """The fewest rows of x that take the panel path now, None where no call does: ``TIERGATE_QUANT_PANEL_ROWS``
+    if set, else ``PANEL_MIN_ROWS`` where the CPU runs the panels. Raises ValueError for a value that is not
+    a positive count, ``off`` or ``auto``, or a count where this CPU cannot run the panels."""
+    return _panel_rows(os.environ.get("TIERGATE_QUANT_PANEL_ROWS", "auto"))
+
+
+@functools.cache
+def _panel_rows(asked: str) -> int | None:
+    """``panel_min_rows`` for a value of the variable, looked up once."""
+    asked = asked.strip().lower()
+    if asked == "off" or not quant_kernels_present():
+        return None
+    supported = bool(torch.ops.tiergate.quant_panel_supported())
+    if asked in ("", "auto"):
+        return PANEL_MIN_ROWS if supported else None
+    if not asked.isdigit() or int(asked) < 1:
+        raise ValueError(f"TIERGATE_QUANT_PANEL_ROWS={asked!r}: expected a count of rows >= 1, off or auto")
+    if not supported:
+        raise ValueError("TIERGATE_QUANT_PANEL_ROWS: this CPU cannot run the panel path (no bfloat16 micro-kernel)")
+    return int(asked)
 
 
 def _check_blocks(blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType, in_features: int,
@@ -167,6 +199,9 @@ def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | Non
         return _fallback_matmul(x, parts)
     if op_args is None:
         op_args = ([p.blocks for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
+    least = _panel_rows(os.environ.get("TIERGATE_QUANT_PANEL_ROWS", "auto"))
+    if least is not None and x.shape[0] >= least:
+        return torch.ops.tiergate.quant_panel_linear(x, *op_args)
     return torch.ops.tiergate.quant_linear(x, *op_args, _isa_index(os.environ.get("TIERGATE_QUANT_ISA", "auto")))
 
 

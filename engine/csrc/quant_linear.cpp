@@ -34,6 +34,21 @@
 #include <utility>
 #include <vector>
 
+namespace tiergate_quant {
+
+void check_blocks(const char* op, const at::Tensor& blocks, int64_t type, int64_t in, int64_t out_features) {
+  TORCH_CHECK(known(type), op, ": unknown block format ", type);
+  const Format f = format_of(type);
+  TORCH_CHECK(in % f.block_values == 0, op, ": the input size ", in, " is not a multiple of ", f.block_values);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous(),
+              op, ": blocks must be a contiguous uint8 CPU tensor [out, bytes_per_row]");
+  TORCH_CHECK(blocks.size(0) == out_features && blocks.size(1) == in / f.block_values * f.block_bytes, op,
+              ": blocks do not match the input size and out_features");
+}
+
+}  // namespace tiergate_quant
+
 namespace {
 
 using namespace tiergate_quant;
@@ -276,18 +291,6 @@ bool isa_supported(int64_t isa) {
   return isa == SCALAR;
 }
 
-void check_part(const at::Tensor& blocks, int64_t type, int64_t in, int64_t out_features) {
-  TORCH_CHECK(known(type), "quant_linear: unknown block format ", type);
-  const Format f = format_of(type);
-  TORCH_CHECK(in % f.block_values == 0, "quant_linear: the input size ", in, " is not a multiple of ",
-              f.block_values);
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
-                  blocks.is_contiguous(),
-              "quant_linear: blocks must be a contiguous uint8 CPU tensor [out, bytes_per_row]");
-  TORCH_CHECK(blocks.size(0) == out_features && blocks.size(1) == in / f.block_values * f.block_bytes,
-              "quant_linear: blocks do not match the input size and out_features");
-}
-
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
                         at::IntArrayRef out_features, int64_t isa) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
@@ -300,7 +303,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
   std::vector<Group> groups;
   int64_t total = 0;
   for (size_t p = 0; p < blocks.size(); ++p) {
-    check_part(blocks[p], types[p], in, out_features[p]);
+    check_blocks("quant_linear", blocks[p], types[p], in, out_features[p]);
     parts.push_back({blocks[p].const_data_ptr<uint8_t>(), types[p], out_features[p], blocks[p].size(1), total});
     for (int64_t first = 0; first < out_features[p]; first += GROUP) groups.push_back({int64_t(p), first});
     total += out_features[p];
@@ -361,7 +364,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
 // Rows of a weight in float32 [rows, in], rounded as ggml's (and gguf-py's) dequantizers round:
 // d * q + m, whose product is exact, except Q6_K's d * (q - 32), whose product may round.
 at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t in) {
-  check_part(blocks, type, in, blocks.size(0));
+  check_blocks("quant_dequantize", blocks, type, in, blocks.size(0));
   const int64_t rows = blocks.size(0), nblocks = in / format_of(type).block_values, n16 = in / 16;
   at::Tensor out = at::empty({rows, in}, blocks.options().dtype(at::kFloat));
   const uint8_t* src = blocks.const_data_ptr<uint8_t>();
