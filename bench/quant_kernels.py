@@ -1,4 +1,4 @@
-"""The quantized projection kernels alone (engine/csrc/quant_linear.cpp) against the float32 panel kernel.
+"""The quantized projection kernels alone (engine/csrc/quant*.cpp) against the float32 panel kernel.
 
 Every projection of ``--layers`` layers of a ~1B Llama shape (hidden 2048, FFN 8192: 2048->3072
 qkv, 2048->2048 o, 2048->16384 gate/up, 8192->2048 down), multiplied by ``rows`` rows, in each
@@ -8,6 +8,10 @@ blocks: the kernels' speed does not depend on the values. Formats and panels alt
 in turn, in one process; printed: the median time of a pass (wall, and CPU per thread, which
 a machine shared with other work inflates less), the weight bytes read per second (the decode
 bound), multiply-adds per second (the prefill bound) and the panel kernel's time over each format's.
+
+Each format runs on the int8 tiles (``int8``) and, where the CPU runs oneDNN's bfloat16 micro-kernel
+(AMX), on the many-row panel path too (``amx``: csrc/quant_dequant_panel.cpp, forced at every row
+count); ``int8/this`` is the int8 tiles' time over each path's for the same format.
 
     .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,512] [--rounds 5] [--threads 2] [--layers 2]
         [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K] [--isa auto|avx512|avx2|scalar] [--json PATH]
@@ -45,8 +49,10 @@ def _panel_weights(layers: int) -> list[PackedWeight]:
     return [pack(torch.randn(k, n, generator=gen) * 0.05, "panels") for k, n in LAYER_SHAPES * layers]
 
 
-def _pass(weights: list[PackedWeight], inputs: dict[int, torch.Tensor]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the process) of one pass over ``weights``."""
+def _pass(weights: list[PackedWeight], inputs: dict[int, torch.Tensor], panel_rows: str) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process) of one pass over ``weights``, ``TIERGATE_QUANT_PANEL_ROWS``
+    set to ``panel_rows``."""
+    os.environ["TIERGATE_QUANT_PANEL_ROWS"] = panel_rows
     started, cpu = time.perf_counter(), time.process_time()
     for w in weights:
         w(inputs[w.in_features])
@@ -57,8 +63,13 @@ def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: lis
     torch.set_num_threads(threads)
     if not quant_kernels_present() or not panel_kernel_present():
         raise SystemExit("the CPU kernels did not build here")
-    forms = {t: _quant_weights(t, layers) for t in types}
-    forms["F32 panels"] = _panel_weights(layers)
+    paths = {"int8": "off", "amx": "1"} if torch.ops.tiergate.quant_panel_supported() else {"int8": "off"}
+    forms, panel_rows = {}, {}
+    for t in types:
+        weights = _quant_weights(t, layers)
+        for path, value in paths.items():
+            forms[f"{t} {path}"], panel_rows[f"{t} {path}"] = weights, value
+    forms["F32 panels"], panel_rows["F32 panels"] = _panel_weights(layers), "off"
     macs = sum(k * n for k, n in LAYER_SHAPES * layers)
     results = []
     for rows in rows_list:
@@ -66,18 +77,21 @@ def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: lis
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in forms}
         for i in range(rounds + 1):  # the first round warms up
             for name in forms if i % 2 == 0 else reversed(list(forms)):
-                elapsed = _pass(forms[name], inputs)
+                elapsed = _pass(forms[name], inputs, panel_rows[name])
                 if i:
                     times[name].append(elapsed)
-        panel = statistics.median(wall for wall, _ in times["F32 panels"])
+        medians = {name: statistics.median(wall for wall, _ in t) for name, t in times.items()}
+        panel = medians["F32 panels"]
         for name, t in times.items():
-            median = statistics.median(wall for wall, _ in t)
+            median = medians[name]
+            int8 = medians.get(name.split()[0] + " int8", median)
             nbytes = sum(w.nbytes for w in forms[name])
             # CPU time per thread: on a machine shared with other work the wall time counts their turns too.
             cpu = statistics.median(c for _, c in t) / threads
             results.append({"rows": rows, "form": name, "median_ms": median * 1e3, "cpu_ms_per_thread": cpu * 1e3,
                             "weight_mb": nbytes / 1e6, "weight_gb_s": nbytes / median / 1e9,
-                            "gmac_s": macs * rows / median / 1e9, "panel_time_over_this": panel / median})
+                            "gmac_s": macs * rows / median / 1e9, "panel_time_over_this": panel / median,
+                            "int8_time_over_this": int8 / median})
     return {"machine": machine.describe(), "threads": threads, "layers": layers, "isa": kernel_isa(),
             "rounds": rounds, "results": results}
 
@@ -85,10 +99,12 @@ def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: lis
 def _print(report: dict) -> None:
     print(f"isa {report['isa']}, {report['threads']} threads, {report['layers']} layers of the ~1B shape, "
           f"median of {report['rounds']} rounds")
-    print(f"{'rows':>5} {'form':>11} {'ms':>9} {'cpu ms':>9} {'MB':>7} {'GB/s':>7} {'GMAC/s':>8} {'panel/this':>10}")
+    print(f"{'rows':>5} {'form':>11} {'ms':>9} {'cpu ms':>9} {'MB':>7} {'GB/s':>7} {'GMAC/s':>8} {'panel/this':>10} "
+          f"{'int8/this':>9}")
     for r in report["results"]:
         print(f"{r['rows']:>5} {r['form']:>11} {r['median_ms']:>9.2f} {r['cpu_ms_per_thread']:>9.2f} "
-              f"{r['weight_mb']:>7.1f} {r['weight_gb_s']:>7.1f} {r['gmac_s']:>8.1f} {r['panel_time_over_this']:>9.2f}x")
+              f"{r['weight_mb']:>7.1f} {r['weight_gb_s']:>7.1f} {r['gmac_s']:>8.1f} {r['panel_time_over_this']:>9.2f}x "
+              f"{r['int8_time_over_this']:>8.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,10 @@ Three forms of a projection weight, chosen once per model by ``weight_form``:
   dtypes, and ``TIERGATE_PACKED_WEIGHTS=0``.
 
 The panels serve float32 and the bfloat16 opt-in (``--dtype bfloat16``); oneDNN's
-packing here serves float32 only. MKL behind ``torch.mm`` re-packs its
+packing here serves float32 only. A bfloat16 call with many rows (a prefill chunk) goes to
+oneDNN's AMX micro-kernel over the same panels (csrc/panel_linear_amx.cpp) where the CPU runs
+it: ``TIERGATE_BF16_AMX_ROWS`` sets the fewest rows that do (``off``: none); unset or ``auto``,
+``AMX_MIN_ROWS``. float32 calls never do: they stay exact. MKL behind ``torch.mm`` re-packs its
   weight operand on every call.
 
 ``TIERGATE_PACKED_WEIGHTS`` picks a form (``panels``, ``onednn``, ``0`` for plain);
@@ -25,6 +28,7 @@ so memory does not grow.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 
@@ -42,6 +46,9 @@ PACK_HINT_ROWS = 32
 # Outputs per panel of the panels form; csrc/panel_linear.cpp reads the same number.
 PANEL = 16
 FORMS = ("panels", "onednn", "plain")
+# Rows of a bfloat16 call from which the AMX micro-kernel beat the panel kernel on the CPU it was
+# measured on (bench/projections.py, bench/RESULTS.md).
+AMX_MIN_ROWS = 16
 
 
 def _onednn_present() -> bool:
@@ -57,6 +64,28 @@ def _onednn_present() -> bool:
 def panel_kernel_present() -> bool:
     """Whether the panels kernel is built and loaded (built here on the first call)."""
     return cpu_kernels_loaded()
+
+
+def amx_min_rows() -> int | None:
+    """The fewest rows of a bfloat16 call that take the AMX micro-kernel now, None where none does:
+    ``TIERGATE_BF16_AMX_ROWS`` if set, else ``AMX_MIN_ROWS`` where the CPU runs it. Raises ValueError
+    for a value that is not a positive count, ``off`` or ``auto``, or a count where this CPU cannot run it."""
+    return _amx_rows(os.environ.get("TIERGATE_BF16_AMX_ROWS", "auto"))
+
+
+@functools.cache
+def _amx_rows(asked: str) -> int | None:
+    asked = asked.strip().lower()
+    if asked == "off" or not panel_kernel_present():
+        return None
+    supported = bool(torch.ops.tiergate.panel_amx_supported())
+    if asked in ("", "auto"):
+        return AMX_MIN_ROWS if supported else None
+    if not asked.isdigit() or int(asked) < 1:
+        raise ValueError(f"TIERGATE_BF16_AMX_ROWS={asked!r}: expected a count of rows >= 1, off or auto")
+    if not supported:
+        raise ValueError("TIERGATE_BF16_AMX_ROWS: this CPU cannot run the AMX micro-kernel")
+    return int(asked)
 
 
 def weight_form(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -120,6 +149,10 @@ class PanelWeight(PackedWeight):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if x.dtype == torch.bfloat16:
+            least = _amx_rows(os.environ.get("TIERGATE_BF16_AMX_ROWS", "auto"))
+            if least is not None and x.shape[0] >= least:
+                return torch.ops.tiergate.panel_linear_amx(x, self.panels, self.out_features)
         return torch.ops.tiergate.panel_linear(x, self.panels, self.out_features)
 
     def dense(self) -> torch.Tensor:
