@@ -35,6 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from engine.amx_rows import parse_min_rows
 from engine.cpu_build import cpu_kernels_loaded
 
 # The torch releases whose private mkldnn linear ops this module calls with these
@@ -75,17 +76,9 @@ def amx_min_rows() -> int | None:
 
 @functools.cache
 def _amx_rows(asked: str) -> int | None:
-    asked = asked.strip().lower()
-    if asked == "off" or not panel_kernel_present():
-        return None
-    supported = bool(torch.ops.tiergate.panel_amx_supported())
-    if asked in ("", "auto"):
-        return AMX_MIN_ROWS if supported else None
-    if not asked.isdigit() or int(asked) < 1:
-        raise ValueError(f"TIERGATE_BF16_AMX_ROWS={asked!r}: expected a count of rows >= 1, off or auto")
-    if not supported:
-        raise ValueError("TIERGATE_BF16_AMX_ROWS: this CPU cannot run the AMX micro-kernel")
-    return int(asked)
+    """``amx_min_rows`` for a value of the variable, looked up once."""
+    return parse_min_rows("TIERGATE_BF16_AMX_ROWS", asked, AMX_MIN_ROWS,
+                          lambda: panel_kernel_present() and bool(torch.ops.tiergate.panel_amx_supported()))
 
 
 def weight_form(device: torch.device | str, dtype: torch.dtype) -> str:

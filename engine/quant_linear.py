@@ -30,6 +30,7 @@ import gguf
 import numpy as np
 import torch
 
+from engine.amx_rows import parse_min_rows
 from engine.cpu_build import quant_kernels_loaded
 from engine.packed_linear import PackedWeight
 from engine.quantize import quantize_rows
@@ -84,17 +85,8 @@ def panel_min_rows() -> int | None:
 @functools.cache
 def _panel_rows(asked: str) -> int | None:
     """``panel_min_rows`` for a value of the variable, looked up once."""
-    asked = asked.strip().lower()
-    if asked == "off" or not quant_kernels_present():
-        return None
-    supported = bool(torch.ops.tiergate.quant_panel_supported())
-    if asked in ("", "auto"):
-        return PANEL_MIN_ROWS if supported else None
-    if not asked.isdigit() or int(asked) < 1:
-        raise ValueError(f"TIERGATE_QUANT_PANEL_ROWS={asked!r}: expected a count of rows >= 1, off or auto")
-    if not supported:
-        raise ValueError("TIERGATE_QUANT_PANEL_ROWS: this CPU cannot run the panel path (no bfloat16 micro-kernel)")
-    return int(asked)
+    return parse_min_rows("TIERGATE_QUANT_PANEL_ROWS", asked, PANEL_MIN_ROWS,
+                          lambda: quant_kernels_present() and bool(torch.ops.tiergate.quant_panel_supported()))
 
 
 def _check_blocks(blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType, in_features: int,
