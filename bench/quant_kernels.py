@@ -11,7 +11,10 @@ bound), multiply-adds per second (the prefill bound) and the panel kernel's time
 
 Each format runs on the int8 tiles (``int8``) and, where the CPU runs oneDNN's bfloat16 micro-kernel
 (AMX), on the many-row panel path too (``amx``: csrc/quant_dequant_panel.cpp, forced at every row
-count); ``int8/this`` is the int8 tiles' time over each path's for the same format.
+count); ``old/this`` is the old path's time over each path's: the int8 tiles' for a format (for ``BF16 amx``,
+the bfloat16 panel kernel's over its). The weights
+dequantized to bfloat16 (``--dtype bfloat16``) run as panels too: on the panel kernel (``BF16 panels``)
+and, where the CPU has AMX, on oneDNN's micro-kernel over the same panels (``BF16 amx``).
 
     .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,512] [--rounds 5] [--threads 2] [--layers 2]
         [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K] [--isa auto|avx512|avx2|scalar] [--json PATH]
@@ -44,15 +47,15 @@ def _quant_weights(type_name: str, layers: int) -> list[PackedWeight]:
             for i, (k, n) in enumerate(LAYER_SHAPES * layers)]
 
 
-def _panel_weights(layers: int) -> list[PackedWeight]:
+def _panel_weights(layers: int, dtype: torch.dtype = torch.float32) -> list[PackedWeight]:
     gen = torch.Generator().manual_seed(0)
-    return [pack(torch.randn(k, n, generator=gen) * 0.05, "panels") for k, n in LAYER_SHAPES * layers]
+    return [pack((torch.randn(k, n, generator=gen) * 0.05).to(dtype), "panels") for k, n in LAYER_SHAPES * layers]
 
 
-def _pass(weights: list[PackedWeight], inputs: dict[int, torch.Tensor], panel_rows: str) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the process) of one pass over ``weights``, ``TIERGATE_QUANT_PANEL_ROWS``
-    set to ``panel_rows``."""
-    os.environ["TIERGATE_QUANT_PANEL_ROWS"] = panel_rows
+def _pass(weights: list[PackedWeight], inputs: dict[int, torch.Tensor], amx_rows: str) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process) of one pass over ``weights``, the AMX paths' row
+    thresholds (``TIERGATE_QUANT_PANEL_ROWS``, ``TIERGATE_BF16_AMX_ROWS``) set to ``amx_rows``."""
+    os.environ["TIERGATE_QUANT_PANEL_ROWS"] = os.environ["TIERGATE_BF16_AMX_ROWS"] = amx_rows
     started, cpu = time.perf_counter(), time.process_time()
     for w in weights:
         w(inputs[w.in_features])
@@ -70,21 +73,25 @@ def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: lis
         for path, value in paths.items():
             forms[f"{t} {path}"], panel_rows[f"{t} {path}"] = weights, value
     forms["F32 panels"], panel_rows["F32 panels"] = _panel_weights(layers), "off"
+    forms["BF16 panels"], panel_rows["BF16 panels"] = _panel_weights(layers, torch.bfloat16), "off"
+    if torch.ops.tiergate.panel_amx_supported():
+        forms["BF16 amx"], panel_rows["BF16 amx"] = forms["BF16 panels"], "1"
     macs = sum(k * n for k, n in LAYER_SHAPES * layers)
     results = []
     for rows in rows_list:
         inputs = {k: torch.randn(rows, k) for k, _ in LAYER_SHAPES}
+        inputs_bf16 = {k: x.bfloat16() for k, x in inputs.items()}
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in forms}
         for i in range(rounds + 1):  # the first round warms up
             for name in forms if i % 2 == 0 else reversed(list(forms)):
-                elapsed = _pass(forms[name], inputs, panel_rows[name])
+                elapsed = _pass(forms[name], inputs_bf16 if name.startswith("BF16") else inputs, panel_rows[name])
                 if i:
                     times[name].append(elapsed)
         medians = {name: statistics.median(wall for wall, _ in t) for name, t in times.items()}
         panel = medians["F32 panels"]
         for name, t in times.items():
             median = medians[name]
-            int8 = medians.get(name.split()[0] + " int8", median)
+            int8 = medians.get(name.split()[0] + (" int8" if name[0] == "Q" else " panels"), median)
             nbytes = sum(w.nbytes for w in forms[name])
             # CPU time per thread: on a machine shared with other work the wall time counts their turns too.
             cpu = statistics.median(c for _, c in t) / threads
@@ -100,7 +107,7 @@ def _print(report: dict) -> None:
     print(f"isa {report['isa']}, {report['threads']} threads, {report['layers']} layers of the ~1B shape, "
           f"median of {report['rounds']} rounds")
     print(f"{'rows':>5} {'form':>11} {'ms':>9} {'cpu ms':>9} {'MB':>7} {'GB/s':>7} {'GMAC/s':>8} {'panel/this':>10} "
-          f"{'int8/this':>9}")
+          f"{'old/this':>9}")
     for r in report["results"]:
         print(f"{r['rows']:>5} {r['form']:>11} {r['median_ms']:>9.2f} {r['cpu_ms_per_thread']:>9.2f} "
               f"{r['weight_mb']:>7.1f} {r['weight_gb_s']:>7.1f} {r['gmac_s']:>8.1f} {r['panel_time_over_this']:>9.2f}x "

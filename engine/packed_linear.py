@@ -49,7 +49,7 @@ PANEL = 16
 FORMS = ("panels", "onednn", "plain")
 # Rows of a bfloat16 call from which the AMX micro-kernel beat the panel kernel on the CPU it was
 # measured on (bench/projections.py, bench/RESULTS.md).
-AMX_MIN_ROWS = 16
+AMX_MIN_ROWS = 32
 
 
 def _onednn_present() -> bool:

@@ -44,7 +44,7 @@ QUANTIZE_KINDS: dict[str, gguf.GGMLQuantizationType] = {"q8_0": T.Q8_0, "q4_0": 
 ISAS = ("avx512", "avx2", "scalar")
 # Rows of x from which the panel path beat the int8 tiles on the AMX CPU it was measured on
 # (bench/quant_kernels.py, bench/RESULTS.md).
-PANEL_MIN_ROWS = 16
+PANEL_MIN_ROWS = 64
 # Output rows the fallback dequantizes at a time: bounds its float copy to a few MB.
 FALLBACK_SLICE_ROWS = 256
 
