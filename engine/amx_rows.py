@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tiergate_common.env import EnvError
+
 
 def parse_min_rows(variable: str, asked: str, default: int, supported: Callable[[], bool]) -> int | None:
     """The fewest rows ``asked`` (the variable's value) sends to the micro-kernel, None for none.
-    Raises ValueError for a value that is not a positive count, ``off`` or ``auto``, or a count
+    Raises EnvError (a ValueError) for a value that is not a positive count, ``off`` or ``auto``, or a count
     where ``supported()`` says this CPU cannot run the micro-kernel."""
     asked = asked.strip().lower()
     if asked == "off":
@@ -21,7 +23,7 @@ def parse_min_rows(variable: str, asked: str, default: int, supported: Callable[
     if asked in ("", "auto"):
         return default if supported() else None
     if not asked.isdigit() or int(asked) < 1:
-        raise ValueError(f"{variable}={asked!r}: expected a count of rows >= 1, off or auto")
+        raise EnvError(f"{variable}={asked!r}: expected a count of rows >= 1, off or auto")
     if not supported():
-        raise ValueError(f"{variable}: this CPU cannot run oneDNN's bfloat16 micro-kernel (no AMX)")
+        raise EnvError(f"{variable}: this CPU cannot run oneDNN's bfloat16 micro-kernel (no AMX)")
     return int(asked)

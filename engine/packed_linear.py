@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from engine.amx_rows import parse_min_rows
 from engine.cpu_build import cpu_kernels_loaded
-from tiergate_common.env import PACKED_WEIGHTS
+from tiergate_common.env import BF16_AMX_ROWS, PACKED_WEIGHTS
 
 # The torch releases whose private mkldnn linear ops this module calls with these
 # signatures; tests/engine/test_packed_linear.py fails when the installed torch is not one.
@@ -71,7 +71,7 @@ def amx_min_rows() -> int | None:
     """The fewest rows of a bfloat16 call that take the AMX micro-kernel now, None where none does:
     ``TIERGATE_BF16_AMX_ROWS`` if set, else ``AMX_MIN_ROWS`` where the CPU runs it. Raises ValueError
     for a value that is not a positive count, ``off`` or ``auto``, or a count where this CPU cannot run it."""
-    return _amx_rows(os.environ.get("TIERGATE_BF16_AMX_ROWS", "auto"))
+    return _amx_rows(BF16_AMX_ROWS.get())
 
 
 @functools.cache
@@ -138,7 +138,7 @@ class PanelWeight(PackedWeight):
         if x.stride(-1) != 1:
             x = x.contiguous()
         if x.dtype == torch.bfloat16:
-            least = _amx_rows(os.environ.get("TIERGATE_BF16_AMX_ROWS", "auto"))
+            least = _amx_rows(BF16_AMX_ROWS.get())
             if least is not None and x.shape[0] >= least:
                 return torch.ops.tiergate.panel_linear_amx(x, self.panels, self.out_features)
         return torch.ops.tiergate.panel_linear(x, self.panels, self.out_features)

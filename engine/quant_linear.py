@@ -34,6 +34,7 @@ from engine.amx_rows import parse_min_rows
 from engine.cpu_build import quant_kernels_loaded
 from engine.packed_linear import PackedWeight
 from engine.quantize import quantize_rows
+from tiergate_common.env import QUANT_PANEL_ROWS
 
 T = gguf.GGMLQuantizationType
 SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K,
@@ -79,7 +80,7 @@ def panel_min_rows() -> int | None:
     """The fewest rows of x that take the panel path now, None where no call does: ``TIERGATE_QUANT_PANEL_ROWS``
     if set, else ``PANEL_MIN_ROWS`` where the CPU runs the panels. Raises ValueError for a value that is not
     a positive count, ``off`` or ``auto``, or a count where this CPU cannot run the panels."""
-    return _panel_rows(os.environ.get("TIERGATE_QUANT_PANEL_ROWS", "auto"))
+    return _panel_rows(QUANT_PANEL_ROWS.get())
 
 
 @functools.cache
@@ -191,7 +192,7 @@ def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | Non
         return _fallback_matmul(x, parts)
     if op_args is None:
         op_args = ([p.blocks for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
-    least = _panel_rows(os.environ.get("TIERGATE_QUANT_PANEL_ROWS", "auto"))
+    least = _panel_rows(QUANT_PANEL_ROWS.get())
     if least is not None and x.shape[0] >= least:
         return torch.ops.tiergate.quant_panel_linear(x, *op_args)
     return torch.ops.tiergate.quant_linear(x, *op_args, _isa_index(os.environ.get("TIERGATE_QUANT_ISA", "auto")))

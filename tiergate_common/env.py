@@ -94,6 +94,10 @@ CACHE_DIR: Var[str | None] = Var("CACHE_DIR", str, None)
 CPU_THREADS: Var[int | None] = Var("CPU_THREADS", int, None)
 # Engine: projections' form (engine/packed_linear.py): auto (panels, the same), onednn, or off/plain (torch.mm).
 PACKED_WEIGHTS = Switch("PACKED_WEIGHTS", extra=("panels", "onednn", "plain"))
+# Engine: the fewest rows of x that send a quantized projection (engine/quant_linear.py) or a bfloat16 one
+# (engine/packed_linear.py) to oneDNN's AMX micro-kernel: a count, off, or auto (engine/amx_rows.py parses them).
+QUANT_PANEL_ROWS: Var[str] = Var("QUANT_PANEL_ROWS", str, "auto")
+BF16_AMX_ROWS: Var[str] = Var("BF16_AMX_ROWS", str, "auto")
 # Engine: off attends over a gathered copy of each context instead of the in-place kernels.
 PAGED_ATTENTION = Switch("PAGED_ATTENTION")
 # Engine: off normalizes with torch's rms_norm instead of the fused kernel.
