@@ -14,7 +14,10 @@ Three forms of a projection weight, chosen once per model by ``weight_form``:
   dtypes, and ``TIERGATE_PACKED_WEIGHTS=0``.
 
 The panels serve float32 and the bfloat16 opt-in (``--dtype bfloat16``); oneDNN's
-packing here serves float32 only. MKL behind ``torch.mm`` re-packs its
+packing here serves float32 only. A bfloat16 call with many rows (a prefill chunk) goes to
+oneDNN's AMX micro-kernel over the same panels (csrc/panel_linear_amx.cpp) where the CPU runs
+it: ``TIERGATE_BF16_AMX_ROWS`` sets the fewest rows that do (``off``: none); unset or ``auto``,
+``AMX_MIN_ROWS``. float32 calls never do: they stay exact. MKL behind ``torch.mm`` re-packs its
   weight operand on every call.
 
 ``TIERGATE_PACKED_WEIGHTS`` picks a form (``panels``, ``onednn``, ``0`` for plain);
@@ -25,13 +28,15 @@ so memory does not grow.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
+from engine.amx_rows import parse_min_rows
 from engine.cpu_build import cpu_kernels_loaded
-from tiergate_common.env import PACKED_WEIGHTS
+from tiergate_common.env import BF16_AMX_ROWS, PACKED_WEIGHTS
 
 # The torch releases whose private mkldnn linear ops this module calls with these
 # signatures; tests/engine/test_packed_linear.py fails when the installed torch is not one.
@@ -42,6 +47,9 @@ PACK_HINT_ROWS = 32
 # Outputs per panel of the panels form; csrc/panel_linear.cpp reads the same number.
 PANEL = 16
 FORMS = ("panels", "onednn", "plain")
+# Rows of a bfloat16 call from which the AMX micro-kernel beat the panel kernel on the CPU it was
+# measured on (bench/projections.py, bench/RESULTS.md).
+AMX_MIN_ROWS = 32
 
 
 def _onednn_present() -> bool:
@@ -57,6 +65,20 @@ def _onednn_present() -> bool:
 def panel_kernel_present() -> bool:
     """Whether the panels kernel is built and loaded (built here on the first call)."""
     return cpu_kernels_loaded()
+
+
+def amx_min_rows() -> int | None:
+    """The fewest rows of a bfloat16 call that take the AMX micro-kernel now, None where none does:
+    ``TIERGATE_BF16_AMX_ROWS`` if set, else ``AMX_MIN_ROWS`` where the CPU runs it. Raises ValueError
+    for a value that is not a positive count, ``off`` or ``auto``, or a count where this CPU cannot run it."""
+    return _amx_rows(BF16_AMX_ROWS.get())
+
+
+@functools.cache
+def _amx_rows(asked: str) -> int | None:
+    """``amx_min_rows`` for a value of the variable, looked up once."""
+    return parse_min_rows("TIERGATE_BF16_AMX_ROWS", asked, AMX_MIN_ROWS,
+                          lambda: panel_kernel_present() and bool(torch.ops.tiergate.panel_amx_supported()))
 
 
 def weight_form(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -115,6 +137,10 @@ class PanelWeight(PackedWeight):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if x.dtype == torch.bfloat16:
+            least = _amx_rows(BF16_AMX_ROWS.get())
+            if least is not None and x.shape[0] >= least:
+                return torch.ops.tiergate.panel_linear_amx(x, self.panels, self.out_features)
         return torch.ops.tiergate.panel_linear(x, self.panels, self.out_features)
 
     def dense(self) -> torch.Tensor:

@@ -19,6 +19,12 @@ Where the kernels cannot be built, the weight is dequantized in slices and multi
 
 ``TIERGATE_QUANT_ISA`` forces a kernel path (``avx512``, ``avxvnni``: AVX2 with AVX-VNNI,
 ``avx2`` or ``scalar``); unset or ``auto``, the best this CPU runs.
+
+A call with many rows of x (a prefill chunk, a batch of many streams) takes the panel path
+instead where the CPU runs oneDNN's bfloat16 micro-kernel (AMX): csrc/quant_dequant_panel.cpp
+decodes the weight a panel of outputs at a time to bfloat16 and multiplies on the tiles, with
+float32 sums. ``TIERGATE_QUANT_PANEL_ROWS`` sets the fewest rows that take it (``off``: never);
+unset or ``auto``, ``PANEL_MIN_ROWS`` where the CPU runs it, never elsewhere.
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ import gguf
 import numpy as np
 import torch
 
+from engine.amx_rows import parse_min_rows
 from engine.cpu_build import quant_kernels_loaded
 from engine.packed_linear import PackedWeight, advise_huge_pages
 from engine.quantize import quantize_rows
-from tiergate_common.env import QUANT_REPACK
+from tiergate_common.env import QUANT_PANEL_ROWS, QUANT_REPACK
 
 T = gguf.GGMLQuantizationType
 SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K,
@@ -47,6 +54,9 @@ AUTO_ORDER = ("avx512", "avxvnni", "avx2", "scalar")
 PACK_ROWS = 16
 # Formats repacked at load into csrc/quant_packed.h's layout for the few-row kernels.
 REPACKED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K})
+# Rows of x from which the panel path beat the int8 tiles on the AMX CPU it was measured on
+# (bench/quant_kernels.py, bench/RESULTS.md).
+PANEL_MIN_ROWS = 64
 # Output rows the fallback dequantizes at a time: bounds its float copy to a few MB.
 FALLBACK_SLICE_ROWS = 256
 
@@ -75,6 +85,20 @@ def _isa_index(asked: str) -> int:
     if not torch.ops.tiergate.quant_isa_supported(ISAS.index(asked)):
         raise ValueError(f"TIERGATE_QUANT_ISA={asked}: this CPU cannot run that path")
     return ISAS.index(asked)
+
+
+def panel_min_rows() -> int | None:
+    """The fewest rows of x that take the panel path now, None where no call does: ``TIERGATE_QUANT_PANEL_ROWS``
+    if set, else ``PANEL_MIN_ROWS`` where the CPU runs the panels. Raises ValueError for a value that is not
+    a positive count, ``off`` or ``auto``, or a count where this CPU cannot run the panels."""
+    return _panel_rows(QUANT_PANEL_ROWS.get())
+
+
+@functools.cache
+def _panel_rows(asked: str) -> int | None:
+    """``panel_min_rows`` for a value of the variable, looked up once."""
+    return parse_min_rows("TIERGATE_QUANT_PANEL_ROWS", asked, PANEL_MIN_ROWS,
+                          lambda: quant_kernels_present() and bool(torch.ops.tiergate.quant_panel_supported()))
 
 
 def _check_blocks(blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType, in_features: int,
@@ -202,6 +226,9 @@ def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | Non
         return _fallback_matmul(x, parts)
     if op_args is None:
         op_args = ([p.storage for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
+    least = _panel_rows(QUANT_PANEL_ROWS.get())
+    if least is not None and x.shape[0] >= least:
+        return torch.ops.tiergate.quant_panel_linear(x, *op_args)
     return torch.ops.tiergate.quant_linear(x, *op_args, _isa_index(os.environ.get("TIERGATE_QUANT_ISA", "auto")))
 
 

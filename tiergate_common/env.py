@@ -96,6 +96,10 @@ CPU_THREADS: Var[int | None] = Var("CPU_THREADS", int, None)
 PACKED_WEIGHTS = Switch("PACKED_WEIGHTS", extra=("panels", "onednn", "plain"))
 # Engine: off keeps Q4_0/Q8_0/Q4_K/Q6_K weights in the file's layout instead of repacking them (engine/quant_linear.py).
 QUANT_REPACK = Switch("QUANT_REPACK")
+# Engine: the fewest rows of x that send a quantized projection (engine/quant_linear.py) or a bfloat16 one
+# (engine/packed_linear.py) to oneDNN's AMX micro-kernel: a count, off, or auto (engine/amx_rows.py parses them).
+QUANT_PANEL_ROWS: Var[str] = Var("QUANT_PANEL_ROWS", str, "auto")
+BF16_AMX_ROWS: Var[str] = Var("BF16_AMX_ROWS", str, "auto")
 # Engine: off attends over a gathered copy of each context instead of the in-place kernels.
 PAGED_ATTENTION = Switch("PAGED_ATTENTION")
 # Engine: off normalizes with torch's rms_norm instead of the fused kernel.

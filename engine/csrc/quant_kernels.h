@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <vector>
 
+namespace at {
+class Tensor;
+}
+
 namespace tiergate_quant {
 
 constexpr int64_t STEP = 64;
@@ -59,5 +63,10 @@ bool fused_avx512(const FusedArgs& a);
 // One weight row decoded as quant_formats.h's decode_row does, with AVX-512; false where it
 // leaves that to decode_row (Q8_0, whose bytes are copied, or rows of an odd number of 32-input blocks).
 bool decode_avx512(int64_t type, const uint8_t* row, int64_t in, uint8_t* q, float* d16, float* m16);
+
+// Raises unless `blocks` holds `out_features` rows of format `type` over `in` inputs, as a contiguous
+// uint8 CPU tensor of ggml rows [out, bytes] or of quant_packed.h's groups [groups, blocks, tile bytes];
+// `op` names the operator in the message.
+void check_blocks(const char* op, const at::Tensor& blocks, int64_t type, int64_t in, int64_t out_features);
 
 }  // namespace tiergate_quant

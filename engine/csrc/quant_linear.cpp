@@ -42,6 +42,28 @@
 #include <utility>
 #include <vector>
 
+namespace tiergate_quant {
+
+void check_blocks(const char* op, const at::Tensor& blocks, int64_t type, int64_t in, int64_t out_features) {
+  TORCH_CHECK(known(type), op, ": unknown block format ", type);
+  const Format f = format_of(type);
+  TORCH_CHECK(in % f.block_values == 0, op, ": the input size ", in, " is not a multiple of ", f.block_values);
+  if (blocks.dim() == 3) {
+    TORCH_CHECK(repacked(type) && blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
+                    blocks.is_contiguous() && blocks.size(0) == (out_features + PACK_ROWS - 1) / PACK_ROWS &&
+                    blocks.size(1) == in / f.block_values && blocks.size(2) == tile_bytes(type),
+                op, ": packed blocks do not match the format, input size and out_features");
+    return;
+  }
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous(),
+              op, ": blocks must be a contiguous uint8 CPU tensor [out, bytes_per_row]");
+  TORCH_CHECK(blocks.size(0) == out_features && blocks.size(1) == in / f.block_values * f.block_bytes, op,
+              ": blocks do not match the input size and out_features");
+}
+
+}  // namespace tiergate_quant
+
 namespace {
 
 using namespace tiergate_quant;
@@ -280,25 +302,6 @@ bool isa_supported(int64_t isa) {
   return isa == SCALAR;
 }
 
-void check_part(const at::Tensor& blocks, int64_t type, int64_t in, int64_t out_features) {
-  TORCH_CHECK(known(type), "quant_linear: unknown block format ", type);
-  const Format f = format_of(type);
-  TORCH_CHECK(in % f.block_values == 0, "quant_linear: the input size ", in, " is not a multiple of ",
-              f.block_values);
-  if (blocks.dim() == 3) {
-    TORCH_CHECK(repacked(type) && blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
-                    blocks.is_contiguous() && blocks.size(0) == (out_features + PACK_ROWS - 1) / PACK_ROWS &&
-                    blocks.size(1) == in / f.block_values && blocks.size(2) == tile_bytes(type),
-                "quant_linear: packed blocks do not match the format, input size and out_features");
-    return;
-  }
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
-                  blocks.is_contiguous(),
-              "quant_linear: blocks must be a contiguous uint8 CPU tensor [out, bytes_per_row]");
-  TORCH_CHECK(blocks.size(0) == out_features && blocks.size(1) == in / f.block_values * f.block_bytes,
-              "quant_linear: blocks do not match the input size and out_features");
-}
-
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
                         at::IntArrayRef out_features, int64_t isa) {
   static_assert(GROUP == PACK_ROWS, "a scratch group is one packed group");
@@ -312,7 +315,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
   std::vector<Group> groups;
   int64_t total = 0;
   for (size_t p = 0; p < blocks.size(); ++p) {
-    check_part(blocks[p], types[p], in, out_features[p]);
+    check_blocks("quant_linear", blocks[p], types[p], in, out_features[p]);
     const bool packed = blocks[p].dim() == 3;
     parts.push_back({blocks[p].const_data_ptr<uint8_t>(), types[p], out_features[p],
                      in / format_of(types[p]).block_values * format_of(types[p]).block_bytes, total, packed});
@@ -395,7 +398,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
 // d * q + m, whose product is exact, except Q6_K's d * (q - 32), whose product may round.
 at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t in) {
   TORCH_CHECK(blocks.dim() == 2, "quant_dequantize: ggml rows [out, bytes_per_row] (unpack a packed weight first)");
-  check_part(blocks, type, in, blocks.size(0));
+  check_blocks("quant_dequantize", blocks, type, in, blocks.size(0));
   const int64_t rows = blocks.size(0), nblocks = in / format_of(type).block_values, n16 = in / 16;
   at::Tensor out = at::empty({rows, in}, blocks.options().dtype(at::kFloat));
   const uint8_t* src = blocks.const_data_ptr<uint8_t>();

@@ -5,8 +5,10 @@ to HF transformers). Teacher-forced over the few hundred tokens of plain English
 ``data/plain_english.txt``, the native model's next-token logprobs must differ from it by no more
 than llama.cpp's on the same file and the same tokens do (its figures on this text, and how they
 were taken, are in docs/quantization.md; issue #30 quotes mean 0.0525 nats, max 0.259, top-1 97.8%
-over another 180 tokens). The kernels' int8 activation rounding is the only difference allowed to
-move them: without it the native logprobs equal the reference's (tests/engine/test_gguf_native.py).
+over another 180 tokens). The kernels' rounding of activations is the only difference allowed to
+move them (to int8 on the int8 tiles; x and the weights to bfloat16 on the AMX panel path, which
+serves a prefill's many rows where the CPU has it): without it the native logprobs equal the
+reference's (tests/engine/test_gguf_native.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from engine.loader import load_model
+from engine.quant_linear import panel_min_rows
 from tests.engine.test_gguf_native import prompt_logits
 
 TEXT = Path(__file__).parent / "data" / "plain_english.txt"
@@ -48,8 +51,10 @@ def test_the_native_logprobs_are_on_average_as_close_to_the_exact_weights_as_lla
     assert top1 >= LLAMA_CPP_TOP1
 
 
-@pytest.mark.xfail(strict=True, reason="issue #30 open: the kernels' worst token is further from the exact "
-                                       "weights than llama.cpp's (docs/quantization.md)")
+@pytest.mark.xfail(panel_min_rows() is None, strict=False,
+                   reason="issue #30: where the int8 tiles serve prefill (no AMX panel path) the worst token measured "
+                          "0.336 nats on an AMD Zen 4 box and 0.276 on an Intel one, against llama.cpp's 0.284 "
+                          "(docs/quantization.md)")
 def test_the_native_logprobs_worst_token_is_as_close_as_llama_cpps(deltas):
     delta, _ = deltas
     assert delta.max().item() <= LLAMA_CPP_MAX

@@ -48,6 +48,12 @@ def kernels_built():
     assert quant_kernels_present(), "the quantized kernels did not build on this machine (see the log)"
 
 
+@pytest.fixture(autouse=True)
+def int8_tiles_only(monkeypatch):
+    """These tests pin the int8 tiles at every row count; tests/engine/test_quant_panel.py covers the panel path."""
+    monkeypatch.setenv("TIERGATE_QUANT_PANEL_ROWS", "off")
+
+
 def available_isas() -> list[str]:
     """The paths this CPU runs, the one auto picks first."""
     return [isa for isa in AUTO_ORDER if torch.ops.tiergate.quant_isa_supported(ISAS.index(isa))]
