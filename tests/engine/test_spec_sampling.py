@@ -3,7 +3,6 @@ distribution at every position (chi-square over many seeds); prompt lookup draft
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
@@ -13,27 +12,9 @@ from engine.ngram import NgramIndex
 from engine.request import SamplingParams
 from engine.sampler import make_generator, sample
 from engine.spec_sampling import verify_row
+from tests.engine.chi_square import chi2_critical, homogeneity
 
 VOCAB = 8
-
-
-def _chi2_critical(df: int, z: float = 3.29) -> float:
-    """The chi-square statistic's upper quantile at the normal quantile ``z`` (3.29: p = 0.0005),
-    by the Wilson-Hilferty approximation."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def _homogeneity(a: Counter, b: Counter) -> tuple[float, int]:
-    """Pearson's chi-square of two samples' counts being of one distribution, and its degrees of freedom."""
-    keys = sorted(set(a) | set(b))
-    na, nb = sum(a.values()), sum(b.values())
-    stat = 0.0
-    for k in keys:
-        total = a[k] + b[k]
-        for n, count in ((na, a[k]), (nb, b[k])):
-            expected = n * total / (na + nb)
-            stat += (count - expected) ** 2 / expected
-    return stat, len(keys) - 1
 
 
 def _logits(seed: int) -> torch.Tensor:
@@ -72,11 +53,11 @@ def test_rejection_sampling_gives_each_position_the_plain_samplers_distribution(
                      .token_id] += 1
     assert kept > draws // 10, "drafts rarely kept: the test does not reach the second position"
     for spec, plain in ((first_spec, first_plain), (second_spec, second_plain)):
-        stat, df = _homogeneity(spec, plain)
-        assert df >= 1 and stat < _chi2_critical(df), (spec, plain)
+        stat, df = homogeneity(spec, plain)
+        assert df >= 1 and stat < chi2_critical(df), (spec, plain)
 
 
-def test_the_homogeneity_test_tells_a_biased_sampler_apart():
+def test_thehomogeneity_test_tells_a_biased_sampler_apart():
     logits = _logits(1)
     params = SamplingParams(temperature=1.0)
     plain = Counter(sample(logits[:1], [params], [make_generator(SamplingParams(seed=s))])[0].token_id
@@ -85,8 +66,8 @@ def test_the_homogeneity_test_tells_a_biased_sampler_apart():
     for s in range(6000):  # keeping a draft always (a broken acceptance test) over-weights it
         biased[int(logits[0].argsort()[-2]) if s % 4 == 0 else
                sample(logits[:1], [params], [make_generator(SamplingParams(seed=s + 10**6))])[0].token_id] += 1
-    stat, df = _homogeneity(biased, plain)
-    assert stat > _chi2_critical(df)
+    stat, df = homogeneity(biased, plain)
+    assert stat > chi2_critical(df)
 
 
 def test_a_row_whose_draw_fails_carries_the_error_alone():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 
 import pytest
 
@@ -13,7 +14,10 @@ from engine.engine import Engine
 from engine.events import StepEvent
 from engine.grammar import GrammarSpec
 from engine.request import Delta, EngineRequest, SamplingParams
+from tests.engine.chi_square import chi2_critical, homogeneity
 
+# Drafting whatever the acceptance and the batch, so that every test drafts however fast its steps are.
+SPECULATIVE = dict(speculative="ngram", num_speculative_tokens=5, speculative_adaptive=False)
 # A prompt that repeats itself: prompt lookup has something to draft from the first step.
 COPY_PROMPT = list(b"def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef ")
 
@@ -43,7 +47,8 @@ def _summary(deltas: list[Delta]) -> tuple:
         mine = [d for d in deltas if d.index == index]
         choices.append(("".join(d.text for d in mine), [t for d in mine for t in d.token_ids], mine[-1].finish_reason))
     last = deltas[-1]
-    return (*choices[0], last.usage, last.error, choices[1:])
+    # Cached tokens are left out: which of two requests with one prompt hits the other's blocks is a race.
+    return (*choices[0], (last.usage.prompt_tokens, last.usage.completion_tokens), last.error, choices[1:])
 
 
 def _wait_idle(engine: Engine, timeout: float = 5.0) -> None:
@@ -66,7 +71,7 @@ def compare(make_byte_engine):
     def run(requests: list[EngineRequest], **overrides) -> tuple[list[tuple], list]:
         plain, _ = make_byte_engine(**overrides)
         expected = [_summary(d) for d in _run(plain, requests)]
-        fast, events = make_byte_engine(speculative="ngram", num_speculative_tokens=5, **overrides)
+        fast, events = make_byte_engine(**SPECULATIVE, **overrides)
         got = [_summary(d) for d in _run(fast, requests)]
         assert got == expected
         _wait_idle(fast)
@@ -84,11 +89,11 @@ def test_greedy_output_is_token_for_token_that_of_plain_decoding_with_drafts_acc
     assert all(e.accepted_tokens <= e.draft_tokens for e in steps)
     drafted_rows = [e for e in steps if e.draft_tokens and len(e.items) > 1]
     assert drafted_rows, "rows with and without drafts never shared a step"
-    assert all(r[3].completion_tokens == len(r[1]) for r in results)
+    assert all(r[3][1] == len(r[1]) for r in results)
 
 
 def test_an_opted_out_request_is_never_drafted_for(make_byte_engine):
-    engine, events = make_byte_engine(speculative="ngram")
+    engine, events = make_byte_engine(**SPECULATIVE)
     _run(engine, [_request("out", speculative=False)])
     assert not any(e.draft_tokens for e in events if isinstance(e, StepEvent))
 
@@ -103,14 +108,14 @@ def test_stop_strings_and_max_tokens_inside_a_drafted_run_cut_the_output_where_p
     results, events = compare(requests)
     assert results[0][2] == "stop" and stop not in results[0][0]
     assert [r[2] for r in results[1:]] == ["length"] * 3
-    assert [r[3].completion_tokens for r in results[1:]] == [7, 23, 41]
+    assert [r[3][1] for r in results[1:]] == [7, 23, 41]
     assert _accepted(events)
 
 
 def test_logprobs_of_accepted_tokens_are_those_of_plain_decoding(make_byte_engine):
     requests = [_request("lp", logprobs=3, max_tokens=50)]
     plain, _ = make_byte_engine()
-    fast, events = make_byte_engine(speculative="ngram")
+    fast, events = make_byte_engine(**SPECULATIVE)
     [want], [got] = _run(plain, requests), _run(fast, requests)
     want_lp = [lp for d in want for lp in d.logprobs]
     got_lp = [lp for d in got for lp in d.logprobs]
@@ -148,8 +153,8 @@ def test_a_preempted_drafting_request_resumes_with_identical_output(compare):
 def test_lora_rows_are_verified_with_their_adapter(make_byte_engine, byte_adapter_dir):
     requests = [_request("lora", adapter="a", max_tokens=60), _request("base", max_tokens=60)]
     outputs = []
-    for speculative in (None, "ngram"):
-        engine, events = make_byte_engine(max_loras=2, speculative=speculative)
+    for speculative in (False, True):
+        engine, events = make_byte_engine(max_loras=2, **(SPECULATIVE if speculative else {}))
         engine.register_adapter("a", str(byte_adapter_dir))
         outputs.append([_summary(d) for d in _run(engine, requests)])
     assert outputs[0] == outputs[1]
@@ -170,3 +175,22 @@ def test_grammar_rows_draft_only_what_their_grammar_allows_and_match_plain_decod
     assert results[0][2] == "stop"
     json.loads(results[0][0])
     assert _accepted(events)
+
+
+def test_sampled_output_has_the_plain_samplers_token_frequencies_at_every_position(make_byte_engine):
+    # Seeds 0..N-1 through each engine: every position's token counts must pass a chi-square test of
+    # being one distribution (speculation draws other uniforms, so only the distribution can match).
+    # The prompt holds the model's own greedy continuation of its tail, so lookup drafts are likely.
+    draws, positions = 400, 8
+    plain, _ = make_byte_engine(max_num_seqs=32)
+    greedy = _summary(_run(plain, [_request("g", max_tokens=24)])[0])[1]
+    prompt = COPY_PROMPT + greedy + COPY_PROMPT
+    requests = [_request(f"s{i}", prompt, temperature=1.0, top_k=3, seed=i, max_tokens=positions) for i in range(draws)]
+    counts = []
+    for engine, events in (plain, []), make_byte_engine(max_num_seqs=32, **SPECULATIVE):
+        outputs = [_summary(d)[1] for d in _run(engine, requests)]
+        counts.append([Counter(out[p] for out in outputs) for p in range(positions)])
+    assert _accepted(events) > 50, "too few drafts kept to tell anything"
+    for position in range(1, positions):  # the first token is never drafted
+        stat, df = homogeneity(counts[0][position], counts[1][position])
+        assert df >= 1 and stat < chi2_critical(df), (position, counts[0][position], counts[1][position])
