@@ -7,15 +7,14 @@ keep those the model agrees with. The loop calls three things: ``draft`` after t
 (each eligible decode chunk gets its drafts, through ``Scheduler.add_drafts``, which never preempts
 for them), ``sample`` after the forward pass (each row's logits adjusted and masked position by
 position as if the drafts before it were its output, then verified by engine/spec_sampling.py), and
-``observe`` once the step's tokens are known (acceptance per row, and counts for the metrics).
+``observe`` once the step's tokens and time are known (acceptance per row, the batch gate's rates,
+counts for the metrics).
 
 Adaptive, so that speculation never makes decoding slower: a row whose recent drafts were mostly
-rejected stops drafting (and tries again now and then), and a row drafts only while what it is
-expected to gain is worth what its drafts cost the whole step: with ``R`` decode rows in a step of
-predicted time ``T`` and a drafted position costing ``c`` (the scheduler's online step cost fit), a
-draft accepted with probability ``a`` raises the step's tokens per second only if ``a * T > R * c``.
-At a large batch a step is no longer bound by weight reads, ``T`` grows as ``R`` does, and
-speculation turns itself off.
+rejected stops drafting (and tries again now and then), and engine/spec_gate.py lets a step of so
+many decoding rows draft only while such steps give more tokens per second with drafts than
+without, as measured on this machine: at a large batch a step is no longer bound by weight reads
+and speculation turns itself off.
 """
 
 from __future__ import annotations
@@ -30,9 +29,9 @@ from engine.logit_adjustments import adjust_logits_, adjusts_logits
 from engine.ngram import NgramIndex
 from engine.request_state import RequestState
 from engine.sampler import SampledToken
+from engine.spec_gate import BatchGate
 from engine.spec_sampling import verify_row
 from scheduler import ScheduledChunk, Scheduler, StepPlan
-from scheduler.step_cost import step_features
 
 SPECULATIVE_METHODS = ("ngram",)
 
@@ -79,6 +78,8 @@ class Speculator:
         self.scheduler = scheduler
         self.eos_token_ids = frozenset(eos_token_ids)
         self._rows: dict[str, _Row] = {}
+        self.gate = BatchGate()
+        self._decode_rows: int | None = None  # this step's, if it is a pure decode step the gate learns from
 
     # -- before the forward pass ---------------------------------------------
 
@@ -86,9 +87,10 @@ class Speculator:
         """Give the plan's eligible decode chunks their drafts (blocks permitting)."""
         decodes = [c for c in plan.chunks if c.is_decode and c.samples]
         self._forget_gone(state_of)
-        if not decodes:
+        self._decode_rows = len(decodes) if decodes and len(decodes) == len(plan.chunks) else None
+        if not decodes or (self.config.adaptive and not self.gate.drafts(len(decodes))):
             return
-        threshold = max(self.config.min_acceptance, self._break_even(plan, len(decodes))) if self.config.adaptive else 0.0
+        threshold = self.config.min_acceptance if self.config.adaptive else 0.0
         for chunk in decodes:
             state = state_of(chunk.seq.seq_id)
             if state is None or not state.request.speculative:
@@ -104,12 +106,6 @@ class Speculator:
             drafts = self._allowed(row.index.propose(self.config.num_tokens), state)
             if drafts:
                 self.scheduler.add_drafts(plan, chunk, drafts)
-
-    def _break_even(self, plan: StepPlan, rows: int) -> float:
-        """The acceptance a draft needs to pay for itself in this step (see the module docstring)."""
-        cost = self.scheduler.step_cost
-        step_s = cost.predict(step_features(plan))
-        return rows * cost.coefficients().per_prefill_token_s / step_s if step_s > 0 else 0.0
 
     def _row(self, chunk: ScheduledChunk) -> _Row:
         seq = chunk.seq
@@ -166,10 +162,17 @@ class Speculator:
             row += n
         return runs, too_slow
 
-    def observe(self, drafted: list[tuple[ScheduledChunk, int]]) -> StepDrafts:
-        """Each drafted chunk with how many of its drafts were accepted: the rows' acceptance and the step's counts."""
+    def observe(self, sampling: list[ScheduledChunk], runs: list[list[SampledToken]], seconds: float) -> StepDrafts:
+        """The step's tokens (``runs``, one per sampling chunk) and its time: the rows' acceptance, the
+        batch gate's rates, and the step's counts."""
         step = StepDrafts()
         memory = self.config.acceptance_memory
+        drafted = [(c, len(run) - 1 if run[-1].error is None else 0) for c, run in zip(sampling, runs)
+                   if c.draft_token_ids]
+        if self._decode_rows is not None:
+            tokens = sum(len(run) for run in runs if run[-1].error is None)
+            self.gate.observe(self._decode_rows, bool(drafted), tokens, seconds)
+            self._decode_rows = None
         for chunk, accepted in drafted:
             step.drafted += len(chunk.draft_token_ids)
             step.accepted += accepted
@@ -177,11 +180,6 @@ class Speculator:
             if row is not None:
                 row.acceptance = memory * row.acceptance + (1 - memory) * accepted / len(chunk.draft_token_ids)
         return step
-
-
-def drafted_runs(sampling: list[ScheduledChunk], runs: list[list[SampledToken]]) -> list[tuple[ScheduledChunk, int]]:
-    """The step's drafted chunks with how many drafts each kept (a failed row kept none)."""
-    return [(c, len(run) - 1 if run[-1].error is None else 0) for c, run in zip(sampling, runs) if c.draft_token_ids]
 
 
 def accepted_drafts(produced: list[tuple[ScheduledChunk, list[SampledToken]]]) -> dict[str, list[int]]:

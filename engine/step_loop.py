@@ -34,7 +34,7 @@ from engine.prompt_scoring import rows_to_score, score_prompts
 from engine.runner import ModelRunner
 from engine.request_state import OutsideGrammar, RequestState
 from engine.sampler import SampledToken, sample
-from engine.speculative import Speculator, StepDrafts, accepted_drafts, drafted_runs
+from engine.speculative import Speculator, StepDrafts, accepted_drafts
 from engine.step_timer import StepTimer
 from engine.tokenizer import TextTokenizer
 from scheduler import ScheduledChunk, Scheduler, StepPlan, TierLoad
@@ -203,8 +203,11 @@ class StepLoop:
             return
         # The step is accounted before any request of it ends, so billing sees its share of the
         # step before its finish event.
-        drafts = self.speculator.observe(drafted_runs(sampling, runs)) if self.speculator is not None else None
-        self._account_step(plan, started_at, self._stop(timer, under_way), drafts)
+        duration = self._stop(timer, under_way)
+        drafts = None
+        if self.speculator is not None and not nested:  # an express step drafts nothing
+            drafts = self.speculator.observe(sampling, runs, duration)
+        self._account_step(plan, started_at, duration, drafts)
 
         # Deltas go out after all of the step's bookkeeping: a caller woken by one needs the GIL,
         # which this thread would otherwise hold through that bookkeeping.
