@@ -47,6 +47,10 @@ class SpeculativeConfig:
     acceptance_memory: float = 0.7  # weight of the past in that running mean, per drafted step
     retry_after_steps: int = 16  # a row that stopped drafting tries again after this many steps
     adaptive: bool = True  # False: every row drafts whatever its acceptance and the batch (tests, measurements)
+    # Adaptive: a step of more decoding rows never drafts. On a CPU such a step is bound by compute,
+    # not weight reads (bench/RESULTS.md, speculative decoding): the batch gate's exploring steps
+    # there would only cost.
+    max_rows: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -88,7 +92,8 @@ class Speculator:
         decodes = [c for c in plan.chunks if c.is_decode and c.samples]
         self._forget_gone(state_of)
         self._decode_rows = len(decodes) if decodes and len(decodes) == len(plan.chunks) else None
-        if not decodes or (self.config.adaptive and not self.gate.drafts(len(decodes))):
+        if not decodes or (self.config.adaptive and (len(decodes) > self.config.max_rows
+                                                     or not self.gate.drafts(len(decodes)))):
             return
         threshold = self.config.min_acceptance if self.config.adaptive else 0.0
         for chunk in decodes:

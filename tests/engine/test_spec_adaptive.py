@@ -97,3 +97,10 @@ def test_an_opted_out_request_and_stop_tokens_are_never_drafted():
     speculator.draft(plan, states.get)
     drafts = {c.seq.seq_id: c.draft_token_ids for c in plan.chunks}
     assert drafts == {"s0": [], "s1": [8]}  # the lookup's 8 9 5 6 stops short of the stop token 9
+
+
+def test_a_batch_past_max_rows_never_drafts():
+    sched, states = _decoding(17)
+    assert _step(sched, _speculator(sched, max_rows=16), states, accept=True) == 0
+    sched, states = _decoding(16)
+    assert _step(sched, _speculator(sched, max_rows=16), states, accept=True) == 16 * 4
