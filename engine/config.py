@@ -64,6 +64,12 @@ class EngineConfig:
     grammar_cache_bytes: int = 64 * 2**20
     grammar_cache_scope: str = "tenant"
     grammar_mask_budget_s: float = 0.05
+    # Speculative decoding (engine/speculative.py): "ngram" (prompt lookup) or None, and the most
+    # tokens a row drafts per step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    # False: every row drafts whatever its acceptance and the batch's size (tests and measurements).
+    speculative_adaptive: bool = True
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 16

@@ -24,6 +24,7 @@ from engine.loader import load_model
 from engine.request import Delta, EngineRequest
 from engine.request_state import RequestState
 from engine.runner import ModelRunner
+from engine.speculative import SpeculativeConfig, Speculator
 from engine.step_loop import StepLoop
 from engine.step_timer import StepTimer
 from engine.stream import BlockingCollector, RequestStream
@@ -73,9 +74,14 @@ class Engine:
                                     loaded.model_config.vocab_size)
         self.lora_pool = self._make_lora_pool(config)
         self._inbox = Inbox()
+        speculator = None
+        if config.speculative is not None:
+            speculator = Speculator(SpeculativeConfig(config.speculative, config.num_speculative_tokens,
+                                                      adaptive=config.speculative_adaptive),
+                                    self.scheduler, self.tokenizer.eos_token_ids)
         self._loop = StepLoop(self.scheduler, self.runner, self.lora_pool, self.tokenizer, self.max_model_len,
                               StepTimer(config.device), self._inbox, config.express_steps_on,
-                              grammar_mask_budget_s=config.grammar_mask_budget_s)
+                              grammar_mask_budget_s=config.grammar_mask_budget_s, speculator=speculator)
         self._adapter_loader = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="adapter-load", initializer=run_torch_serially_here)
         self._stopping = threading.Event()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from scheduler.plan import StepPlan
+
+if TYPE_CHECKING:
+    from engine.speculative import StepDrafts
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,10 @@ class StepEvent:
     started_at: float = 0.0  # time.time() at the step's start
     # (request_id, tier) of the sequences this step's plan preempted.
     preempted: tuple[tuple[str, str], ...] = ()
+    # Speculative decoding (engine/speculative.py): tokens drafted in the step, and those of them kept.
+    # The rejected ones are in the items' tokens: their compute is their request's, as the rest.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def seconds_by_item(self) -> list[tuple[StepItem, float]]:
         """The step's duration split across its items by their share of its tokens (evenly if none has any)."""
@@ -75,10 +83,12 @@ def listener(on_step: Callable[[StepEvent], None] | None = None,
 
 
 def step_event(plan: StepPlan, started_at: float, duration_s: float,
-               request_id_of: Callable[[str], str] = lambda seq_id: seq_id) -> StepEvent:
+               request_id_of: Callable[[str], str] = lambda seq_id: seq_id, drafts: StepDrafts | None = None
+               ) -> StepEvent:
     """The event of a step that ran `plan`: each chunk's tokens, recompute apart.
 
-    ``request_id_of`` maps a sequence to its request (the choices of an n > 1 request share one).
+    ``request_id_of`` maps a sequence to its request (the choices of an n > 1 request share one);
+    ``drafts``: what the step drafted and kept, if it drafted.
     """
     items: list[StepItem] = []
     for chunk in plan.chunks:
@@ -90,4 +100,5 @@ def step_event(plan: StepPlan, started_at: float, duration_s: float,
         if chunk.num_tokens > recompute:
             items.append(StepItem(request_id, chunk.num_tokens - recompute, False, tier=seq.tier))
     preempted = tuple((request_id_of(seq.seq_id), seq.tier) for seq in plan.preempted)
-    return StepEvent(duration_s=duration_s, items=tuple(items), started_at=started_at, preempted=preempted)
+    return StepEvent(duration_s=duration_s, items=tuple(items), started_at=started_at, preempted=preempted,
+                     draft_tokens=drafts.drafted if drafts else 0, accepted_tokens=drafts.accepted if drafts else 0)

@@ -182,6 +182,13 @@ class GrammarMatcher:
             self._at_dead_end = not bool(bitmask.any())
         return ok
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (drafts walked through for their masks, engine/speculative.py)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+            self._at_dead_end = False  # no draft is taken past the end of its grammar
+
     @property
     def is_terminated(self) -> bool:
         return self._at_dead_end or self._matcher.is_terminated()

@@ -94,6 +94,8 @@ class EngineRequest:
     # ``params.grammar`` already compiled (an xgrammar CompiledGrammar, engine/grammar_compiler.py):
     # the engine then builds its matcher without compiling; without it the engine compiles it first.
     compiled_grammar: object | None = None
+    # False: never drafted for (speculative decoding, engine/speculative.py), e.g. to measure plain decoding.
+    speculative: bool = True
 
     @property
     def prompts(self) -> tuple[list[int], ...]:

@@ -20,6 +20,10 @@ from engine.tokenizer import TextTokenizer
 from scheduler.sequence import Sequence
 
 
+class OutsideGrammar(ValueError):
+    """A token the request's grammar does not accept."""
+
+
 @dataclass
 class RequestState:
     request: EngineRequest
@@ -82,15 +86,38 @@ class RequestState:
         """The prompt's token ids as a tensor, built once: a repetition penalty reads them every step."""
         return torch.tensor(self.seq.prompt_token_ids, dtype=torch.long)
 
-    def on_token(self, sampled: SampledToken, tokenizer: TextTokenizer, max_model_len: int) -> Delta:
-        """Account one sampled token (already appended to the sequence) and build its delta."""
+    def on_tokens(self, run: list[SampledToken], tokenizer: TextTokenizer, max_model_len: int) -> Delta:
+        """Account the step's tokens (already appended to the sequence; more than one when drafts were
+        accepted, engine/speculative.py) through the grammar, and build their one delta; tokens after
+        one that ends the output are dropped. OutsideGrammar if the grammar rejects one."""
+        deltas = []
+        for i, token in enumerate(run):
+            if self.grammar is not None and not self.grammar.accept(token.token_id):
+                raise OutsideGrammar(token.token_id)
+            deltas.append(self.on_token(token, tokenizer, max_model_len, behind=len(run) - 1 - i))
+            if deltas[-1].finish_reason is not None:
+                break
+        if len(deltas) == 1:
+            return deltas[0]
+        last = deltas[-1]
+        return dataclasses.replace(
+            last, text="".join(d.text for d in deltas), token_ids=tuple(t for d in deltas for t in d.token_ids),
+            logprobs=tuple(lp for d in deltas for lp in d.logprobs), prompt_logprobs=deltas[0].prompt_logprobs)
+
+    def on_token(self, sampled: SampledToken, tokenizer: TextTokenizer, max_model_len: int, behind: int = 0) -> Delta:
+        """Account one sampled token (already appended to the sequence) and build its delta.
+
+        ``behind``: tokens appended after this one in the same step (accepted drafts, engine/speculative.py);
+        if this token ends the output, they are dropped from the sequence, which then ends too.
+        """
         prompt_logprobs = None
         if self.first_token_at is None:
             self.first_token_at = time.time()
             prompt_logprobs = tuple(self.prompt_scores) if self.prompt_scores is not None else None
         params = self.request.params
         token_id = sampled.token_id
-        may_stop = len(self.seq.output_token_ids) >= params.min_tokens
+        num_output = len(self.seq.output_token_ids) - behind
+        may_stop = num_output >= params.min_tokens
         is_stop_token = may_stop and (token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in tokenizer.eos_token_ids))
         text = "" if is_stop_token else self.detokenizer.add_token(token_id, may_stop)
@@ -98,10 +125,12 @@ class RequestState:
         finish_reason = None
         if is_stop_token or self.detokenizer.stopped or (self.grammar is not None and self.grammar.is_terminated):
             finish_reason = "stop"
-        elif len(self.seq.output_token_ids) >= params.max_tokens or self.seq.num_tokens >= max_model_len:
+        elif num_output >= params.max_tokens or self.seq.num_tokens - behind >= max_model_len:
             finish_reason = "length"
         if finish_reason:
             text += self.detokenizer.flush()
+            if behind:  # the output ends here: what follows was never given
+                del self.seq.output_token_ids[-behind:]
 
         logprobs: tuple[TokenLogprob, ...] = ()
         if params.logprobs is not None and sampled.logprob is not None:

@@ -59,7 +59,8 @@ class ModelRunner:
         between_layers: Callable[[], None] | None = None,
         nested: bool = False,
     ) -> torch.Tensor:
-        """Float32 logits ``[chunks that sample, vocab]``, in plan order."""
+        """Float32 logits ``[rows that sample, vocab]``, in plan order: one row per chunk that samples,
+        and one more per draft it carries (engine/speculative.py)."""
         return self.execute_with_hidden(plan, [], lora, between_layers, nested)[0]
 
     def execute_with_hidden(
@@ -118,11 +119,11 @@ class ModelRunner:
                     f"sequence {seq.seq_id} needs {needed} KV blocks for positions [{start}, {end}) "
                     f"but its block table has {len(seq.block_table)}"
                 )
-            token_ids.extend(seq.all_token_ids[start:end])
+            token_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
             specs.append((start, chunk.num_tokens, seq.block_table))
-            if chunk.samples:
-                sample_rows.append(len(token_ids) - 1)
+            if chunk.samples:  # the newest token's row, then one row per draft
+                sample_rows.extend(range(len(token_ids) - 1 - len(chunk.draft_token_ids), len(token_ids)))
         as_tensor = lambda data: torch.tensor(data, dtype=torch.long, device=self.device)  # noqa: E731
         long_rows = self._long_rows(plan) if self.long_context_after is not None else None
         meta = AttentionMetadata.build(specs, self.block_size, self.device, self.decode_kernel, self.config.sliding_window,

@@ -48,7 +48,7 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return generator
 
 
-def _filtered_probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def filtered_probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = row_logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -62,12 +62,12 @@ def _filtered_probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.T
         drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, sorted_ids, sorted_probs)
-    if params.min_p > 0:  # _draw needs no renormalising: it scales its uniform by the total
+    if params.min_p > 0:  # draw needs no renormalising: it scales its uniform by the total
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token drawn from ``probs`` by inverting its cumulative distribution with one uniform.
 
     torch.multinomial draws one exponential per vocabulary entry to take a single sample, which
@@ -97,12 +97,19 @@ def sample(
     for row, p in enumerate(params):
         if not is_greedy(p):
             try:
-                token_ids[row] = _draw(_filtered_probs(logits[row], p), generators[row])
+                token_ids[row] = draw(filtered_probs(logits[row], p), generators[row])
             except Exception as exc:  # e.g. NaN logits: this request's problem, not its batch's
                 errors[row] = f"sampling failed: {exc}"
 
-    wants_logprobs = [row for row, p in enumerate(params) if p.logprobs is not None and row not in errors]
     results = [SampledToken(t, error=errors.get(row)) for row, t in enumerate(token_ids)]
+    add_logprobs(results, logits, params)
+    return results
+
+
+def add_logprobs(results: list[SampledToken], logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Fill in the logprobs of each row's token that asks for them, from ``logits`` (float32, on CPU)."""
+    wants_logprobs = [row for row, p in enumerate(params) if p.logprobs is not None and results[row].error is None]
+    token_ids = [r.token_id for r in results]
     if wants_logprobs:
         logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1)
         for i, row in enumerate(wants_logprobs):
@@ -112,4 +119,3 @@ def sample(
             if k:
                 values, ids = torch.topk(logprobs[i], k)
                 results[row].top = tuple(zip(ids.tolist(), values.tolist()))
-    return results

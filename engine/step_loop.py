@@ -32,10 +32,12 @@ from engine.logit_adjustments import adjust_logits_, adjusts_logits
 from engine.request import MASK_OVER_BUDGET
 from engine.prompt_scoring import rows_to_score, score_prompts
 from engine.runner import ModelRunner
-from engine.sampler import sample
+from engine.request_state import OutsideGrammar, RequestState
+from engine.sampler import SampledToken, sample
+from engine.speculative import Speculator, StepDrafts, accepted_drafts
 from engine.step_timer import StepTimer
 from engine.tokenizer import TextTokenizer
-from scheduler import Scheduler, StepPlan, TierLoad
+from scheduler import ScheduledChunk, Scheduler, StepPlan, TierLoad
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class Snapshot:
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, lora_pool, tokenizer: TextTokenizer,
                  max_model_len: int, timer: StepTimer, inbox: Inbox, express_steps: bool = True,
-                 grammar_mask_budget_s: float | None = None) -> None:
+                 grammar_mask_budget_s: float | None = None, speculator: Speculator | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.lora_pool = lora_pool
@@ -81,6 +83,7 @@ class StepLoop:
         self._between: _StepUnderWay | None = None
         self._express_ran = False  # the last step was an express step of its own
         self.grammar_mask_budget_s = grammar_mask_budget_s  # CPU seconds one row's mask may take
+        self.speculator = speculator  # speculative decoding (engine/speculative.py), or None
 
     def run(self, stopping: threading.Event) -> None:
         torch.set_grad_enabled(False)
@@ -181,6 +184,8 @@ class StepLoop:
         between = self._between_layers if self.express_steps and not nested else None
         timer.start()
         try:
+            if self.speculator is not None and not nested:  # an express step is prefill only
+                self.speculator.draft(plan, self.requests.get)
             lora_batch = None
             if self.lora_pool is not None:
                 lora_batch = self.lora_pool.batch_for([(c.seq.adapter, c.num_tokens) for c in plan.chunks])
@@ -189,15 +194,7 @@ class StepLoop:
             if scoring:
                 score_prompts(hidden, scoring, self.runner.head_logits, self.tokenizer)
             states = [self.requests.get(c.seq.seq_id) for c in sampling]
-            params = [s.request.params for s in states]
-            if any(adjusts_logits(p) for p in params):
-                adjust_logits_(logits, params, [s.prompt_ids if p.repetition_penalty != 1.0 else None
-                                                for s, p in zip(states, params)],
-                               [s.seq.output_token_ids for s in states], self.tokenizer.eos_token_ids)
-            too_slow = mask_logits(logits, [s.grammar for s in states], self.grammar_mask_budget_s)
-            sampled = sample(logits, params, [s.generator for s in states])
-            for row in too_slow:  # that request alone ends, billed for its steps so far
-                sampled[row] = dataclasses.replace(sampled[row], error=MASK_OVER_BUDGET)
+            runs = self._sample(logits, sampling, states)
         except Exception as exc:  # a bad step must not take the loop down
             log.exception("engine step failed")
             self._account_step(plan, started_at, self._stop(timer, under_way))
@@ -206,33 +203,38 @@ class StepLoop:
             return
         # The step is accounted before any request of it ends, so billing sees its share of the
         # step before its finish event.
-        self._account_step(plan, started_at, self._stop(timer, under_way))
+        duration = self._stop(timer, under_way)
+        drafts = None
+        if self.speculator is not None and not nested:  # an express step drafts nothing
+            drafts = self.speculator.observe(sampling, runs, duration)
+        self._account_step(plan, started_at, duration, drafts)
 
         # Deltas go out after all of the step's bookkeeping: a caller woken by one needs the GIL,
         # which this thread would otherwise hold through that bookkeeping.
         outgoing: Outgoing = []
         produced = []
-        for chunk, token in zip(sampling, sampled):
-            if token.error is None:
-                produced.append((chunk, token))
+        for chunk, run in zip(sampling, runs):
+            if run[-1].error is None:
+                produced.append((chunk, run))
             else:  # ended before the update, which then skips the sequence it no longer knows
-                log.error("request %s: %s", chunk.seq.seq_id, token.error)
-                self.requests.end(chunk.seq.seq_id, "error", "error", error=token.error, outgoing=outgoing)
-        self.scheduler.update(plan, {c.seq.seq_id: s.token_id for c, s in produced})
+                log.error("request %s: %s", chunk.seq.seq_id, run[-1].error)
+                self.requests.end(chunk.seq.seq_id, "error", "error", error=run[-1].error, outgoing=outgoing)
+        self.scheduler.update(plan, {c.seq.seq_id: run[-1].token_id for c, run in produced},
+                              accepted_drafts(produced))
 
-        for chunk, token in produced:
+        for chunk, run in produced:
             seq_id = chunk.seq.seq_id
             state = self.requests.get(seq_id)
             if state is None:  # a sibling choice failed earlier in this step and took it along
                 continue
             if state.group is not None and state.group.waiting:
                 self.requests.release_siblings(state)
-            if state.grammar is not None and not state.grammar.accept(token.token_id):
+            try:
+                delta = state.on_tokens(run, self.tokenizer, self.max_model_len)
+            except OutsideGrammar:
                 error = "the sampled token is outside the request's grammar"
                 self.requests.end(seq_id, "error", "error", error=error, outgoing=outgoing)
                 continue
-            try:
-                delta = state.on_token(token, self.tokenizer, self.max_model_len)
             except Exception as exc:  # e.g. the detokenizer: this request's failure, not its batch's
                 log.exception("request %s: building its output failed", state.request_id)
                 self.requests.end(seq_id, "error", "error", error=f"detokenizing failed: {exc}", outgoing=outgoing)
@@ -245,6 +247,24 @@ class StepLoop:
         for sink, delta in outgoing:
             sink(delta)
 
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk], states: list[RequestState]
+                ) -> list[list[SampledToken]]:
+        """Each sampling chunk's tokens: one, or its accepted drafts and one (engine/speculative.py)."""
+        if any(c.draft_token_ids for c in sampling):
+            runs, too_slow = self.speculator.sample(logits, sampling, states, self.tokenizer.eos_token_ids,
+                                                    self.grammar_mask_budget_s)
+        else:
+            params = [s.request.params for s in states]
+            if any(adjusts_logits(p) for p in params):
+                adjust_logits_(logits, params, [s.prompt_ids if p.repetition_penalty != 1.0 else None
+                                                for s, p in zip(states, params)],
+                               [s.seq.output_token_ids for s in states], self.tokenizer.eos_token_ids)
+            too_slow = mask_logits(logits, [s.grammar for s in states], self.grammar_mask_budget_s)
+            runs = [[token] for token in sample(logits, params, [s.generator for s in states])]
+        for row in too_slow:  # that request alone ends, billed for its steps so far
+            runs[row] = [dataclasses.replace(runs[row][-1], error=MASK_OVER_BUDGET)]
+        return runs
+
     def _stop(self, timer: StepTimer, under_way: _StepUnderWay | None) -> float:
         """The step's metered seconds: an express step run inside it is metered (and billed) as its own."""
         elapsed = timer.stop()
@@ -255,11 +275,12 @@ class StepLoop:
         self._between = None
         return max(0.0, elapsed - (under_way.express_s or 0.0))
 
-    def _account_step(self, plan: StepPlan, started_at: float, duration: float) -> None:
+    def _account_step(self, plan: StepPlan, started_at: float, duration: float,
+                      drafts: StepDrafts | None = None) -> None:
         self.busy_seconds += duration
-        prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        prefill_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens - len(c.draft_token_ids) > 1)
         self.scheduler.observe_step(duration, plan.num_tokens, prefill_tokens, plan)
-        self.emit(step_event(plan, started_at, duration, self.requests.request_id_of))
+        self.emit(step_event(plan, started_at, duration, self.requests.request_id_of, drafts))
 
     def publish(self) -> None:
         kv_used, _ = self.scheduler.kv_usage()

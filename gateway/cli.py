@@ -85,6 +85,11 @@ def build_parser() -> OneLineParser:
                    help="KV pool size, e.g. 512MiB or 2GB (default: half the memory left after the weights, "
                         "capped at a quarter context per batch slot)")
     s.add_argument("--kv-cache-tokens", type=positive_int, metavar="N", help="KV pool size in tokens")
+    s.add_argument("--speculative", choices=["ngram"],
+                   help="speculative decoding: 'ngram' drafts each row's next tokens from its own prompt and output "
+                        "(prompt lookup); off by default")
+    s.add_argument("--num-speculative-tokens", type=positive_int, metavar="K",
+                   help="the most tokens a row drafts per step (default 4, at most 16)")
     s.add_argument("--host")
     s.add_argument("--port", type=port_number)
     s.add_argument("--policy", choices=["tiered", "fcfs"], dest="scheduler_policy")
@@ -138,7 +143,7 @@ def build_parser() -> OneLineParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     names = ("database_url", "model", "device", "dtype", "host", "port", "scheduler_policy", "premium_ttft_slo_s",
-             "quantize", "kv_cache_memory", "kv_cache_tokens")
+             "quantize", "kv_cache_memory", "kv_cache_tokens", "speculative", "num_speculative_tokens")
     return load_settings({n: getattr(args, n, None) for n in names})
 
 

@@ -181,7 +181,8 @@ async def _serve(request: Request, endpoint: Endpoint, gw: Gateway, tenant, requ
                                 stop_token_ids=req.stop_token_ids, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
                                 grammar=req.grammar, n=req.n, prompt_logprobs=prompt_scores_wanted(req))
         engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
-                                       tenant_weight=tenant.weight, more_prompts=tuple(prompts[1:]))
+                                       tenant_weight=tenant.weight, more_prompts=tuple(prompts[1:]),
+                                       speculative=req.speculative)
         check_request(gw.engine, engine_request, req.max_tokens is not None)
     except APIError:
         await count_refusal(gw, tenant, request_id)

@@ -114,6 +114,12 @@ class GatewayMetrics:
             registry=r,
         )
         self.tokens = Counter("tiergate_tokens", "Tokens by tier and kind.", ["tier", "kind"], registry=r)
+        # Speculative decoding (engine/speculative.py), as vLLM's spec_decode counters: their ratio is the
+        # acceptance rate.
+        self.spec_draft_tokens = Counter("tiergate_spec_decode_draft_tokens", "Tokens drafted for verification.",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("tiergate_spec_decode_accepted_tokens",
+                                            "Drafted tokens the model accepted.", registry=r)
         # The SLO as a series, so dashboards draw each tier's line from config rather than a constant.
         self.ttft_slo = Gauge("tiergate_ttft_slo_seconds", "The tier's time-to-first-token SLO.", ["tier"], registry=r)
         self._engine_collector: _EngineStateCollector | None = None
@@ -183,6 +189,9 @@ class GatewayMetrics:
 
     def _on_step(self, event: StepEvent) -> None:
         self.step_seconds.observe(event.duration_s)
+        if event.draft_tokens:
+            self.spec_draft_tokens.inc(event.draft_tokens)
+            self.spec_accepted_tokens.inc(event.accepted_tokens)
         for _, tier in event.preempted:
             if tier in self.tier_names:
                 self.preemptions.labels(tier).inc()

@@ -82,6 +82,7 @@ class GenerationRequest:
     n: int = 1
     tools: ToolRequest | None = None
     stop_token_ids: tuple[int, ...] = ()  # vLLM's extension; checked against the vocabulary by the engine
+    speculative: bool = True  # ours: false keeps the request out of speculative decoding (engine/speculative.py)
     template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
 
 
@@ -146,7 +147,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 _SERVED_BY_BOTH = frozenset({
     "model", "n", "best_of", "stream", "stream_options", "stop", "user",
     "max_tokens", "max_completion_tokens", "logprobs", "response_format", "structured_outputs", "ignore_eos",
-    "stop_token_ids", "prompt_logprobs",
+    "stop_token_ids", "prompt_logprobs", "speculative",
 }) | SAMPLING_FIELDS
 _SERVED = {
     "chat": _SERVED_BY_BOTH | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
@@ -210,6 +211,7 @@ def _common(body: dict) -> dict[str, Any]:
         stream=stream,
         include_usage=include_usage,
         ignore_eos=bool_field(body, "ignore_eos"),
+        speculative=bool_field(body, "speculative", default=True),
         stop_token_ids=_stop_token_ids(body),
         prompt_logprobs=prompt_logprobs,
     )

@@ -60,7 +60,8 @@ def engine_config(settings: Settings) -> EngineConfig:
                         grammar_compile_workers=settings.grammar_compile_workers,
                         grammar_cache_bytes=settings.grammar_cache_bytes, grammar_cache_scope=settings.grammar_cache_scope,
                         grammar_mask_budget_s=settings.grammar_mask_budget_s, quantize=settings.quantize,
-                        kv_cache_bytes=settings.kv_cache_bytes, kv_cache_tokens=settings.kv_cache_tokens)
+                        kv_cache_bytes=settings.kv_cache_bytes, kv_cache_tokens=settings.kv_cache_tokens,
+                        speculative=settings.speculative, num_speculative_tokens=settings.num_speculative_tokens)
 
 
 def build(settings: Settings, migrate: bool = True,

@@ -35,6 +35,10 @@ class Settings:
     # the memory left after the weights (engine/kv_cache.py default_pool_bytes).
     kv_cache_memory: str | None = None
     kv_cache_tokens: int | None = None
+    # Speculative decoding (engine/speculative.py): "ngram" (prompt lookup) or None, and the most tokens
+    # a row drafts per step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
     admin_token: str | None = None  # None: the /admin API is closed
     scheduler_policy: str = "tiered"
     # Fair share: a light tenant's short request runs between two layers of a long step under
@@ -124,6 +128,10 @@ class Settings:
             parse_bytes(self.kv_cache_memory)
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise SettingsError(f"kv_cache_tokens must be at least 1, not {self.kv_cache_tokens}")
+        if self.speculative not in (None, "ngram"):
+            raise SettingsError(f"speculative must be ngram or unset, not {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise SettingsError(f"num_speculative_tokens must be in 1..16, not {self.num_speculative_tokens}")
         if self.scheduler_policy not in ("tiered", "fcfs"):
             raise SettingsError(f"scheduler policy must be tiered or fcfs, not {self.scheduler_policy!r}")
         if self.prefix_cache_scope not in ("tenant", "shared"):

@@ -181,16 +181,19 @@ class BlockManager:
         """Release ``seq``'s blocks; cached ones stay hit-able until reused."""
         # Tail first, so the head of a shared prefix outlives its tails in the LRU.
         for block_id in reversed(seq.block_table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            block.tier_refs[seq.tier] -= 1
-            if block.tier_refs[seq.tier] == 0:
-                del block.tier_refs[seq.tier]
-                self._tier_used[seq.tier] -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            self._release(self._blocks[block_id], seq.tier)
         seq.block_table = []
         self._registered.pop(seq.seq_id, None)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks of ``seq`` past those that positions ``[0, num_tokens)`` need: taken for
+        drafted positions a step rejected (speculative decoding). Never registered: past its computed tokens."""
+        keep = self.blocks_for(num_tokens)
+        if keep < self._registered.get(seq.seq_id, 0):
+            raise ValueError(f"sequence {seq.seq_id} cannot give back blocks the prefix cache holds")
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(self._blocks[block_id], seq.tier)
+        del seq.block_table[keep:]
 
     def forget(self, seq: Sequence) -> None:
         """Drop what is kept about a sequence that is gone (finished or aborted)."""
@@ -235,6 +238,15 @@ class BlockManager:
         if block.tier_refs[tier] == 0:
             self._tier_used[tier] += 1
         block.tier_refs[tier] += 1
+
+    def _release(self, block: _Block, tier: str) -> None:
+        block.ref_count -= 1
+        block.tier_refs[tier] -= 1
+        if block.tier_refs[tier] == 0:
+            del block.tier_refs[tier]
+            self._tier_used[tier] -= 1
+        if block.ref_count == 0:
+            self._free[block.block_id] = None
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chain of ``seq``'s first ``num_blocks`` full blocks (or more: it is cached)."""

@@ -19,11 +19,16 @@ class ScheduledChunk:
     A decode is a chunk of one token; a prefill (or a recompute after
     preemption) is a longer chunk. The block manager has allocated every block
     these positions need before the plan is returned.
+
+    A decode may carry ``draft_token_ids`` (speculative decoding, engine/speculative.py): guesses
+    of the tokens after the newest one, computed in the same chunk (``num_tokens`` counts them) so
+    that the step verifies them all; they are not the sequence's tokens until ``update`` accepts them.
     """
 
     seq: Sequence
     start: int
     num_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -31,8 +36,16 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the newest known token, so the step samples the next one."""
-        return self.end == self.seq.num_tokens
+        """The chunk reaches the newest known token, so the step samples the next one (and one after
+        each draft)."""
+        return self.end - len(self.draft_token_ids) == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens the chunk computes: the sequence's, then its drafts."""
+        if not self.draft_token_ids:
+            return self.seq.all_token_ids[self.start:self.end]
+        return self.seq.all_token_ids[self.start:] + self.draft_token_ids
 
     @property
     def num_recompute_tokens(self) -> int:
@@ -41,7 +54,7 @@ class ScheduledChunk:
     @property
     def is_decode(self) -> bool:
         """One token of a sequence past its prompt (reads only positions: true before and after ``update``)."""
-        return self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+        return self.num_tokens - len(self.draft_token_ids) == 1 and self.start >= self.seq.num_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -55,8 +68,10 @@ class StepFeatures:
 
     @staticmethod
     def of(chunk: ScheduledChunk, sign: int = 1) -> StepFeatures:
-        if chunk.is_decode:
-            return StepFeatures(0, sign, sign * chunk.end)
+        if chunk.is_decode:  # a draft verified costs as a prompt token does, its attention as a chunk's
+            drafts = len(chunk.draft_token_ids)
+            return StepFeatures(sign * drafts, sign, sign * chunk.end,
+                                sign * attention_pairs(chunk.end - drafts, drafts) if drafts else 0)
         return StepFeatures(sign * chunk.num_tokens, 0, sign * chunk.end,
                             sign * attention_pairs(chunk.start, chunk.num_tokens))
 

@@ -18,7 +18,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.checks import check_config, check_new_sequence, check_scheduler_invariants
 from scheduler.config import SchedulerConfig
 from scheduler.load import LoadEstimator, TierLoad, tier_loads
-from scheduler.plan import StepBuilder, StepPlan
+from scheduler.plan import ScheduledChunk, StepBuilder, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.spare import decode_features, interactive_waits_for_first_token, spare_bound
@@ -416,10 +416,30 @@ class Scheduler:
             step.preempted.add(seq.seq_id)
             step.plan.preempted.append(seq)
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> None:
-        """Apply a step: advance every chunk, append the tokens of chunks that sample."""
+    def add_drafts(self, plan: StepPlan, chunk: ScheduledChunk, drafts: list[int]) -> int:
+        """Speculative decoding: ``chunk``, a decode of ``plan``, also computes the leading ``drafts`` that
+        fit without preempting anybody (free KV blocks, the step's token budget, the sequence's
+        ``max_tokens`` and the model's context, counting the token sampled after them); how many."""
+        seq = chunk.seq
+        if not chunk.is_decode or chunk.draft_token_ids or not chunk.samples:
+            raise ValueError(f"only a plain decode can carry drafts (sequence {seq.seq_id})")
+        n = min(len(drafts), seq.max_tokens - len(seq.output_token_ids) - 1,
+                self.config.max_model_len - seq.num_tokens - 1,
+                self.config.max_num_batched_tokens - plan.num_tokens)
+        while n > 0 and not self.block_manager.can_allocate(seq, chunk.end + n):
+            n -= 1
+        if n <= 0:
+            return 0
+        self.block_manager.allocate(seq, chunk.end + n)
+        chunk.draft_token_ids = list(drafts[:n])
+        chunk.num_tokens += n
+        return n
+
+    def update(self, plan: StepPlan, sampled: dict[str, int], accepted: dict[str, list[int]] | None = None) -> None:
+        """Apply a step: advance every chunk, append the tokens of chunks that sample (after the
+        drafts ``accepted`` of each drafted chunk; the blocks of those rejected go back)."""
         apply_step(plan, sampled, self._live, self.block_manager, self.policy.charge_decode,
-                   self.config.long_context_after)
+                   self.config.long_context_after, accepted)
 
     # -- load and accounting -------------------------------------------------
 

@@ -303,14 +303,14 @@ def test_a_failure_in_one_requests_sampling_or_detokenizing_ends_that_request_al
     prompts = _prompts(4, seed=10, hi=12)  # short: all four prefill in the same step
     victim_prompt = prompts[0]
     if where == "sampling":
-        real_filter = sampler_module._filtered_probs
+        real_filter = sampler_module.filtered_probs
 
         def filtered_probs(row_logits, params):
             if params.seed == 666:
                 raise RuntimeError("injected sampling failure")
             return real_filter(row_logits, params)
 
-        monkeypatch.setattr(sampler_module, "_filtered_probs", filtered_probs)
+        monkeypatch.setattr(sampler_module, "filtered_probs", filtered_probs)
     else:
         class ExplodingDetokenizer(request_state_module.IncrementalDetokenizer):
             def __init__(self, tokenizer, prompt_token_ids, stop=()):

@@ -128,10 +128,10 @@ def test_a_failing_express_step_ends_the_light_request_alone(make_engine, hf_gre
     flood, light = _flood(), _light()
     update = engine.scheduler.update
 
-    def update_failing_for_the_light_request(plan, sampled):
+    def update_failing_for_the_light_request(plan, sampled, *accepted):
         if any(c.seq.tenant == "light" for c in plan.chunks):
             raise ValueError("a bug after the express step's forward")
-        return update(plan, sampled)
+        return update(plan, sampled, *accepted)
 
     monkeypatch.setattr(engine.scheduler, "update", update_failing_for_the_light_request)
     results, _ = _run_with_arrival(engine, light, flood)

@@ -189,3 +189,10 @@ def test_stop_token_ids_are_read_as_token_ids():
     assert parse_completion({**COMPLETION, "stop_token_ids": [3, 7]}).stop_token_ids == (3, 7)
     for bad in ([-1], ["3"], 3, list(range(65))):
         assert error_of(parse_chat, {**CHAT, "stop_token_ids": bad}).param == "stop_token_ids"
+
+
+def test_speculative_is_an_opt_out_boolean_for_both_endpoints():
+    assert parse_chat(CHAT).speculative and parse_completion(COMPLETION).speculative
+    assert not parse_chat({**CHAT, "speculative": False}).speculative
+    assert not parse_completion({**COMPLETION, "speculative": False}).speculative
+    assert error_of(parse_chat, {**CHAT, "speculative": "no"}).param == "speculative"

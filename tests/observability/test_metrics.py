@@ -29,6 +29,8 @@ EXPECTED = {
     "tiergate_adapter_loads": ("counter", set()),
     "tiergate_adapter_cache_hits": ("counter", set()),
     "tiergate_fair_share_counter_spread": ("gauge", {"tier"}),
+    "tiergate_spec_decode_draft_tokens": ("counter", set()),
+    "tiergate_spec_decode_accepted_tokens": ("counter", set()),
 }
 
 
@@ -202,3 +204,14 @@ def test_each_app_instance_has_its_own_registry():
     first.count_request("premium", "ok")
     assert value(scrape(second), "tiergate_requests_total", tier="premium", status="ok") == 0
     assert value(scrape(first), "tiergate_requests_total", tier="premium", status="ok") == 1
+
+
+def test_speculative_decoding_counts_drafted_and_accepted_tokens_from_step_events():
+    metrics = GatewayMetrics()
+    item = StepItem("r", 5, False, tier="standard")
+    metrics.on_engine_event(StepEvent(duration_s=0.1, items=(item,), draft_tokens=4, accepted_tokens=3))
+    metrics.on_engine_event(StepEvent(duration_s=0.1, items=(item,), draft_tokens=4, accepted_tokens=1))
+    metrics.on_engine_event(StepEvent(duration_s=0.1, items=(item,)))
+    body = scrape(metrics)
+    assert value(body, "tiergate_spec_decode_draft_tokens_total") == 8
+    assert value(body, "tiergate_spec_decode_accepted_tokens_total") == 4

@@ -1,0 +1,213 @@
+"""Speculative decoding (prompt lookup) on the bundled model: on against off, and llama.cpp's own lookup.
+
+Two workloads on the same prompts for every engine: ``copying`` (the prompt holds a piece of code
+or text and asks for it back with a few changes, greedy: the answer repeats most of the prompt)
+and ``open`` (open-ended prompts sampled at temperature 1, so the output does not fall into a
+loop a lookup would predict). At each concurrency, tiergate with speculation off and on run the
+same requests one after the other, round after round, so that both see the same load on a shared
+machine; the figure is the ratio of their output tokens per second. llama.cpp runs the same
+prompts at concurrency 1 through llama-cpp-python (on the bundled weights dequantized to F32:
+its Q4_1 path crashes on AMX CPUs), plain and with
+``LlamaPromptLookupDecoding`` (its prompt lookup), interleaved the same way.
+
+    .venv/bin/python -m bench.spec_decode [--concurrency 1,8,32] [--rounds 2] [--max-tokens 128] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import machine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.events import StepEvent
+from engine.request import EngineRequest, SamplingParams
+
+SNIPPETS = [
+    ("python", "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+               "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n"
+               "    total = 0\n    for value in values:\n        total += (value - m) ** 2\n"
+               "    return total / len(values)\n", "mean", "average"),
+    ("python", "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+               "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+               "    def is_empty(self):\n        return len(self.items) == 0\n", "items", "elements"),
+    ("javascript", "function greet(name) {\n  const message = 'Hello, ' + name + '!';\n  console.log(message);\n"
+                   "  return message;\n}\n\nfunction farewell(name) {\n  const message = 'Goodbye, ' + name + '!';\n"
+                   "  console.log(message);\n  return message;\n}\n", "message", "text"),
+    ("text", "The museum opens at nine in the morning and closes at six in the evening. Tickets cost twelve "
+             "dollars for adults and six dollars for children. Guided tours start every hour from the main hall. "
+             "Photography is allowed in all galleries except the special exhibition on the second floor.",
+     "museum", "gallery"),
+]
+OPEN_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a strange message.",
+    "Describe your ideal weekend in a few sentences.",
+    "What are some creative uses for an old bicycle?",
+    "Tell me about a dream city of the future.",
+    "Write a poem about autumn rain.",
+    "Explain why people enjoy travelling to new places.",
+    "Invent a new holiday and describe how people celebrate it.",
+    "Write a letter from a cat to its owner.",
+]
+
+
+def copying_messages() -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Rewrite this {kind} exactly as it is, but replace every '{old}' with "
+                                         f"'{new}'. Answer with the rewritten {kind} only.\n\n{body}"}]
+            for kind, body, old, new in SNIPPETS]
+
+
+def open_messages() -> list[list[dict]]:
+    return [[{"role": "user", "content": p}] for p in OPEN_PROMPTS]
+
+
+@dataclass
+class Run:
+    seconds: float = 0.0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, other: Run) -> None:
+        self.seconds += other.seconds
+        self.tokens += other.tokens
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def run_tiergate(engine: Engine, events: list, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+                 speculative: bool, tag: str) -> Run:
+    """All ``prompts`` (repeated to fill ``concurrency`` streams), ``concurrency`` at a time."""
+    count = max(len(prompts), concurrency)
+    requests = [EngineRequest(f"{tag}-{i}", prompts[i % len(prompts)],
+                              SamplingParams(**{**vars(params), "seed": i if params.seed is None else params.seed + i}),
+                              speculative=speculative) for i in range(count)]
+    events.clear()
+    started = time.perf_counter()
+    tokens = 0
+    for i in range(0, count, concurrency):
+        tokens += sum(len(ids) for _, ids in engine.generate_batch_sync(requests[i:i + concurrency]))
+    seconds = time.perf_counter() - started
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    return Run(seconds, tokens, sum(s.draft_tokens for s in steps), sum(s.accepted_tokens for s in steps))
+
+
+def run_llama_cpp(llm, prompts: list[list[int]], params: SamplingParams) -> Run:
+    started = time.perf_counter()
+    tokens = 0
+    for i, prompt in enumerate(prompts):
+        llm.reset()
+        out = llm.create_completion(prompt, max_tokens=params.max_tokens, temperature=params.temperature,
+                                    top_p=1.0, top_k=0, min_p=0.0, repeat_penalty=1.0, seed=i)
+        tokens += out["usage"]["completion_tokens"]
+    return Run(time.perf_counter() - started, tokens)
+
+
+def llama_cpp_models(num_pred_tokens: int):
+    """(plain, lookup) llama-cpp-python models on the bundled GGUF, or None without llama-cpp-python."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return None
+    from bench.model_files import f32_gguf
+
+    threads = os.cpu_count() or 1
+    # The F32 file (the bundled weights dequantized, as the engine bench runs llama.cpp): llama.cpp
+    # 0.3.36's AMX kernel crashes on the Q4_1 file on AMX CPUs (bench/RESULTS.md, speculative decoding).
+    common = dict(model_path=str(f32_gguf()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                  verbose=False, logits_all=False)
+    return (Llama(**common),
+            Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens)))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    config = EngineConfig(model="bundled", speculative="ngram", num_speculative_tokens=args.num_speculative_tokens,
+                          max_num_seqs=max(levels), max_model_len=1024)
+    engine = Engine(config).start()
+    events: list = []
+    engine.add_listener(events.append)
+    workloads = {
+        "copying": ([engine.tokenizer.apply_chat_template(m) for m in copying_messages()],
+                    SamplingParams(max_tokens=args.max_tokens, temperature=0.0)),
+        "open": ([engine.tokenizer.apply_chat_template(m) for m in open_messages()],
+                 SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0)),
+    }
+    command = "python -m bench.spec_decode " + " ".join(argv if argv is not None else sys.argv[1:])
+    result: dict = {"machine": machine.describe(), "command": command.strip(),
+                    "loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "tiergate": {}, "llama_cpp": {}}
+    try:
+        for name, (prompts, params) in workloads.items():
+            run_tiergate(engine, events, prompts, params, 1, True, "warm")  # warm-up: kernels, thread tuner
+            for level in levels:
+                off, on = Run(), Run()
+                for r in range(args.rounds):
+                    off.add(run_tiergate(engine, events, prompts, params, level, False, f"{name}-{level}-off-{r}"))
+                    on.add(run_tiergate(engine, events, prompts, params, level, True, f"{name}-{level}-on-{r}"))
+                result["tiergate"][f"{name}@{level}"] = _entry(off, on)
+                print(name, level, result["tiergate"][f"{name}@{level}"], flush=True)
+    finally:
+        engine.shutdown()
+    models = None if args.no_llama_cpp else llama_cpp_models(args.num_speculative_tokens)
+    if models is not None:
+        plain, lookup = models
+        for name, (prompts, params) in workloads.items():
+            run_llama_cpp(lookup, prompts[:1], params)
+            off, on = Run(), Run()
+            for _ in range(args.rounds):
+                off.add(run_llama_cpp(plain, prompts, params))
+                on.add(run_llama_cpp(lookup, prompts, params))
+            result["llama_cpp"][f"{name}@1"] = _entry(off, on)
+            print("llama.cpp", name, result["llama_cpp"][f"{name}@1"], flush=True)
+    result["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _entry(off: Run, on: Run) -> dict:
+    return {"off_tok_s": round(off.tokens_per_s, 2), "on_tok_s": round(on.tokens_per_s, 2),
+            "speedup": round(on.tokens_per_s / off.tokens_per_s, 3) if off.tokens_per_s else None,
+            "acceptance": round(on.accepted / on.drafted, 3) if on.drafted else None,
+            "drafted": on.drafted, "accepted": on.accepted, "tokens_off": off.tokens, "tokens_on": on.tokens}
+
+
+def render_markdown(result: dict) -> str:
+    lines = ["| workload @ concurrency | off tok/s | on tok/s | on/off | acceptance |", "|---|---|---|---|---|"]
+    for key, e in result["tiergate"].items():
+        lines.append(f"| tiergate {key} | {e['off_tok_s']} | {e['on_tok_s']} | {e['speedup']}x | {e['acceptance']} |")
+    for key, e in result["llama_cpp"].items():
+        lines.append(f"| llama.cpp {key} (plain / LlamaPromptLookupDecoding) | {e['off_tok_s']} | {e['on_tok_s']} | "
+                     f"{e['speedup']}x | |")
+    for key in result["llama_cpp"]:
+        if key in result["tiergate"]:
+            ours = result["tiergate"][key]["on_tok_s"]
+            theirs = result["llama_cpp"][key]["on_tok_s"]
+            lines.append(f"\ntiergate lookup / llama.cpp lookup, {key}: {ours / theirs:.2f}x" if theirs else "")
+    lines.append(f"\nload average before {result['loadavg_before']}, after {result['loadavg_after']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Verifying one row's drafted tokens against the model: which drafts it keeps, and the token after them.
+
+The row's logits hold one position per draft plus one: position ``i`` is the model's distribution
+after the row's tokens and drafts ``[0, i)``. Greedy rows keep the drafts that are each position's
+argmax, so their output is exactly what decoding one token at a time gives. Sampled rows use
+rejection sampling (Leviathan et al. 2023, Chen et al. 2023): a draft proposed with distribution
+``q`` is kept with probability ``min(1, p/q)``; on rejection the token is drawn from the residual
+``max(0, p - q)`` renormalised. Prompt lookup proposes each draft with certainty (``q`` a point
+mass), so a draft is kept with probability ``p(draft)`` and a rejection draws from ``p`` with that
+token removed. Either way every output token has exactly the distribution plain sampling gives
+(``p`` after the row's temperature, top-k, top-p and min-p, as engine/sampler.py computes it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import SamplingParams
+from engine.sampler import SampledToken, add_logprobs, draw, filtered_probs, is_greedy
+
+
+def verify_row(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+               generator: torch.Generator | None) -> list[SampledToken]:
+    """The row's accepted drafts then one sampled token, from ``logits`` ([len(drafts) + 1, vocab],
+    float32 on CPU, already adjusted and masked position by position); a failed draw is one token
+    carrying its error."""
+    try:
+        tokens = _greedy(logits, drafts) if is_greedy(params) else _rejection(logits, drafts, params, generator)
+    except Exception as exc:  # e.g. NaN logits: this request's problem, not its batch's
+        return [SampledToken(0, error=f"sampling failed: {exc}")]
+    results = [SampledToken(t) for t in tokens]
+    if params.logprobs is not None:
+        add_logprobs(results, logits[:len(tokens)], [params] * len(tokens))
+    return results
+
+
+def _greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    best = torch.argmax(logits, dim=-1).tolist()
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == best[kept]:
+        kept += 1
+    return drafts[:kept] + [best[kept]]
+
+
+def _rejection(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+               generator: torch.Generator | None) -> list[int]:
+    for i, draft in enumerate(drafts):
+        probs = filtered_probs(logits[i], params)
+        total = float(probs.sum(dtype=torch.float64))
+        u = float(torch.rand(1, dtype=torch.float64, generator=generator))
+        if u * total < float(probs[draft]):
+            continue
+        probs[draft] = 0.0  # the residual of a point-mass proposal
+        return drafts[:i] + [draw(probs, generator)]
+    return drafts + [draw(filtered_probs(logits[len(drafts)], params), generator)]

@@ -1,0 +1,236 @@
+"""Speculative decoding in the step loop: which rows draft and how many tokens, and turning a drafted
+step's logits into each row's tokens.
+
+A decode step on a CPU (and at small batch on a GPU) is bound by reading the weights, so a row can
+compute a few guessed tokens after its newest one in the same step for little more than one, and
+keep those the model agrees with. The loop calls three things: ``draft`` after the scheduler's plan
+(each eligible decode chunk gets its drafts, through ``Scheduler.add_drafts``, which never preempts
+for them), ``sample`` after the forward pass (each row's logits adjusted and masked position by
+position as if the drafts before it were its output, then verified by engine/spec_sampling.py), and
+``observe`` once the step's tokens and time are known (acceptance per row, the batch gate's rates,
+counts for the metrics).
+
+Adaptive, so that speculation never makes decoding slower: a row whose recent drafts were mostly
+rejected stops drafting (and tries again now and then), and engine/spec_gate.py lets a step of so
+many decoding rows draft only while such steps give more tokens per second with drafts than
+without, as measured on this machine: at a large batch a step is no longer bound by weight reads
+and speculation turns itself off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.grammar import GrammarMatcher, mask_logits
+from engine.logit_adjustments import adjust_logits_, adjusts_logits
+from engine.ngram import NgramIndex
+from engine.request_state import RequestState
+from engine.sampler import SampledToken
+from engine.spec_gate import BatchGate
+from engine.spec_sampling import verify_row
+from scheduler import ScheduledChunk, Scheduler, StepPlan
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_tokens: int = 4  # drafts per row and step at most
+    ngram_min: int = 2  # prompt lookup: the shortest suffix it matches
+    ngram_max: int = 4
+    # A row drafts while the running mean of the fraction of its drafts accepted stays above this.
+    min_acceptance: float = 0.2
+    acceptance_memory: float = 0.7  # weight of the past in that running mean, per drafted step
+    retry_after_steps: int = 16  # a row that stopped drafting tries again after this many steps
+    adaptive: bool = True  # False: every row drafts whatever its acceptance and the batch (tests, measurements)
+    # Adaptive: a step of more decoding rows never drafts. On a CPU such a step is bound by compute,
+    # not weight reads (bench/RESULTS.md, speculative decoding): the batch gate's exploring steps
+    # there would only cost.
+    max_rows: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be between 1 and 16")
+
+
+@dataclass
+class _Row:
+    """What one sequence's drafting has learned so far."""
+
+    index: NgramIndex
+    acceptance: float = 0.5  # running mean of the fraction of drafts accepted
+    resting: int = 0  # steps left before it drafts again
+
+
+@dataclass
+class StepDrafts:
+    """What a step drafted and kept, for the metrics (StepEvent) and the rows' acceptance."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._rows: dict[str, _Row] = {}
+        self.gate = BatchGate()
+        self._decode_rows: int | None = None  # this step's, if it is a pure decode step the gate learns from
+
+    # -- before the forward pass ---------------------------------------------
+
+    def draft(self, plan: StepPlan, state_of: Callable[[str], RequestState | None]) -> None:
+        """Give the plan's eligible decode chunks their drafts (blocks permitting)."""
+        decodes = [c for c in plan.chunks if c.is_decode and c.samples]
+        self._forget_gone(state_of)
+        self._decode_rows = len(decodes) if decodes and len(decodes) == len(plan.chunks) else None
+        if not decodes or (self.config.adaptive and (len(decodes) > self.config.max_rows
+                                                     or not self.gate.drafts(len(decodes)))):
+            return
+        threshold = self.config.min_acceptance if self.config.adaptive else 0.0
+        for chunk in decodes:
+            state = state_of(chunk.seq.seq_id)
+            if state is None or not state.request.speculative:
+                continue
+            row = self._row(chunk)
+            if row.resting:
+                row.resting -= 1
+                continue
+            if row.acceptance < threshold:
+                row.resting = self.config.retry_after_steps
+                row.acceptance = threshold  # one try when it wakes, judged afresh
+                continue
+            drafts = self._allowed(row.index.propose(self.config.num_tokens), state)
+            if drafts:
+                self.scheduler.add_drafts(plan, chunk, drafts)
+
+    def _row(self, chunk: ScheduledChunk) -> _Row:
+        seq = chunk.seq
+        row = self._rows.get(seq.seq_id)
+        if row is None:
+            row = self._rows[seq.seq_id] = _Row(NgramIndex(self.config.ngram_min, self.config.ngram_max))
+        known = len(row.index.tokens)
+        if known < seq.num_prompt_tokens:
+            row.index.extend(seq.prompt_token_ids[known:])
+            known = seq.num_prompt_tokens
+        row.index.extend(seq.output_token_ids[known - seq.num_prompt_tokens:])
+        return row
+
+    def _allowed(self, drafts: list[int], state: RequestState) -> list[int]:
+        """The leading drafts the row could emit: none past a stop token (its output would end there)
+        nor one its grammar rejects or that ends its grammar."""
+        stops = self.eos_token_ids | set(state.request.params.stop_token_ids)
+        for i, token in enumerate(drafts):
+            if token in stops:
+                drafts = drafts[:i]
+                break
+        if state.grammar is None or not drafts:
+            return drafts
+        return drafts[:_grammar_prefix(state.grammar, drafts)]
+
+    def _forget_gone(self, state_of: Callable[[str], RequestState | None]) -> None:
+        if len(self._rows) > 64:
+            for seq_id in [s for s in self._rows if state_of(s) is None]:
+                del self._rows[seq_id]
+
+    # -- after the forward pass ----------------------------------------------
+
+    def sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk], states: list[RequestState],
+               eos_token_ids: tuple[int, ...], mask_budget_s: float | None) -> tuple[list[list[SampledToken]], list[int]]:
+        """Each sampling chunk's tokens (its accepted drafts, then one sampled token) from the step's
+        logits (one row per chunk plus one per draft), and the chunks whose grammar went over its
+        budget. Each position is adjusted (penalties, bias) and masked as if the drafts before it were
+        the row's output."""
+        counts = [1 + len(c.draft_token_ids) for c in sampling]
+        params, prompts, outputs = [], [], []
+        for chunk, state in zip(sampling, states):
+            p = state.request.params
+            for i in range(1 + len(chunk.draft_token_ids)):
+                params.append(p)
+                prompts.append(state.prompt_ids if p.repetition_penalty != 1.0 else None)
+                outputs.append(state.seq.output_token_ids + chunk.draft_token_ids[:i])
+        if any(adjusts_logits(p) for p in params):
+            adjust_logits_(logits, params, prompts, outputs, eos_token_ids)
+        too_slow = _mask_positions(logits, sampling, states, counts, mask_budget_s)
+        logits = logits.float().cpu()
+        runs, row = [], 0
+        for chunk, state, n in zip(sampling, states, counts):
+            runs.append(verify_row(logits[row:row + n], chunk.draft_token_ids, state.request.params, state.generator))
+            row += n
+        return runs, too_slow
+
+    def observe(self, sampling: list[ScheduledChunk], runs: list[list[SampledToken]], seconds: float) -> StepDrafts:
+        """The step's tokens (``runs``, one per sampling chunk) and its time: the rows' acceptance, the
+        batch gate's rates, and the step's counts."""
+        step = StepDrafts()
+        memory = self.config.acceptance_memory
+        drafted = [(c, len(run) - 1 if run[-1].error is None else 0) for c, run in zip(sampling, runs)
+                   if c.draft_token_ids]
+        if self._decode_rows is not None:
+            tokens = sum(len(run) for run in runs if run[-1].error is None)
+            self.gate.observe(self._decode_rows, bool(drafted), tokens, seconds)
+            self._decode_rows = None
+        for chunk, accepted in drafted:
+            step.drafted += len(chunk.draft_token_ids)
+            step.accepted += accepted
+            row = self._rows.get(chunk.seq.seq_id)
+            if row is not None:
+                row.acceptance = memory * row.acceptance + (1 - memory) * accepted / len(chunk.draft_token_ids)
+        return step
+
+
+def accepted_drafts(produced: list[tuple[ScheduledChunk, list[SampledToken]]]) -> dict[str, list[int]]:
+    """For ``Scheduler.update``: the drafts each drafted chunk kept, by sequence."""
+    return {c.seq.seq_id: [t.token_id for t in run[:-1]] for c, run in produced if c.draft_token_ids}
+
+
+def _grammar_prefix(matcher: GrammarMatcher, drafts: list[int]) -> int:
+    """How many leading drafts the grammar accepts without reaching its end; the matcher is left as it was.
+    A token that ends the grammar is not drafted: nothing may be sampled after it."""
+    walked = taken = 0
+    for token in drafts:
+        if not matcher.accept(token):  # a rejected token leaves the matcher where it was
+            break
+        walked += 1
+        if matcher.is_terminated:
+            break
+        taken += 1
+    matcher.rollback(walked)
+    return taken
+
+
+def _mask_positions(logits: torch.Tensor, sampling: list[ScheduledChunk], states: list[RequestState],
+                    counts: list[int], budget_s: float | None) -> list[int]:
+    """Mask every position of every grammar row with its matcher walked through the drafts before it
+    (and rolled back after); the chunks (indices into ``sampling``) whose grammar went over ``budget_s``."""
+    firsts, row = [], 0
+    for n in counts:
+        firsts.append(row)
+        row += n
+    matchers: list[GrammarMatcher | None] = [None] * row
+    for first, state in zip(firsts, states):
+        matchers[first] = state.grammar
+    slow_rows = set(mask_logits(logits, matchers, budget_s))
+    too_slow = [i for i, first in enumerate(firsts) if first in slow_rows]
+    for i, (chunk, state) in enumerate(zip(sampling, states)):
+        matcher = state.grammar
+        if matcher is None or not chunk.draft_token_ids:
+            continue
+        walked = 0
+        for draft in chunk.draft_token_ids:
+            if not matcher.accept(draft):  # checked when drafted: a grammar that changed its mind is a bug
+                raise RuntimeError(f"sequence {chunk.seq.seq_id}: a draft its grammar took is rejected now")
+            walked += 1
+            position = firsts[i] + walked
+            if mask_logits(logits[position:position + 1], [matcher], budget_s) and i not in too_slow:
+                too_slow.append(i)
+        matcher.rollback(walked)
+    return too_slow
