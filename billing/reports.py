@@ -35,7 +35,8 @@ from billing.spend import interval_case
 GROUPS = ("tier", "tenant", "adapter")
 BUCKETS = ("hour", "day")
 # Price of one GPU-hour per tier; premium pays 3x standard unless configured otherwise.
-DEFAULT_PRICES = {"standard": 2.0, "premium": 6.0}
+# Batch API lines (tier batch) pay half of standard, as OpenAI's batches do.
+DEFAULT_PRICES = {"standard": 2.0, "premium": 6.0, "batch": 1.0}
 _SQLITE_BUCKET_FORMATS = {"hour": "%Y-%m-%d %H:00:00", "day": "%Y-%m-%d 00:00:00"}
 
 

@@ -21,11 +21,13 @@ def default_tiers(
     premium_slo_s: float = 0.5, premium_kv_reserve: float = 0.30, standard_slo_s: float | None = None,
     premium_tpot_slo_s: float | None = None,
 ) -> tuple[TierConfig, ...]:
-    """The two tiers billing knows; the one table the gateway, the engine and the benches build on."""
+    """The tiers billing knows; the one table the gateway, the engine and the benches build on."""
     return (
         TierConfig("premium", priority=0, ttft_slo_s=premium_slo_s, kv_reserve_fraction=premium_kv_reserve,
                    tpot_slo_s=premium_tpot_slo_s),
         TierConfig("standard", priority=1, ttft_slo_s=standard_slo_s),
+        # The Batch API's lines (gateway/batch_driver.py); the batchtier branch gives it its spare-only policy.
+        TierConfig("batch", priority=2, ttft_slo_s=None),
     )
 
 
