@@ -33,6 +33,7 @@ class ClaimedLine:
     body: str
     tenant: str
     endpoint: str
+    attempts: int  # this claim included
 
     @property
     def key(self) -> tuple[str, int]:
@@ -55,7 +56,7 @@ def claim(db: Engine, owner: str, limit: int, lease_s: float, now: float | None 
     b, c = _BATCHES.c, _LINES.c
     with db.begin() as connection:
         candidates = connection.execute(
-            select(c.batch_id, c.line, c.custom_id, c.body, b.tenant, b.endpoint)
+            select(c.batch_id, c.line, c.custom_id, c.body, b.tenant, b.endpoint, c.attempts + 1)
             .join(_BATCHES, b.id == c.batch_id)
             .where(b.status == "in_progress", b.expires_at > int(now), _claimable(now))
             .order_by(c.line, b.created_at).limit(limit * 3)).all()

@@ -23,12 +23,15 @@ from billing.batch_lines import ClaimedLine
 from billing.db import UNAVAILABLE
 from billing.keys import tenant_info
 from billing.open_rows import PROCESS_OWNER
-from gateway.batch_run import LineInterrupted, LineOutcome, run_line
+from gateway.batch_run import LineInterrupted, LineOutcome, failed_line, run_line
+from gateway.errors import APIError
 from gateway.generation import Generation
 from gateway.services import Gateway
 
 log = logging.getLogger(__name__)
 
+# A line whose runs keep failing (not a refusal: those are answers) is answered with a 500 at this claim.
+MAX_ATTEMPTS = 5
 TENANT_CACHE_S = 5.0  # a grant revoked reaches the lines within this time, as the auth cache's
 FINALIZE_EVERY_S = 1.0
 
@@ -107,6 +110,11 @@ class BatchDriver:
 
     async def _run(self, line: ClaimedLine) -> None:
         try:
+            if line.attempts > MAX_ATTEMPTS:
+                await self._write(line, failed_line(self.gw, line, line.tenant, APIError(
+                    500, f"The request failed to run {MAX_ATTEMPTS} times; it was not answered.", type="server_error",
+                    code="batch_line_failed")))
+                return
             tenant = await self._tenant(line.tenant)
             if tenant is None:
                 raise LineInterrupted(f"tenant {line.tenant!r} not found")

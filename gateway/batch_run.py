@@ -49,6 +49,14 @@ class BatchGeneration(Generation):
         """Nothing to give back: a batch line holds no rate limit."""
 
 
+def failed_line(gw: Gateway, line: ClaimedLine, tenant: str, error: APIError) -> LineOutcome:
+    """A line answered with an error before the engine had it; its ledger row is a rejected one, at no cost."""
+    request_id = f"{ENDPOINTS[line.endpoint].id_prefix}{gw.ids.getrandbits(128):032x}"
+    record = dataclasses.replace(gw.usage.meter.record_rejected(request_id, tenant, BATCH_TIER, None, time.time()),
+                                 batch_id=line.batch_id, custom_id=line.custom_id)
+    return LineOutcome(False, request_id, output_line(request_id, line.custom_id, error.status, error.body()), record)
+
+
 def output_line(request_id: str, custom_id: str, status: int, body: dict) -> str:
     """OpenAI's batch output line: the request's status code and body, under its custom_id."""
     return json.dumps({"id": f"batch_req_{request_id}", "custom_id": custom_id,
@@ -63,7 +71,6 @@ async def run_line(gw: Gateway, line: ClaimedLine, tenant, on_start=None) -> Lin
     request_id = f"{endpoint.id_prefix}{gw.ids.getrandbits(128):032x}"
     queued_at, arrived = time.time(), time.monotonic()
     tag = {"batch_id": line.batch_id, "custom_id": line.custom_id}
-    adapter = None
     try:
         prepared = await check_body(gw, endpoint, json.loads(line.body), tenant, request_id)
         adapter = prepared.engine_request.adapter
@@ -72,9 +79,7 @@ async def run_line(gw: Gateway, line: ClaimedLine, tenant, on_start=None) -> Lin
             compiled = await compile_grammar(gw, tenant, request_id, prepared.req.grammar, prepared.req.grammar_param)
             request = dataclasses.replace(request, compiled_grammar=compiled)
     except APIError as e:  # the line was valid at creation; a grant revoked since, an adapter unloaded
-        record = dataclasses.replace(gw.usage.meter.record_rejected(request_id, tenant.tenant, BATCH_TIER, adapter,
-                                                                    queued_at), **tag)
-        return LineOutcome(False, request_id, output_line(request_id, line.custom_id, e.status, e.body()), record)
+        return failed_line(gw, line, tenant.tenant, e)
     admitted = admitted_request(gw, endpoint, prepared, tenant.tenant, queued_at, arrived)
     req = prepared.req
     trace = gw.tracing.start_request(

@@ -10,14 +10,14 @@ id is a 404, as an unknown one.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio.to_thread
 from sqlalchemy import Engine as Database
 from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException
-from starlette.requests import Request
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -78,24 +78,42 @@ async def upload(request: Request) -> Response:
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(400, "Upload the file as multipart/form-data with the fields 'file' and 'purpose'.",
                        code="invalid_content_type")
+    parser = MultiPartParser(request.headers, _bounded(request, limit + FORM_OVERHEAD_BYTES), max_files=1,
+                             max_fields=4)
     try:
-        async with request.form(max_files=1, max_fields=4) as form:
-            purpose, upload = form.get("purpose"), form.get("file")
-            if not isinstance(upload, UploadFile):
-                raise invalid_param("file", "Missing required parameter: 'file'.", "missing_required_parameter")
-            if purpose not in PURPOSES:
-                raise invalid_param("purpose", f"Invalid 'purpose': {purpose!r}. Only 'batch' is served.",
-                                    "invalid_purpose")
-            content = await upload.read(limit + 1)
-            filename = upload.filename or "upload.jsonl"
+        form = await parser.parse()
     except MultiPartException as e:
         raise APIError(400, f"The multipart body could not be read: {e}", code="invalid_multipart") from None
+    except ClientDisconnect:
+        raise APIError(400, "The client closed the connection before sending the whole body.") from None
+    try:
+        purpose, upload = form.get("purpose"), form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise invalid_param("file", "Missing required parameter: 'file'.", "missing_required_parameter")
+        if purpose not in PURPOSES:
+            raise invalid_param("purpose", f"Invalid 'purpose': {purpose!r}. Only 'batch' is served.",
+                                "invalid_purpose")
+        content = await upload.read(limit + 1)
+        filename = upload.filename or "upload.jsonl"
+    finally:
+        await form.close()
     if len(content) > limit:
         raise APIError(413, f"The file is larger than the limit of {limit} bytes.", code="file_too_large")
     lines = await anyio.to_thread.run_sync(jsonl_lines, content, gw.settings.batch_max_file_lines)
     info = await anyio.to_thread.run_sync(batch_files.create_file, gw.db, tenant.tenant, purpose, filename[:512],
                                           content, lines)
     return JSONResponse(info.to_openai())
+
+
+async def _bounded(request: Request, limit: int) -> AsyncIterator[bytes]:
+    """The request's body, a 413 once past ``limit`` bytes: a chunked upload (no content-length) is bounded too."""
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"The file is larger than the limit of {limit - FORM_OVERHEAD_BYTES} bytes.",
+                           code="file_too_large")
+        yield chunk
 
 
 async def list_files(request: Request) -> Response:

@@ -252,3 +252,37 @@ def test_a_batch_past_its_window_expires_with_the_results_so_far(serve):
     finished = done.request_counts.completed
     assert 1 <= finished < 20
     assert len(output_lines(client, done.output_file_id)) == finished
+
+
+def test_a_file_over_the_size_limit_is_refused_with_413_even_when_sent_chunked(serve):
+    import httpx
+
+    live = serve(batch_max_file_bytes=2000)
+    live.add_tenant("acme", "premium", rpm=100_000, tpm=100_000_000, max_concurrent=1000)
+    big = jsonl([chat_line(f"l{i}", "x" * 100, live.engine.model_name) for i in range(40)])
+    with pytest.raises(openai.APIStatusError) as e:
+        upload(client_for(live), big)
+    assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
+    boundary = "tiergateboundary"
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}\r\n'
+            f'Content-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n').encode() + big \
+        + f"\r\n--{boundary}--\r\n".encode()
+
+    def chunks():  # no content-length: the server must count as it reads
+        for i in range(0, len(body), 512):
+            yield body[i:i + 512]
+
+    answer = httpx.post(live.url + "/v1/files", content=chunks(),
+                        headers={"authorization": f"Bearer {live.keys['acme']}",
+                                 "content-type": f"multipart/form-data; boundary={boundary}"})
+    assert answer.status_code == 413 and answer.json()["error"]["code"] == "file_too_large"
+    small = jsonl([chat_line("a", "x", live.engine.model_name)])
+    assert upload(client_for(live), small).bytes == len(small)
+
+
+def test_an_upload_with_too_many_lines_is_refused(serve):
+    live = serve(batch_max_file_lines=3)
+    live.add_tenant("acme", "premium", rpm=100_000, tpm=100_000_000, max_concurrent=1000)
+    with pytest.raises(openai.BadRequestError) as e:
+        upload(client_for(live), jsonl([chat_line(f"l{i}", "x", live.engine.model_name) for i in range(4)]))
+    assert e.value.body["code"] == "too_many_lines"

@@ -162,9 +162,10 @@ def test_the_premium_slo_and_reserve_come_from_settings_into_the_engines_tiers()
 
     settings = load_settings({"premium_ttft_slo_s": 2.0},
                              environ={"TIERGATE_PREMIUM_KV_RESERVE": "0.25", "TIERGATE_PREMIUM_TTFT_SLO_S": "9"})
-    premium, standard = tiers(settings)
+    premium, standard, batch = tiers(settings)
     assert (premium.name, premium.ttft_slo_s, premium.kv_reserve_fraction) == ("premium", 2.0, 0.25)
     assert (standard.name, standard.ttft_slo_s, standard.kv_reserve_fraction) == ("standard", None, 0.0)
+    assert (batch.name, batch.ttft_slo_s) == ("batch", None)
     assert tiers(load_settings(environ={}))[0].ttft_slo_s == 2.0  # the CPU default
     assert tiers(load_settings(environ={"TIERGATE_DEVICE": "cuda"}))[0].ttft_slo_s == 0.5
     with pytest.raises(SettingsError, match="TIERGATE_PREMIUM_TTFT_SLO_S"):

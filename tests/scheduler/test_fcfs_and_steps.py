@@ -31,7 +31,7 @@ def test_fcfs_has_no_reserve(small_config, seq, step):
     for _ in range(3):
         sched.add(seq(12, max_tokens=2))
     step(sched)
-    assert sched.kv_usage() == ({"premium": 0, "standard": 9}, 10)
+    assert sched.kv_usage() == ({"premium": 0, "standard": 9, "batch": 0}, 10)
 
 
 def test_fcfs_preempts_the_latest_arrival_even_if_premium(small_config, seq, step):

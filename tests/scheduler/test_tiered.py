@@ -22,7 +22,7 @@ def test_standard_never_holds_blocks_inside_the_premium_reserve(small_config, se
     standards = [sched.add(s) or s for s in (seq(12, max_tokens=2), seq(12, max_tokens=2), seq(12, max_tokens=2))]
     plan = step(sched)
     assert {c.seq.seq_id for c in plan.chunks} == {standards[0].seq_id, standards[1].seq_id}
-    assert sched.kv_usage() == ({"premium": 0, "standard": 6}, 10)
+    assert sched.kv_usage() == ({"premium": 0, "standard": 6, "batch": 0}, 10)
     assert queued(sched, "standard") == [standards[2].seq_id]  # 9 blocks would enter the reserve
     sched.check_invariants()
 
@@ -32,7 +32,7 @@ def test_premium_can_use_the_whole_pool(small_config, seq, step):
     for _ in range(3):
         sched.add(seq(12, tier="premium", max_tokens=2))
     step(sched)
-    assert sched.kv_usage() == ({"premium": 9, "standard": 0}, 10)
+    assert sched.kv_usage() == ({"premium": 9, "standard": 0, "batch": 0}, 10)
 
 
 def test_premium_goes_before_standard_that_arrived_earlier(small_config, seq, step):
