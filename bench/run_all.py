@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -158,6 +159,24 @@ def render_section(bench: Bench, run: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def split_sections(text: str) -> tuple[str, list[str]]:
+    """A results file's head (before its first `## ` heading) and its `## ` sections, each with its heading."""
+    parts = re.split(r"(?m)^(?=## )", text)
+    head, sections = (parts[0], parts[1:]) if parts and not parts[0].startswith("## ") else ("", parts)
+    return head, sections
+
+
+def merge_results(old: str, header: str, new_sections: list[str]) -> str:
+    """RESULTS.md after a run: this run's header, each bench's section put where its earlier one stood (or
+    appended), and every other section (those written by hand) kept as it was, so a partial run (`--only`) or a
+    full one never drops a measurement that `make bench` does not make."""
+    _, old_sections = split_sections(old)
+    fresh = {section.splitlines()[0]: section for section in new_sections}
+    merged = [fresh.pop(section.splitlines()[0], section) for section in old_sections]
+    merged += [section for section in new_sections if section.splitlines()[0] in fresh]
+    return header + "\n" + "".join(section if section.endswith("\n") else section + "\n" for section in merged)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run_all", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default="", help="comma-separated bench names")
@@ -187,13 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     header = [
         "# Benchmark results",
         "",
-        "Written by `make bench` (`python -m bench.run_all`); every number below comes from that one run.",
+        "Written by `make bench` (`python -m bench.run_all`), which replaces the sections of the benches it ran and keeps "
+        "every other section (those headed \"by hand\" were run on their own, each with its command, date and machine).",
         "",
         f"Machine: {machine.render_markdown(host)}.  ",
         f"Total wall time: {time.perf_counter() - started:.0f} s.",
         "",
     ]
-    RESULTS.write_text("\n".join(header) + "\n".join(sections))
+    RESULTS.write_text(merge_results(RESULTS.read_text() if RESULTS.exists() else "", "\n".join(header), sections))
     print(f"run_all: wrote {RESULTS}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
 

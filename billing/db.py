@@ -1,8 +1,9 @@
-"""Database connection and schema upgrades: the default URL, engines per dialect, Alembic run from code."""
+"""Database connection and schema upgrades: the default URL, engines per dialect, Alembic run from code.
+
+The URL comes from the caller (the gateway's settings read TIERGATE_DATABASE_URL); unset, a SQLite file."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from alembic import command
@@ -15,20 +16,17 @@ DEFAULT_SQLITE_PATH = Path("var") / "tiergate.db"
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 # What a database that is down, restarting or locked raises; anything else is a bug and propagates.
 UNAVAILABLE = (OperationalError, InterfaceError)
-
-
-def default_database_url() -> str:
-    """TIERGATE_DATABASE_URL, else a SQLite file under ./var (created on first use)."""
-    return os.environ.get("TIERGATE_DATABASE_URL") or f"sqlite:///{DEFAULT_SQLITE_PATH}"
+# Where billing's tables live when no URL is given: a SQLite file under ./var (created on first use).
+DEFAULT_DATABASE_URL = f"sqlite:///{DEFAULT_SQLITE_PATH}"
 
 
 def create_engine_for(url: str | None = None, *, connect_timeout_s: float = 5.0) -> Engine:
-    """An engine for `url` (default_database_url() if None) that survives the server going away.
+    """An engine for `url` (DEFAULT_DATABASE_URL if None) that survives the server going away.
 
     pool_pre_ping drops connections a restarted server closed; the connect timeout bounds how
     long a write waits before the ledger falls back to its spool.
     """
-    parsed = make_url(url or default_database_url())
+    parsed = make_url(url or DEFAULT_DATABASE_URL)
     if parsed.drivername == "postgresql+psycopg2":
         # psycopg 3 is the driver we ship; an older config naming psycopg2 keeps working on it.
         parsed = parsed.set(drivername="postgresql+psycopg")

@@ -59,10 +59,6 @@ class MissingPrice(BillingError):
     pass
 
 
-class UnknownRequest(NotFound):
-    pass
-
-
 class InvalidPrice(BillingError):
     pass
 

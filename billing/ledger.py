@@ -38,6 +38,7 @@ from billing.ledger_rows import INSERTS, insert_records, statements
 from billing.open_rows import Progress, save_progress
 from billing.spool import Spool
 from billing.usage_record import UsageRecord
+from tiergate_common.errors import first_line
 
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class Ledger:
                 self._insert_batch(connection, records)
             return True
         except UNAVAILABLE as exc:
-            log.warning("ledger: database unavailable, spooling %d record(s): %s", len(records), _first_line(exc))
+            log.warning("ledger: database unavailable, spooling %d record(s): %s", len(records), first_line(exc))
             self.spool.append_many(records)
             return False
 
@@ -183,7 +184,7 @@ class Ledger:
                 try:
                     self._inline = InlineSqlite(self.engine)
                 except Exception as exc:  # the writer's path reports what is wrong, or waits it out
-                    log.warning("ledger: no connection for write_now(): %s", _first_line(exc))
+                    log.warning("ledger: no connection for write_now(): %s", first_line(exc))
                     return False
             if not self._inline.insert(records):
                 return False
@@ -204,7 +205,7 @@ class Ledger:
                 with self.engine.begin() as connection:
                     inserted = insert_records(connection, records)
             except UNAVAILABLE as exc:
-                log.warning("ledger: replay of %d record(s) postponed: %s", len(records), _first_line(exc))
+                log.warning("ledger: replay of %d record(s) postponed: %s", len(records), first_line(exc))
                 return 0
             self.spool.release()
         log.info("ledger: replayed %d spooled record(s), %d new", len(records), inserted)
@@ -230,7 +231,7 @@ class Ledger:
         try:
             save_progress(self.engine, [p for save in saves for p in save.progress])
         except UNAVAILABLE as exc:
-            log.debug("ledger: progress not saved, database unavailable: %s", _first_line(exc))
+            log.debug("ledger: progress not saved, database unavailable: %s", first_line(exc))
             return False
         return True
 
@@ -300,7 +301,7 @@ class Ledger:
                 self._insert_batch(connection, records)
         except UNAVAILABLE as exc:
             self._spool_until = time.monotonic() + self.retry_interval_s
-            log.warning("ledger: database unavailable, spooling %d record(s): %s", len(records), _first_line(exc))
+            log.warning("ledger: database unavailable, spooling %d record(s): %s", len(records), first_line(exc))
             self.spool.append_many(records)
             return False
         self._committed(len(records))
@@ -347,7 +348,7 @@ class Ledger:
                     with self._commit_lock:
                         self._checkpoint()
             except UNAVAILABLE as exc:
-                log.debug("ledger: checkpoint postponed: %s", _first_line(exc))
+                log.debug("ledger: checkpoint postponed: %s", first_line(exc))
             except Exception:
                 log.exception("ledger: checkpoint failed")
             self._stop.wait(CHECKPOINT_MIN_INTERVAL_S)  # a flood of rows must not become a flood of fsyncs
@@ -384,7 +385,3 @@ def _settle_all(futures: list[Future], work, argument) -> None:
 def _settle_exception(future: Future, exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -16,7 +16,6 @@ budgets and /v1/usage price them, so the same rows cost the same there and here.
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -31,6 +30,7 @@ from billing.errors import InvalidReport, MissingPrice
 from billing.models import RecomputeCharge, UsageEntry
 from billing.prices import PriceBook, load_price_book
 from billing.spend import interval_case
+from tiergate_common.env import PRICES
 
 GROUPS = ("tier", "tenant", "adapter")
 BUCKETS = ("hour", "day")
@@ -74,7 +74,7 @@ class _Totals:
 
 def default_prices() -> dict[str, float]:
     """TIERGATE_PRICES (e.g. "standard=2,premium=6", per GPU-hour), else DEFAULT_PRICES."""
-    text = os.environ.get("TIERGATE_PRICES")
+    text = PRICES.get()
     return parse_prices(text) if text else dict(DEFAULT_PRICES)
 
 

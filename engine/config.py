@@ -6,11 +6,12 @@ import os
 from dataclasses import dataclass, field
 
 from scheduler.config import SchedulerConfig, TierConfig, default_tiers
+from tiergate_common.env import CACHE_DIR
 
 
 def default_cache_dir() -> str:
     """TIERGATE_CACHE_DIR, or ~/.cache/tiergate when it is unset or empty."""
-    return os.environ.get("TIERGATE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tiergate")
+    return CACHE_DIR.get() or os.path.join(os.path.expanduser("~"), ".cache", "tiergate")
 
 
 def cpu_has_native_bf16() -> bool:

@@ -20,6 +20,8 @@ import os
 import shutil
 from pathlib import Path
 
+from tiergate_common.errors import first_line
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -57,8 +59,7 @@ def _load(prefix: str, sources: list[str]) -> bool:
              verbose=False)
         return True
     except Exception as error:  # any build failure leaves the callers' fallbacks, which are always correct
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        log.warning("CPU kernels unavailable, the engine uses its slower fallbacks: %s", first_line)
+        log.warning("CPU kernels unavailable, the engine uses its slower fallbacks: %s", first_line(error))
         return False
 
 

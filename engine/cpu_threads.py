@@ -1,7 +1,7 @@
 """Chooses the CPU intra-op thread count by timing real steps, and re-checks now and then.
 
 The best count depends on whether the cores are shared, which no setting can know
-ahead, and on the step's size (docs/performance.md has the measurements). So each step
+ahead, and on the step's size (docs/performance.md; bench/RESULTS.md has the measurements). So each step
 size (its token count rounded up to a power of two) keeps its own choice: its steps
 alternate between the candidates for a few steps, the fastest per token wins, and the
 trial is repeated every ``period`` steps of that size. ``TIERGATE_CPU_THREADS`` pins a
@@ -17,10 +17,11 @@ regions and puts workers to sleep instead, which slows every step of the engine 
 
 from __future__ import annotations
 
-import os
 import statistics
 
 import torch
+
+from tiergate_common.env import CPU_THREADS
 
 # torch's own default (one per physical core), read before any tuner changes it.
 DEFAULT_THREADS = torch.get_num_threads()
@@ -88,8 +89,8 @@ class ThreadTuner:
 
         Counts apply to the thread that runs the steps, so a pinned one is set there too, by ``before_step``.
         """
-        pinned = os.environ.get("TIERGATE_CPU_THREADS")
-        return cls([int(pinned)] if pinned else [1, DEFAULT_THREADS])
+        pinned = CPU_THREADS.get()
+        return cls([pinned] if pinned is not None else [1, DEFAULT_THREADS])
 
     def chosen(self, num_tokens: int) -> int:
         """The count steps of this many tokens run on outside a trial."""

@@ -116,7 +116,7 @@ class Engine:
     def submit(self, request: EngineRequest) -> RequestStream:
         """Validate and queue a request; iterate the stream for its deltas (needs a running event loop)."""
         stream = RequestStream(request.request_id, self.abort)
-        self._admit(request, stream.push)
+        self._accept_request(request, stream.push)
         return stream
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
@@ -132,7 +132,7 @@ class Engine:
         collectors = []
         for request in requests:
             collector = BlockingCollector()
-            self._admit(request, collector.push)
+            self._accept_request(request, collector.push)
             collectors.append(collector)
         results = []
         for collector in collectors:
@@ -212,7 +212,7 @@ class Engine:
         )
 
     # ---- taking a request ------------------------------------------------
-    def _admit(self, request: EngineRequest, sink: Callable[[Delta], None]) -> None:
+    def _accept_request(self, request: EngineRequest, sink: Callable[[Delta], None]) -> None:
         self.check(request)
         states = [RequestState.create(request, sink, i, self.tokenizer) for i in range(request.num_sequences)]
         if len(states) > 1:

@@ -10,17 +10,16 @@ csrc/pointwise.cpp) on and off with these.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from engine.cpu_build import cpu_kernels_loaded
+from tiergate_common.env import FUSED_NORMS
 
 
 def fused_norms_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the forward on this device and dtype uses the fused kernels."""
-    if os.environ.get("TIERGATE_FUSED_NORMS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if FUSED_NORMS.get() == "off":
         return False
     return device.type == "cpu" and dtype == torch.float32 and cpu_kernels_loaded()
 

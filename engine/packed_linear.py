@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 from engine.cpu_build import cpu_kernels_loaded
+from tiergate_common.env import PACKED_WEIGHTS
 
 # The torch releases whose private mkldnn linear ops this module calls with these
 # signatures; tests/engine/test_packed_linear.py fails when the installed torch is not one.
@@ -61,8 +61,8 @@ def panel_kernel_present() -> bool:
 
 def weight_form(device: torch.device | str, dtype: torch.dtype) -> str:
     """The form projections take on this device and dtype (see the module docstring)."""
-    asked = os.environ.get("TIERGATE_PACKED_WEIGHTS", "auto").strip().lower()
-    if asked in ("0", "false", "no", "off", "plain") or torch.device(device).type != "cpu":
+    asked = PACKED_WEIGHTS.get()
+    if asked in ("off", "plain") or torch.device(device).type != "cpu":
         return "plain"
     if dtype == torch.bfloat16:  # the bfloat16 opt-in: panels only (oneDNN's packing here is float32's)
         return "panels" if asked != "onednn" and panel_kernel_present() else "plain"
@@ -73,11 +73,6 @@ def weight_form(device: torch.device | str, dtype: torch.dtype) -> str:
     if panel_kernel_present():
         return "panels"
     return "onednn" if _onednn_present() else "plain"
-
-
-def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether projections on this device and dtype are packed in one form or another."""
-    return weight_form(device, dtype) != "plain"
 
 
 class PackedWeight:

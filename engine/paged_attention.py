@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
 from engine.cpu_build import cpu_kernels_loaded
+from tiergate_common.env import PAGED_ATTENTION
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ CPU_DECODE_MAX_HEAD_DIM = 263  # csrc/paged_attention.cpp: 256 in whole vectors 
 
 
 def _kernels_off() -> bool:
-    return os.environ.get("TIERGATE_PAGED_ATTENTION", "auto").lower() in ("off", "0", "false")
+    return PAGED_ATTENTION.get() == "off"
 
 
 def decode_kernel_for(device: torch.device | str, head_dim: int = 0) -> DecodeKernel | None:

@@ -47,6 +47,7 @@ from gateway.settings import Settings
 from gateway import responses_api, tokenizer_routes
 from gateway.tracing import Tracing
 from gateway.usage_recorder import UsageRecorder
+from tiergate_common.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _database_unavailable(request: Request, exc: Exception) -> Response:
-    log.warning("database unavailable on %s: %s", request.url.path, str(exc).strip().splitlines()[0] if str(exc).strip()
-                else type(exc).__name__)
+    log.warning("database unavailable on %s: %s", request.url.path, first_line(exc))
     return database_unavailable().response()
 
 
@@ -178,8 +178,7 @@ def create_app(
         try:
             await anyio.to_thread.run_sync(set_up_database)
         except UNAVAILABLE as exc:
-            log.warning("database unavailable, /readyz stays 503 until it answers: %s",
-                        str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+            log.warning("database unavailable, /readyz stays 503 until it answers: %s", first_line(exc))
             return False
         gw.database_ready = True
         return True

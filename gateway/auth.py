@@ -28,6 +28,7 @@ from billing.db import UNAVAILABLE
 from gateway.access_log import note_caller
 from gateway.errors import APIError, invalid_api_key, service_unavailable
 from gateway.ratelimit.base import retry_headers
+from tiergate_common.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,7 @@ class Authenticator:
                 tenant = await anyio.to_thread.run_sync(self.lookup, secret)
             except UNAVAILABLE as exc:
                 self._database_down_until = self.clock() + DATABASE_RETRY_S
-                log.warning("auth: key database unavailable, serving cached keys: %s",
-                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                log.warning("auth: key database unavailable, serving cached keys: %s", first_line(exc))
             else:
                 # Unknown keys are cached too: a flood of bad keys must not become a flood of queries.
                 self._cache[digest] = _Entry(now + self.ttl_s, now + self.ttl_s + self.stale_if_error_s, tenant)

@@ -150,6 +150,12 @@ class BatchDriver:
         if not written:
             log.warning("batch line %s:%d: lease lost before its result was written; another replica answers it",
                         line.batch_id, line.line)
+            return
+        if self.gw.usage.on_final is not None:  # the tenant's budgets count the line's row, as a live request's
+            try:
+                await self.gw.usage.on_final(outcome.record)
+            except Exception:
+                log.exception("settling batch line %s:%d against its budgets failed", line.batch_id, line.line)
 
     async def _give_back(self, line: ClaimedLine) -> None:
         try:

@@ -7,7 +7,6 @@ non-zero, never a traceback: scripts check the exit code, people read the line.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from datetime import date, datetime
@@ -19,6 +18,8 @@ from billing.errors import BillingError
 from gateway import budget_cli
 from gateway.adapter_dirs import AdapterDirError
 from gateway.settings import Settings, SettingsError, load_settings
+from tiergate_common.env import DEBUG, EnvError
+from tiergate_common.errors import first_line
 
 
 class CommandError(Exception):
@@ -259,19 +260,19 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        debug = DEBUG.get()
         settings = _settings(args)
         COMMANDS[args.command](args, settings)
-    except (CommandError, SettingsError, BillingError, AdapterDirError) as e:
+    except (CommandError, SettingsError, EnvError, BillingError, AdapterDirError) as e:
         print(f"tiergate: error: {e}", file=sys.stderr)
         return 1
     except SQLAlchemyError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"tiergate: database error: {first} (did you run `tiergate db upgrade`?)", file=sys.stderr)
+        print(f"tiergate: database error: {first_line(e)} (did you run `tiergate db upgrade`?)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # e.g. a model path the engine cannot load: still one line, not a traceback
-        if os.environ.get("TIERGATE_DEBUG"):
+        if debug:
             raise
         print(f"tiergate: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from scheduler.config import TierConfig, TierLoad
+from scheduler.config import TierConfig
+from scheduler.load import TierLoad
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from prometheus_client.registry import Collector
 from engine.events import EngineEvent, FinishEvent, StepEvent
 from gateway.epp_metrics import EndpointPickerCollector
 from gateway.batch_metrics import BatchMetrics
-from scheduler.config import TierConfig, TierLoad, default_tiers
+from scheduler.config import TierConfig, default_tiers
+from scheduler.load import TierLoad
 
 # Bucket bounds cover a GPU (milliseconds) and this CPU (seconds to tens of
 # seconds) in one histogram; 0.4 and 0.5 are bounds so that the premium alert

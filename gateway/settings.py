@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-ENV_PREFIX = "TIERGATE_"
+from tiergate_common.env import PREFIX, EnvError, parse
 
 
 class SettingsError(ValueError):
@@ -40,7 +40,7 @@ class Settings:
     # Fair share: a light tenant's short request runs between two layers of a long step under
     # way instead of after it (engine/step_loop.py). Off: it waits for the step's end.
     express_steps: bool = True
-    # "tenant": a request hits only its own tenant's cached prefixes; "shared": anyone's (see README).
+    # "tenant": a request hits only its own tenant's cached prefixes; "shared": anyone's (docs/tenants.md).
     prefix_cache_scope: str = "tenant"
     # Grammars (response_format, structured_outputs, tools): a compile past grammar_compile_timeout_s is
     # a 400; a tenant compiles at most grammar_compiles_per_tenant at once (more: 429), on
@@ -219,19 +219,12 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def _convert(name: str, raw: str, default: Any) -> Any:
     kind = type(default) if default is not None else _KINDS_OF_NONE_DEFAULTS.get(name, str)
-    if kind is bool:  # bool("0") is True
-        if raw.lower() in _TRUE + _FALSE:
-            return raw.lower() in _TRUE
-        raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be true or false, not {raw!r}")
     try:
-        return kind(raw)
-    except ValueError:
-        raise SettingsError(f"{ENV_PREFIX}{name.upper()} must be a {kind.__name__}, not {raw!r}") from None
+        return parse(PREFIX + name.upper(), raw, kind)
+    except EnvError as e:
+        raise SettingsError(str(e)) from None
 
 
 def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -240,7 +233,7 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
     defaults = Settings()
     values: dict[str, Any] = {}
     for f in fields(Settings):
-        raw = environ.get(ENV_PREFIX + f.name.upper())
+        raw = environ.get(PREFIX + f.name.upper())
         if raw not in (None, ""):
             values[f.name] = _convert(f.name, raw, getattr(defaults, f.name))
     for name, value in (overrides or {}).items():

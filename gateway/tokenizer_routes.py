@@ -33,7 +33,7 @@ _TOKENIZE_FIELDS = {"model", "add_special_tokens", "return_token_strs"}
 INLINE_DECODE_TOKENS = 8192
 
 
-async def _admit(request: Request, body_wanted: bool) -> tuple[Gateway, dict[str, Any]]:
+async def _authorized_body(request: Request, body_wanted: bool) -> tuple[Gateway, dict[str, Any]]:
     """The gateway and the body (empty for a GET), once the request may run."""
     gw: Gateway = request.app.state.gateway
     if gw.lifecycle.draining:
@@ -52,7 +52,7 @@ async def _admit(request: Request, body_wanted: bool) -> tuple[Gateway, dict[str
 
 
 async def tokenize(request: Request) -> Response:
-    gw, body = await _admit(request, body_wanted=True)
+    gw, body = await _authorized_body(request, body_wanted=True)
     return_strs = bool_field(body, "return_token_strs")
     if optional(body, "messages") is not None:
         ids = await _chat_ids(gw, body)
@@ -98,7 +98,7 @@ async def _chat_ids(gw: Gateway, body: dict[str, Any]) -> list[int]:
 
 
 async def detokenize(request: Request) -> Response:
-    gw, body = await _admit(request, body_wanted=True)
+    gw, body = await _authorized_body(request, body_wanted=True)
     unknown = sorted(body.keys() - {"model", "tokens"})
     if unknown:
         raise invalid_param(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}", "unknown_parameter")
@@ -118,7 +118,7 @@ async def detokenize(request: Request) -> Response:
 
 
 async def tokenizer_info(request: Request) -> Response:
-    gw, _ = await _admit(request, body_wanted=False)
+    gw, _ = await _authorized_body(request, body_wanted=False)
     tokenizer = gw.engine.tokenizer
     return JSONResponse({
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -3,7 +3,7 @@
 Spent is the ledger's (closed requests; the same rows and prices as `tiergate report`), so it
 agrees with the report; ``reserved`` is what requests in flight hold against the budget right
 now (the gateway's live state; 0 when not loaded). Only the caller's tenant is ever shown.
-The shape is documented in README.md ("Budgets and prices").
+The shape is documented in docs/api.md ("/v1/usage").
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The per-step LoRA batch: which slot each row uses, and `apply` for the model's projections.
 
-Built by `LoraPool.batch_for` once per step; implements engine/lora_hook.py's
+`SlotStacks` are the device slots' weights, which the pool allocates and fills and each batch
+reads. Built by `LoraPool.batch_for` once per step; implements engine/lora_hook.py's
 LoraBatchLike structurally. Row bookkeeping (groups of rows per slot, sorted order
 for the kernels) is done here once, not in every one of the step's `apply` calls.
 `apply` takes a single projection or a fused group ("qkv", "gate_up"): on CPU a group
@@ -10,6 +11,7 @@ column slices of the fused output.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,15 +20,50 @@ from lora_pool import ops
 
 if TYPE_CHECKING:
     from lora_pool.adapter import AdapterSpec
-    from lora_pool.pool import LoraPool
+
+
+@dataclass(frozen=True)
+class SlotStacks:
+    """Every slot's adapter weights, stacked per projection and zero-padded to ``max_rank``.
+
+    A [layers, slots, rank, in] and B [layers, slots, out, rank] per projection, indexed alike on
+    every device; on CPU they are views of ops.cpu_stacks' layout (q/k/v and gate/up A fused), and
+    ``cpu_views`` holds each hook's per-layer views. ``widths``: the output width of each name
+    ``LoraBatch.apply`` accepts (a projection or a fused group).
+    """
+
+    a: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+    scales: torch.Tensor  # [slots], float32
+    cpu_views: dict[str, list[ops.LayerStacks]]
+    widths: dict[str, int]
+    max_rank: int
+    device: torch.device
+
+    @classmethod
+    def allocate(cls, projections: dict[str, tuple[int, int]], num_layers: int, slots: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype) -> SlotStacks:
+        """Zeroed stacks for ``slots`` adapters of up to ``max_rank`` on ``device``."""
+        widths = ops.hook_names(projections)
+        cpu_views: dict[str, list[ops.LayerStacks]] = {}
+        if device.type == "cpu":
+            a, b, fused_a = ops.cpu_stacks(projections, num_layers, slots, max_rank, dtype)
+            cpu_views = ops.layer_views(a, b, fused_a, list(widths))
+        else:
+            a = {proj: torch.zeros(num_layers, slots, max_rank, fan_in, dtype=dtype, device=device)
+                 for proj, (fan_in, _) in projections.items()}
+            b = {proj: torch.zeros(num_layers, slots, fan_out, max_rank, dtype=dtype, device=device)
+                 for proj, (_, fan_out) in projections.items()}
+        scales = torch.zeros(slots, dtype=torch.float32, device=device)
+        return cls(a, b, scales, cpu_views, widths, max_rank, device)
 
 
 class LoraBatch:
-    def __init__(self, pool: LoraPool, chunk_slots: list[tuple[int, int]], specs: dict[int, AdapterSpec]):
+    def __init__(self, stacks: SlotStacks, chunk_slots: list[tuple[int, int]], specs: dict[int, AdapterSpec]):
         """`chunk_slots`: each chunk's (slot, or -1 without adapter, number of rows) in row order."""
-        self._a = pool.a
-        self._b = pool.b
-        self._cpu_views = pool.cpu_views
+        self._a = stacks.a
+        self._b = stacks.b
+        self._cpu_views = stacks.cpu_views
         row_slots = [slot for slot, rows in chunk_slots for _ in range(rows)]
         self.num_rows = len(row_slots)
         self.specs = specs
@@ -34,12 +71,12 @@ class LoraBatch:
         # (others are skipped), and the width of the output it writes.
         self.slots_by_name = {name: [s for s in sorted(specs)
                                      if not specs[s].targets.isdisjoint(ops.projections_of(name))]
-                              for name in pool.hook_widths}
-        self._width = pool.hook_widths
-        if pool.device.type == "cuda":
+                              for name in stacks.widths}
+        self._width = stacks.widths
+        if stacks.device.type == "cuda":
             from lora_pool.triton_ops import KernelPlan  # triton is only needed on CUDA
 
-            self._kernel_plan = KernelPlan.build(chunk_slots, pool.scales, pool.max_lora_rank, pool.device)
+            self._kernel_plan = KernelPlan.build(chunk_slots, stacks.scales, stacks.max_rank, stacks.device)
         else:
             self._kernel_plan = None
             self._cpu_plan = ops.plan_rows(row_slots, {s: (spec.rank, spec.scale) for s, spec in specs.items()})

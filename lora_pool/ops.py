@@ -9,8 +9,8 @@ Layout (`cpu_stacks`): the engine fuses q/k/v and gate/up into one matmul each, 
 LoRA A stacks are fused the same way, along the rank: one [slots, in, 3 * rank] stack per
 layer for qkv, so the three projections share one gather of x, one shrink bmm and one
 index_add_ into the fused output. Stacks are stored transposed ([in, rank] and [rank, out]
-per slot), which MKL's bmm reads faster. The measurements behind these choices are in
-docs/performance.md.
+per slot), which MKL's bmm reads faster. Why, in docs/performance.md; the measurements behind
+these choices, in bench/RESULTS.md ("Hot paths").
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The adapter pool: registry, host cache, device slots, and the per-step LoRA batch.
 
-`max_loras` device slots hold stacked weights per projection (A [layers, slots, rank,
-in], B [layers, slots, out, rank], zero-padded to `max_lora_rank`; on CPU transposed
-views with q/k/v and gate/up A fused, see lora_pool/ops.py) and a scale per slot.
+`max_loras` device slots hold stacked weights per projection and a scale per slot
+(`SlotStacks`, lora_pool/batch.py), which this pool fills and each step's batch reads.
 `batch_for` makes a step's adapters resident, pinning them against eviction by each
 other, and evicts the least recently used unpinned slot when it needs room.
 
@@ -19,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from lora_pool import ops
 from lora_pool.adapter import AdapterError, AdapterSpec, AdapterWeights, BaseShapes, inspect_adapter, load_adapter
-from lora_pool.batch import LoraBatch
+from lora_pool.batch import LoraBatch, SlotStacks
 from lora_pool.host_cache import HostCache
 
 
@@ -41,23 +39,8 @@ class LoraPool:
         self.max_lora_rank = max_lora_rank
         self.device = torch.device(device)
         self.dtype = dtype
-        # Indexed alike on every device; on CPU they are views of ops.cpu_stacks' layout, and
-        # `fused_a` holds the fused qkv and gate/up A stacks behind those views.
-        self.hook_widths = ops.hook_names(shapes.projections)  # what LoraBatch.apply accepts
-        self.fused_a: dict[str, torch.Tensor] = {}
-        self.cpu_views: dict[str, list[ops.LayerStacks]] = {}
-        if self.device.type == "cpu":
-            self.a, self.b, self.fused_a = ops.cpu_stacks(shapes.projections, shapes.num_layers, max_loras,
-                                                          max_lora_rank, dtype)
-            self.cpu_views = ops.layer_views(self.a, self.b, self.fused_a, list(self.hook_widths))
-        else:
-            self.a = {proj: torch.zeros(shapes.num_layers, max_loras, max_lora_rank, fan_in, dtype=dtype,
-                                        device=self.device)
-                      for proj, (fan_in, _) in shapes.projections.items()}
-            self.b = {proj: torch.zeros(shapes.num_layers, max_loras, fan_out, max_lora_rank, dtype=dtype,
-                                        device=self.device)
-                      for proj, (_, fan_out) in shapes.projections.items()}
-        self.scales = torch.zeros(max_loras, dtype=torch.float32, device=self.device)
+        self.stacks = SlotStacks.allocate(shapes.projections, shapes.num_layers, max_loras, max_lora_rank,
+                                          self.device, dtype)
         self._specs: dict[str, AdapterSpec] = {}
         self._host = HostCache(max_cpu_loras)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recent first
@@ -135,11 +118,6 @@ class LoraPool:
                 return
         self._host_weights(name)
 
-    def is_ready(self, name: str) -> bool:
-        """Whether a step could use the adapter without reading from disk."""
-        with self._lock:
-            return name in self._slot_of or name in self._host
-
     # --- slots ----------------------------------------------------------------------------
 
     def resident(self) -> dict[str, int]:
@@ -166,7 +144,7 @@ class LoraPool:
             slot_of = {name: self._make_resident(name) for name in names}
             chunk_slots = [(slot_of[name] if name is not None else -1, rows) for name, rows in chunks]
             specs = {slot_of[name]: self._slot_spec[slot_of[name]] for name in names}
-            return LoraBatch(self, chunk_slots, specs)
+            return LoraBatch(self.stacks, chunk_slots, specs)
 
     def _make_resident(self, name: str) -> int:
         if name in self._slot_of:
@@ -196,13 +174,14 @@ class LoraPool:
 
     def _copy_into(self, slot: int, weights: AdapterWeights) -> None:
         rank = weights.spec.rank
-        for proj in self.a:
+        a, b = self.stacks.a, self.stacks.b
+        for proj in a:
             if proj in weights.a:
-                self.a[proj][:, slot, :rank].copy_(weights.a[proj], non_blocking=True)
-                self.a[proj][:, slot, rank:].zero_()
-                self.b[proj][:, slot, :, :rank].copy_(weights.b[proj], non_blocking=True)
-                self.b[proj][:, slot, :, rank:].zero_()
+                a[proj][:, slot, :rank].copy_(weights.a[proj], non_blocking=True)
+                a[proj][:, slot, rank:].zero_()
+                b[proj][:, slot, :, :rank].copy_(weights.b[proj], non_blocking=True)
+                b[proj][:, slot, :, rank:].zero_()
             else:
-                self.a[proj][:, slot].zero_()
-                self.b[proj][:, slot].zero_()
-        self.scales[slot] = weights.spec.scale
+                a[proj][:, slot].zero_()
+                b[proj][:, slot].zero_()
+        self.stacks.scales[slot] = weights.spec.scale

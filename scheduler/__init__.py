@@ -4,7 +4,8 @@ Imports nothing of the project and no torch, so it can be tested and simulated
 in microseconds.
 """
 
-from scheduler.config import SchedulerConfig, TierConfig, TierLoad
+from scheduler.config import SchedulerConfig, TierConfig
+from scheduler.load import TierLoad
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence, SequenceStatus

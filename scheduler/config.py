@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -95,22 +94,3 @@ class SchedulerConfig:
     def min_chunk(self) -> int:
         """Prefill tokens a step under the time bound still takes (one block unless set)."""
         return self.min_prefill_chunk if self.min_prefill_chunk is not None else self.block_size
-
-
-@dataclass(frozen=True)
-class TierLoad:
-    """A tier's backlog as the gateway's admission control sees it."""
-
-    queue_depth: int  # waiting sequences
-    running: int
-    predicted_ttft_s: float  # for a new request of this tier arriving now
-    # Fair share: tenants take turns, so a tenant's new request waits for its own backlog and about
-    # as much of each other tenant's, not for the whole tier's. None without fair share.
-    newcomer_ttft_s: float | None = None  # a tenant with nothing queued in the tier
-    tenant_ttft_s: Mapping[str | None, float] = field(default_factory=dict)  # tenants with work queued
-
-    def predicted_ttft_for(self, tenant: str | None) -> float:
-        """Predicted TTFT of a new request of ``tenant`` (None: unknown, the tier's prediction)."""
-        if self.newcomer_ttft_s is None or tenant is None:
-            return self.predicted_ttft_s
-        return self.tenant_ttft_s.get(tenant, self.newcomer_ttft_s)

@@ -1,12 +1,33 @@
-"""Predicted TTFT per tier: moving averages of step time, prefill throughput and prompt length, and the backlog."""
+"""Predicted TTFT per tier: moving averages of step time, prefill throughput and prompt length, and the backlog;
+``TierLoad``, the prediction the gateway's admission control reads."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
-from scheduler.config import SchedulerConfig, TierLoad
+from scheduler.config import SchedulerConfig
 from scheduler.policy import Policy
 from scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    """A tier's backlog as the gateway's admission control sees it."""
+
+    queue_depth: int  # waiting sequences
+    running: int
+    predicted_ttft_s: float  # for a new request of this tier arriving now
+    # Fair share: tenants take turns, so a tenant's new request waits for its own backlog and about
+    # as much of each other tenant's, not for the whole tier's. None without fair share.
+    newcomer_ttft_s: float | None = None  # a tenant with nothing queued in the tier
+    tenant_ttft_s: Mapping[str | None, float] = field(default_factory=dict)  # tenants with work queued
+
+    def predicted_ttft_for(self, tenant: str | None) -> float:
+        """Predicted TTFT of a new request of ``tenant`` (None: unknown, the tier's prediction)."""
+        if self.newcomer_ttft_s is None or tenant is None:
+            return self.predicted_ttft_s
+        return self.tenant_ttft_s.get(tenant, self.newcomer_ttft_s)
 
 
 class LoadEstimator:

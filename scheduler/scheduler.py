@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from scheduler.block_manager import BlockManager
 from scheduler.checks import check_config, check_new_sequence, check_scheduler_invariants
-from scheduler.config import SchedulerConfig, TierLoad
-from scheduler.load import LoadEstimator, tier_loads
+from scheduler.config import SchedulerConfig
+from scheduler.load import LoadEstimator, TierLoad, tier_loads
 from scheduler.plan import StepBuilder, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus

@@ -211,10 +211,6 @@ class RedisLimiter:
         self._held.pop(request_id, None)
         await self._release(keys=self._keys(tenant), args=[request_id, max(0, reserved_tokens - used_tokens)])
 
-    def held_leases(self) -> int:
-        """How many concurrency leases this process holds and renews."""
-        return len(self._held)
-
     async def renew(self) -> int:
         """Extend every lease this process holds by ``lease_s`` from now; returns how many were renewed."""
         by_tenant: dict[str, list[str]] = defaultdict(list)

@@ -27,3 +27,14 @@ def test_a_failed_bench_without_a_renderer_shows_its_output_and_status():
                                           "stdout": "line one\nline two\n", "result": None})
     assert "**status timeout**" in text
     assert "line two" in text
+
+
+def test_a_run_replaces_its_own_sections_and_keeps_the_sections_written_by_hand():
+    old = ("# Benchmark results\n\nMachine: old.\n## Gateway overhead\n\nold numbers\n"
+           "## Quantized GGUF serving (by hand, 2026-11-25)\n\nkept numbers\n## SLO sweep\n\nold sweep\n")
+    merged = run_all.merge_results(old, "# Benchmark results\n\nMachine: new.\n",
+                                   ["## SLO sweep\n\nnew sweep\n", "## Batch tier\n\nnew bench\n"])
+    assert merged.startswith("# Benchmark results\n\nMachine: new.\n")
+    assert "old sweep" not in merged and "Machine: old." not in merged
+    assert merged.index("## Gateway overhead\n\nold numbers") < merged.index("kept numbers") \
+        < merged.index("new sweep") < merged.index("new bench")

@@ -9,7 +9,7 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
-from billing.db import alembic_config, create_engine_for, default_database_url, upgrade
+from billing.db import alembic_config, create_engine_for, upgrade
 from billing.models import Base
 from billing.tenants import create_tenant, list_tenants
 
@@ -53,15 +53,16 @@ def test_upgrade_twice_is_a_no_op(db_url, engine):
 
 
 def test_default_database_is_a_sqlite_file_under_var_of_the_cwd(tmp_path, monkeypatch):
-    monkeypatch.delenv("TIERGATE_DATABASE_URL", raising=False)
     monkeypatch.chdir(tmp_path)
-    upgrade(default_database_url())
+    upgrade(None)
     assert (tmp_path / "var" / "tiergate.db").exists()
 
 
-def test_database_url_comes_from_the_environment(monkeypatch):
+def test_billing_takes_its_url_from_the_caller_not_the_environment(tmp_path, monkeypatch):
+    # TIERGATE_DATABASE_URL is read once, by the gateway's settings (tests/gateway/test_cli.py).
     monkeypatch.setenv("TIERGATE_DATABASE_URL", "postgresql://elsewhere/db")
-    assert default_database_url() == "postgresql://elsewhere/db"
+    monkeypatch.chdir(tmp_path)
+    assert create_engine_for(None).url.get_backend_name() == "sqlite"
 
 
 @pytest.mark.postgres

@@ -17,9 +17,11 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.metrics import GatewayMetrics, render
-from gateway.settings import ENV_PREFIX, Settings
-from scheduler.config import TierLoad, default_tiers
+from gateway.settings import Settings
+from scheduler.config import default_tiers
+from scheduler.load import TierLoad
 from tests.deploy.conftest import one, server_container, server_deployment
+from tiergate_common.env import PREFIX as ENV_PREFIX
 
 KUBERNETES_VERSION = "1.32.0"
 SCHEMAS = Path(__file__).parent / "schemas"

@@ -50,13 +50,13 @@ def _run_with_arrival(engine, light: EngineRequest, flood: list[EngineRequest], 
             seen[0] += 1
             if seen[0] == arrive_during:
                 arrival_plan.append(plan)
-                engine._admit(light, collectors[light.request_id].push)
+                engine._accept_request(light, collectors[light.request_id].push)
                 then()
         return plan
 
     engine.scheduler.schedule = schedule_and_maybe_send
     for request in flood:
-        engine._admit(request, collectors[request.request_id].push)
+        engine._accept_request(request, collectors[request.request_id].push)
     results = {rid: _collect(c) for rid, c in collectors.items()}
     assert arrival_plan, "the flood never had a second prefill step"
     return results, arrival_plan[0]

@@ -38,11 +38,11 @@ def _run(engine, neighbour: EngineRequest, long: EngineRequest):
         planned.append((plan, cost, step_target_s(engine.scheduler.config, decoding)))
         if not sent and step_features(plan).decode_rows:
             sent.append(True)
-            engine._admit(long, collectors[long.request_id].push)
+            engine._accept_request(long, collectors[long.request_id].push)
         return plan
 
     engine.scheduler.schedule = schedule_and_record
-    engine._admit(neighbour, collectors[neighbour.request_id].push)
+    engine._accept_request(neighbour, collectors[neighbour.request_id].push)
     tokens = {}
     for rid, collector in collectors.items():
         ids = []

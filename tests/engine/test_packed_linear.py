@@ -18,7 +18,6 @@ from engine.packed_linear import (
     dense,
     linear,
     pack,
-    packing_supported,
     panel_kernel_present,
     weight_form,
 )
@@ -32,7 +31,7 @@ def test_the_installed_torch_is_a_release_the_private_packed_ops_were_checked_on
     # An upgrade of torch must re-check torch.ops.mkldnn._reorder_linear_weight/_linear_pointwise
     # and then add the release to PACKED_OPS_TORCH; until then the engine would fall back to torch.mm.
     assert torch.__version__.startswith(PACKED_OPS_TORCH)
-    assert packing_supported("cpu", torch.float32)
+    assert weight_form("cpu", torch.float32) != "plain"
 
 
 def test_the_panel_kernel_builds_here_and_is_the_default_form():
@@ -72,14 +71,14 @@ def test_the_panel_kernel_reads_rows_with_a_stride_and_answers_an_empty_batch():
 
 
 def test_packing_is_off_for_cuda_other_dtypes_and_when_the_setting_says_so(monkeypatch):
-    assert not packing_supported("cuda", torch.float32)
-    assert not packing_supported("cpu", torch.float16)
+    assert weight_form("cuda", torch.float32) == "plain"
+    assert weight_form("cpu", torch.float16) == "plain"
     assert weight_form("cpu", torch.bfloat16) == "panels"  # the bfloat16 opt-in: panels only
     monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "onednn")
     assert weight_form("cpu", torch.bfloat16) == "plain"
     monkeypatch.delenv("TIERGATE_PACKED_WEIGHTS")
     monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "0")
-    assert not packing_supported("cpu", torch.float32)
+    assert weight_form("cpu", torch.float32) == "plain"
     monkeypatch.setenv("TIERGATE_PACKED_WEIGHTS", "onednn")
     assert weight_form("cpu", torch.float32) == "onednn"
 

@@ -24,6 +24,6 @@ def test_each_billing_error_maps_to_the_status_of_its_kind(error_class):
 
 
 def test_unknown_and_duplicate_errors_are_of_the_not_found_and_exists_kinds():
-    assert issubclass(errors.UnknownTenant, errors.NotFound) and issubclass(errors.UnknownRequest, errors.NotFound)
+    assert issubclass(errors.UnknownTenant, errors.NotFound) and issubclass(errors.UnknownGrant, errors.NotFound)
     assert issubclass(errors.DuplicateTenant, errors.AlreadyExists)
     assert not issubclass(errors.InvalidTier, (errors.NotFound, errors.AlreadyExists))

@@ -156,6 +156,25 @@ def test_settings_come_from_flags_then_environment_then_defaults():
         load_settings(environ={"TIERGATE_SCHEDULER_POLICY": "random"})
 
 
+def test_the_database_url_comes_from_the_environment_through_settings():
+    from gateway.settings import SettingsError, load_settings
+
+    assert load_settings(environ={"TIERGATE_DATABASE_URL": "postgresql://elsewhere/db"}).database_url == \
+        "postgresql://elsewhere/db"
+    assert load_settings(environ={}).database_url is None  # billing's SQLite file
+    with pytest.raises(SettingsError, match="TIERGATE_EXPRESS_STEPS must be true or false"):
+        load_settings(environ={"TIERGATE_EXPRESS_STEPS": "sometimes"})
+
+
+def test_a_bad_environment_value_is_one_line_and_exit_1(monkeypatch, capsys):
+    from gateway.cli import main
+
+    monkeypatch.setenv("TIERGATE_DEBUG", "maybe")
+    assert main(["tenants", "list"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tiergate: error: TIERGATE_DEBUG must be true or false, not 'maybe'"]
+
+
 def test_the_premium_slo_and_reserve_come_from_settings_into_the_engines_tiers():
     from gateway.server import tiers
     from gateway.settings import SettingsError, load_settings

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from scheduler.config import TierLoad
+from scheduler.load import TierLoad
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from gateway.load_shedding import LoadShedder, SheddingPolicy
-from scheduler.config import TierLoad, default_tiers
+from scheduler.config import default_tiers
+from scheduler.load import TierLoad
 
 
 def load(premium_ttft=0.0, standard_ttft=0.0, premium_queue=0, standard_queue=0):

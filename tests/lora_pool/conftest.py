@@ -51,3 +51,11 @@ def adapter_dir(tmp_path: Path):
     def make(name: str, seed: int = 1, model_overrides: dict | None = None, **lora) -> Path:
         return save_adapter(tmp_path / name, seed, model_overrides, **lora)
     return make
+
+
+@pytest.fixture
+def adapter_ready():
+    """Whether a pool's step could use an adapter without reading it from disk (in a slot or the host cache)."""
+    def ready(pool, name: str) -> bool:
+        return name in pool.resident() or name in pool._host
+    return ready

@@ -119,11 +119,11 @@ def test_refuses_a_directory_that_does_not_exist(pool_with_good_adapter, tmp_pat
     assert pool_with_good_adapter.list() == ["good"]
 
 
-def test_a_file_damaged_after_registration_fails_the_load_and_caches_nothing(adapter_dir, shapes):
+def test_a_file_damaged_after_registration_fails_the_load_and_caches_nothing(adapter_dir, shapes, adapter_ready):
     pool = LoraPool(shapes, max_loras=2, max_cpu_loras=2, max_lora_rank=8)
     path = adapter_dir("a")
     pool.register("a", path)
     (path / "adapter_model.safetensors").write_bytes(b"gone")
     with pytest.raises(AdapterError, match="adapter_model.safetensors"):
         pool.prefetch("a")
-    assert not pool.is_ready("a") and pool.resident() == {}
+    assert not adapter_ready(pool, "a") and pool.resident() == {}

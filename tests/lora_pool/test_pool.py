@@ -34,11 +34,11 @@ def test_slot_holds_the_adapter_zero_padded_with_its_scale(make_pool, shapes):
     slot = pool.resident()["a0"]
     spec = pool.spec("a0")
     weights = load_adapter(inspect_adapter("a0", spec.path, shapes, 8), shapes, torch.float32)
-    assert torch.equal(pool.a["q"][:, slot, : spec.rank], weights.a["q"])
-    assert torch.equal(pool.a["q"][:, slot, spec.rank:], torch.zeros_like(pool.a["q"][:, slot, spec.rank:]))
-    assert torch.equal(pool.b["v"][:, slot, :, : spec.rank], weights.b["v"])
-    assert torch.equal(pool.a["gate"][:, slot], torch.zeros_like(pool.a["gate"][:, slot]))  # not a target
-    assert pool.scales[slot].item() == pytest.approx(spec.scale)
+    assert torch.equal(pool.stacks.a["q"][:, slot, : spec.rank], weights.a["q"])
+    assert torch.equal(pool.stacks.a["q"][:, slot, spec.rank:], torch.zeros_like(pool.stacks.a["q"][:, slot, spec.rank:]))
+    assert torch.equal(pool.stacks.b["v"][:, slot, :, : spec.rank], weights.b["v"])
+    assert torch.equal(pool.stacks.a["gate"][:, slot], torch.zeros_like(pool.stacks.a["gate"][:, slot]))  # not a target
+    assert pool.stacks.scales[slot].item() == pytest.approx(spec.scale)
 
 
 def test_least_recently_used_slot_is_evicted(make_pool):
@@ -76,11 +76,11 @@ def test_unknown_adapter_in_a_step_is_refused_before_any_slot_changes(make_pool)
     assert pool.resident() == {}
 
 
-def test_host_cache_keeps_the_most_recent_adapters(make_pool):
+def test_host_cache_keeps_the_most_recent_adapters(make_pool, adapter_ready):
     pool = make_pool(4, max_loras=1, max_cpu_loras=2)
     for name in ("a0", "a1", "a2"):
         pool.prefetch(name)
-    assert [pool.is_ready(n) for n in ("a0", "a1", "a2")] == [False, True, True]
+    assert [adapter_ready(pool, n) for n in ("a0", "a1", "a2")] == [False, True, True]
     assert pool.loads == 3
 
 
@@ -93,21 +93,21 @@ def test_counters_tell_disk_loads_from_cache_hits(make_pool):
     assert (pool.loads, pool.cache_hits, pool.slot_loads, pool.evictions) == (2, 2, 2, 1)
 
 
-def test_concurrent_prefetches_of_a_cold_adapter_read_it_once(make_pool):
+def test_concurrent_prefetches_of_a_cold_adapter_read_it_once(make_pool, adapter_ready):
     pool = make_pool(1)
     threads = [threading.Thread(target=pool.prefetch, args=("a0",)) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert pool.loads == 1 and pool.is_ready("a0")
+    assert pool.loads == 1 and adapter_ready(pool, "a0")
 
 
-def test_unregister_drops_cached_copies_and_frees_the_slot(make_pool):
+def test_unregister_drops_cached_copies_and_frees_the_slot(make_pool, adapter_ready):
     pool = make_pool(2)
     pool.batch_for([("a0", 1), ("a1", 1)])
     pool.unregister("a0")
-    assert pool.list() == ["a1"] and set(pool.resident()) == {"a1"} and not pool.is_ready("a0")
+    assert pool.list() == ["a1"] and set(pool.resident()) == {"a1"} and not adapter_ready(pool, "a0")
     with pytest.raises(AdapterError, match="not registered"):
         pool.unregister("a0")
 
@@ -115,10 +115,10 @@ def test_unregister_drops_cached_copies_and_frees_the_slot(make_pool):
 def test_registering_a_name_again_serves_the_new_weights(make_pool, adapter_dir):
     pool = make_pool(1)
     pool.batch_for([("a0", 1)])
-    old = pool.a["q"][:, pool.resident()["a0"]].clone()
+    old = pool.stacks.a["q"][:, pool.resident()["a0"]].clone()
     pool.register("a0", adapter_dir("replacement", seed=42, r=2))
     pool.batch_for([("a0", 1)])
-    assert not torch.equal(pool.a["q"][:, pool.resident()["a0"]], old)
+    assert not torch.equal(pool.stacks.a["q"][:, pool.resident()["a0"]], old)
 
 
 def test_pool_refuses_a_host_cache_smaller_than_the_slots(shapes):

@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gateway.metrics import GatewayMetrics
 from gateway.tracing import Tracing
-from scheduler.config import TierLoad
+from scheduler.load import TierLoad
 from tests.observability.live_gateway import LiveGateway, live_gateway
 
 # Tenants of the shared live gateway; tests read metrics as differences, so they may share it.

@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.config import EngineConfig
 from gateway.epp_metrics import exported_names
 from gateway.metrics import GatewayMetrics, render
-from scheduler.config import TierLoad, default_tiers
+from scheduler.config import default_tiers
+from scheduler.load import TierLoad
 
 
 @dataclass
