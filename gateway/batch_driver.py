@@ -27,6 +27,7 @@ from gateway.batch_run import LineInterrupted, LineOutcome, failed_line, run_lin
 from gateway.errors import APIError
 from gateway.generation import Generation
 from gateway.services import Gateway
+from tiergate_common.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class BatchDriver:
                             self.gw.metrics.batches.observe(*await anyio.to_thread.run_sync(batch_lines.counts,
                                                                                            self.gw.db))
                     except UNAVAILABLE as exc:
-                        log.warning("batch driver: database unavailable: %s", str(exc).strip().splitlines()[0])
+                        log.warning("batch driver: database unavailable: %s", first_line(exc))
                 elif self.gw.lifecycle.draining:  # a line can run again anywhere: the drain need not wait for it
                     for generation in list(self.generations.values()):
                         generation.interrupt()
