@@ -14,6 +14,8 @@ import json
 import time
 from dataclasses import dataclass
 
+import anyio
+
 from billing.batch_lines import ClaimedLine
 from billing.usage_record import UsageRecord
 from gateway.batch_validation import BATCH_TIER, ENDPOINTS, check_body
@@ -22,6 +24,11 @@ from gateway.errors import APIError
 from gateway.generation import Generation
 from gateway.grammar_budget import compile_grammar
 from gateway.services import Gateway
+
+
+# Refusals that say "not now" (busy, unavailable) rather than "never": the line goes back to the queue.
+TRANSIENT = (429, 503)
+COMPILE_WAIT_S, COMPILE_RETRY_S = 60.0, 0.1
 
 
 class LineInterrupted(Exception):
@@ -47,6 +54,19 @@ class BatchGeneration(Generation):
 
     async def _release(self) -> None:
         """Nothing to give back: a batch line holds no rate limit."""
+
+
+async def _compile(gw: Gateway, tenant, request_id: str, prepared):
+    """The line's grammar compiled; while the tenant's compile slots are busy (its other lines' grammars), it waits
+    for one, up to COMPILE_WAIT_S, where a live request would be refused with 429."""
+    deadline = time.monotonic() + COMPILE_WAIT_S
+    while True:
+        try:
+            return await compile_grammar(gw, tenant, request_id, prepared.req.grammar, prepared.req.grammar_param)
+        except APIError as e:
+            if e.status != 429 or time.monotonic() > deadline:
+                raise
+        await anyio.sleep(COMPILE_RETRY_S)
 
 
 def failed_line(gw: Gateway, line: ClaimedLine, tenant: str, error: APIError) -> LineOutcome:
@@ -76,9 +96,11 @@ async def run_line(gw: Gateway, line: ClaimedLine, tenant, on_start=None) -> Lin
         adapter = prepared.engine_request.adapter
         request = prepared.engine_request
         if prepared.req.grammar is not None:
-            compiled = await compile_grammar(gw, tenant, request_id, prepared.req.grammar, prepared.req.grammar_param)
-            request = dataclasses.replace(request, compiled_grammar=compiled)
-    except APIError as e:  # the line was valid at creation; a grant revoked since, an adapter unloaded
+            request = dataclasses.replace(request, compiled_grammar=await _compile(gw, tenant, request_id, prepared))
+    except APIError as e:
+        if e.status in TRANSIENT:  # the tenant's grammar compiles busy, a dependency down: the line runs later
+            raise LineInterrupted(request_id) from None
+        # The line was valid at creation: a grant revoked since, an adapter unloaded. That is its answer.
         return failed_line(gw, line, tenant.tenant, e)
     admitted = admitted_request(gw, endpoint, prepared, tenant.tenant, queued_at, arrived)
     req = prepared.req

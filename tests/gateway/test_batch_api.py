@@ -286,3 +286,17 @@ def test_an_upload_with_too_many_lines_is_refused(serve):
     with pytest.raises(openai.BadRequestError) as e:
         upload(client_for(live), jsonl([chat_line(f"l{i}", "x", live.engine.model_name) for i in range(4)]))
     assert e.value.body["code"] == "too_many_lines"
+
+
+def test_lines_with_structured_output_all_run_though_the_tenant_compiles_one_grammar_at_a_time(batch_server):
+    client = client_for(batch_server)
+    model = batch_server.engine.model_name
+    schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+               for i in range(6)]
+    lines = [chat_line(f"s{i}", "json please", model, max_tokens=20,
+                       response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
+             for i, schema in enumerate(schemas)]
+    batch = client.batches.create(input_file_id=upload(client, jsonl(lines)).id, endpoint=CHAT,
+                                  completion_window="24h")
+    done = wait_for(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 6, done

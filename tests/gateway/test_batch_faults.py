@@ -22,7 +22,16 @@ from billing.db import create_engine_for, upgrade
 from billing.keys import create_key
 from billing.models import UsageEntry
 from billing.tenants import create_tenant
-from tests.cluster.cluster import Cluster, Replica, create_schema, drop_schema, free_port, schema_url, wait_for
+from tests.cluster.cluster import (
+    START_TIMEOUT_S,
+    Cluster,
+    Replica,
+    create_schema,
+    drop_schema,
+    free_port,
+    schema_url,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LEASE_S = 2.0  # short, so a killed replica's lines visibly come back within the test
@@ -126,7 +135,7 @@ def test_sigkill_mid_batch_then_restart_answers_and_bills_every_line_once(databa
     replica = Replica("solo", free_port(), replica_env(tiny_model_dir, database), tmp_path)
     replica.start()
     try:
-        replica.wait_ready(180)
+        replica.wait_ready(START_TIMEOUT_S)
         client, batch_id = start_batch(replica.url, key, model_name(replica.url, key))
         # Killed with some lines answered and others running.
         assert wait_for(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 4, 180, 0.1)
@@ -134,7 +143,7 @@ def test_sigkill_mid_batch_then_restart_answers_and_bills_every_line_once(databa
         replica.proc.send_signal(signal.SIGKILL)
         replica.proc.wait(30)
         replica.start()
-        replica.wait_ready(180)
+        replica.wait_ready(START_TIMEOUT_S)
         wait_completed(client, batch_id)
         assert_each_line_once(client, batch_id, database)
         assert max_attempts(database, batch_id) >= 2  # the lines the kill cut ran again after the restart
@@ -154,7 +163,7 @@ def three_replicas(tiny_model_dir, tmp_path):
         for r in replicas:
             r.start()
         for r in replicas:
-            r.wait_ready(300)
+            r.wait_ready(START_TIMEOUT_S)
         cluster.start_proxy()
         yield cluster, url
     finally:
