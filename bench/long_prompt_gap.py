@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench import machine
@@ -75,8 +76,7 @@ async def _phase(engine: Engine, prompts: dict, seconds: float, long_every_s: fl
     async def flood() -> None:
         tasks, n = [], 0
         while long_every_s is not None and time.perf_counter() < deadline:
-            tasks.append(asyncio.create_task(_one(engine, prompts["long"][n % len(prompts["long"])], 8, "standard",
-                                                  "long")))
+            tasks.append(asyncio.create_task(_one(engine, next(prompts["long"]), 8, "standard", "long")))
             n += 1
             await asyncio.sleep(long_every_s)
         for ttft, _ in await asyncio.gather(*tasks):
@@ -89,14 +89,17 @@ async def _phase(engine: Engine, prompts: dict, seconds: float, long_every_s: fl
 
 
 def _prompts(engine: Engine) -> dict:
-    text = PASSAGES.read_text()
-    words = (text + " ") * 20
-    long = []
-    for i in range(8):  # distinct from their first block, so the prefix cache serves none of them
-        ids = engine.tokenizer.encode(f"Request {i}: summarise. " + words)[:LONG_PROMPT]
-        long.append(ids)
     short = [engine.tokenizer.encode(f"Question {i}: what happened at the harbour at dawn?") for i in range(16)]
-    return {"long": long, "short": short}
+    return {"long": _long_prompts(engine), "short": short}
+
+
+def _long_prompts(engine: Engine) -> Iterator[list[int]]:
+    """A new prompt for every request of the run, each its own from its first block: the prefix cache serves
+    none of them (a prompt repeated in a later phase would be served from it, and skip the prefill measured)."""
+    words = engine.tokenizer.encode(" ".join([PASSAGES.read_text()] * 20))
+    for i in itertools.count():
+        head = engine.tokenizer.encode(f"Request {i}: summarise. ")
+        yield head + words[:LONG_PROMPT - len(head)]
 
 
 def _summary(runs: list[dict]) -> dict:

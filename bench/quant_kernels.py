@@ -2,12 +2,17 @@
 
 Every projection of ``--layers`` layers of a ~1B Llama shape (hidden 2048, FFN 8192: 2048->3072
 qkv, 2048->2048 o, 2048->16384 gate/up, 8192->2048 down), multiplied by ``rows`` rows, in each
-GGUF block format and as float32 panels. Two layers of the smallest format (Q4_0, ~68 MB) are
+GGUF block format and as float32 panels. A format repacked at load (quant_linear.REPACKED_TYPES)
+runs twice: packed (its name) and in the file's layout (``<name> file``, TIERGATE_QUANT_REPACK=0),
+so the ratio of the two is measured in the same run. Two layers of the smallest format (Q4_0, ~68 MB) are
 beyond the caches, so a pass reads its weights from memory as a decode step does. Random valid
 blocks: the kernels' speed does not depend on the values. Formats and panels alternate, rounds
 in turn, in one process; printed: the median time of a pass (wall, and CPU per thread, which
 a machine shared with other work inflates less), the weight bytes read per second (the decode
 bound), multiply-adds per second (the prefill bound) and the panel kernel's time over each format's.
+The bandwidth floor: the time to read each form's weight bytes at the read bandwidth measured
+here (a sum over a buffer 4x the weights' largest form, same threads), and the fraction of it a
+pass reaches.
 
     .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,512] [--rounds 5] [--threads 2] [--layers 2]
         [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K] [--isa auto|avx512|avx2|scalar] [--json PATH]
@@ -27,17 +32,32 @@ import torch
 
 from bench import machine
 from engine.packed_linear import PackedWeight, pack, panel_kernel_present
-from engine.quant_linear import QuantWeight, kernel_isa, quant_kernels_present
+from engine.quant_linear import REPACKED_TYPES, QuantWeight, kernel_isa, quant_kernels_present
 from engine.quantize import random_blocks
 
 LAYER_SHAPES = ((2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048))  # (in, out)
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
-def _quant_weights(type_name: str, layers: int) -> list[PackedWeight]:
+def _quant_weights(type_name: str, layers: int, repack: bool) -> list[PackedWeight]:
     ggml_type = gguf.GGMLQuantizationType[type_name]
-    return [QuantWeight(torch.from_numpy(random_blocks(ggml_type, n, k, seed=i)), ggml_type, k, n)
-            for i, (k, n) in enumerate(LAYER_SHAPES * layers)]
+    os.environ["TIERGATE_QUANT_REPACK"] = "1" if repack else "0"
+    try:
+        return [QuantWeight(torch.from_numpy(random_blocks(ggml_type, n, k, seed=i)), ggml_type, k, n)
+                for i, (k, n) in enumerate(LAYER_SHAPES * layers)]
+    finally:
+        del os.environ["TIERGATE_QUANT_REPACK"]
+
+
+def read_bandwidth(nbytes: int, rounds: int) -> float:
+    """Bytes per second a sum over ``nbytes`` of float32 reads on torch's threads (the median of ``rounds``)."""
+    buf = torch.ones(nbytes // 4)
+    times = []
+    for _ in range(rounds + 1):
+        started = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - started)
+    return nbytes / statistics.median(times[1:])
 
 
 def _panel_weights(layers: int) -> list[PackedWeight]:
@@ -57,8 +77,14 @@ def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: lis
     torch.set_num_threads(threads)
     if not quant_kernels_present() or not panel_kernel_present():
         raise SystemExit("the CPU kernels did not build here")
-    forms = {t: _quant_weights(t, layers) for t in types}
+    forms: dict[str, list[PackedWeight]] = {}
+    for t in types:
+        forms[t] = _quant_weights(t, layers, repack=True)
+        if gguf.GGMLQuantizationType[t] in REPACKED_TYPES:
+            forms[f"{t} file"] = _quant_weights(t, layers, repack=False)
     forms["F32 panels"] = _panel_weights(layers)
+    largest = max(sum(w.nbytes for w in ws) for ws in forms.values())
+    bandwidth = read_bandwidth(4 * largest, rounds)
     macs = sum(k * n for k, n in LAYER_SHAPES * layers)
     results = []
     for rows in rows_list:
@@ -77,18 +103,25 @@ def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: lis
             cpu = statistics.median(c for _, c in t) / threads
             results.append({"rows": rows, "form": name, "median_ms": median * 1e3, "cpu_ms_per_thread": cpu * 1e3,
                             "weight_mb": nbytes / 1e6, "weight_gb_s": nbytes / median / 1e9,
+                            "floor_ms": nbytes / bandwidth * 1e3, "of_floor": nbytes / bandwidth / median,
                             "gmac_s": macs * rows / median / 1e9, "panel_time_over_this": panel / median})
     return {"machine": machine.describe(), "threads": threads, "layers": layers, "isa": kernel_isa(),
-            "rounds": rounds, "results": results}
+            "rounds": rounds, "read_gb_s": bandwidth / 1e9, "results": results}
 
 
 def _print(report: dict) -> None:
     print(f"isa {report['isa']}, {report['threads']} threads, {report['layers']} layers of the ~1B shape, "
-          f"median of {report['rounds']} rounds")
-    print(f"{'rows':>5} {'form':>11} {'ms':>9} {'cpu ms':>9} {'MB':>7} {'GB/s':>7} {'GMAC/s':>8} {'panel/this':>10}")
+          f"median of {report['rounds']} rounds; read bandwidth {report['read_gb_s']:.1f} GB/s; "
+          f"load {report['machine']['load_average']}")
+    print(f"{'rows':>5} {'form':>11} {'ms':>9} {'cpu ms':>9} {'MB':>7} {'GB/s':>7} {'GMAC/s':>8} {'panel/this':>10} "
+          f"{'floor ms':>9} {'of floor':>8} {'file/this':>9}")
+    by_key = {(r["rows"], r["form"]): r for r in report["results"]}
     for r in report["results"]:
+        file_form = by_key.get((r["rows"], f"{r['form']} file"))
+        vs_file = f"{file_form['median_ms'] / r['median_ms']:>8.2f}x" if file_form else f"{'':>9}"
         print(f"{r['rows']:>5} {r['form']:>11} {r['median_ms']:>9.2f} {r['cpu_ms_per_thread']:>9.2f} "
-              f"{r['weight_mb']:>7.1f} {r['weight_gb_s']:>7.1f} {r['gmac_s']:>8.1f} {r['panel_time_over_this']:>9.2f}x")
+              f"{r['weight_mb']:>7.1f} {r['weight_gb_s']:>7.1f} {r['gmac_s']:>8.1f} {r['panel_time_over_this']:>9.2f}x "
+              f"{r['floor_ms']:>9.2f} {r['of_floor']:>7.0%} {vs_file}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -327,7 +327,7 @@ def _run_files(args: argparse.Namespace, files: list[dict], engines: list[str]) 
         entry = {**file, "weights": gguf_weight_summary(Path(file["path"])), "engines": {e: [] for e in engines}}
         result["files"].append(entry)
         for round_no in range(args.rounds):
-            tasks = list(TASKS) if round_no == 0 else ["single", "pp512"]
+            tasks = [t for t in (TASKS if round_no == 0 else ("single", "pp512")) if t in args.tasks.split(",")]
             for engine in engines if round_no % 2 == 0 else engines[::-1]:
                 entry["engines"][engine].append(_spawn(engine, file["path"], args, tasks))
             if args.json:
@@ -360,12 +360,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--file", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
-    p.add_argument("--tasks", default=",".join(TASKS), help=argparse.SUPPRESS)
+    p.add_argument("--tasks", default=",".join(TASKS),
+                   help=f"of {', '.join(TASKS)} (streams run in the first round only)")
     args = p.parse_args(argv)
     if args.full:
         args.models, args.quants = "bundled,360m,1b", ",".join(gguf_shapes.QUANTS)
     for flag, chosen, known in (("--models", args.models, MODELS), ("--quants", args.quants, gguf_shapes.QUANTS),
-                                ("--engines", args.engines, ENGINES)):
+                                ("--engines", args.engines, ENGINES), ("--tasks", args.tasks, TASKS)):
         unknown = set(chosen.split(",")) - set(known)
         if unknown:
             p.error(f"{flag}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")

@@ -95,6 +95,10 @@ def benches() -> list[Bench]:
               ["--policies", "tiered,tiered-step-end,fcfs", "--flood-max-tokens", "32", "--light-every", "3",
                "--alone-s", "10", "--warmup-s", "40", "--flood-s", "40", "--rounds", "2"],
               ["--flood", "4", "--alone-s", "3", "--warmup-s", "3", "--flood-s", "6"], timeout_s=1200),
+        # Issue 32: about 12 minutes on a quiet 2-core box (capacity, two 120-second phases, the batch's tail).
+        Bench("batch_tier", "The batch tier: interactive load at 70% of capacity, alone and beside a 2,000-line batch",
+              quick_args=["--phase-s", "10", "--lines", "60", "--capacity-requests", "8", "--capacity-concurrency", "4",
+                          "--batch-lead-s", "2", "--settle-s", "1"], timeout_s=1800),
         Bench("gateway_overhead", "Gateway overhead", json_flag="--out"),
         Bench("lm_eval_batching", "lm-evaluation-harness local-completions: --batch_size 8 against 1",
               ["--questions", "40", "--batch-sizes", "1,8", "--rounds", "2"],

@@ -54,11 +54,13 @@ def _tiergate(env: dict, *args: str) -> str:
     return proc.stdout.strip()
 
 
-def set_up_tenants(env: dict) -> list[Tenant]:
+def set_up_tenants(env: dict, named: tuple[tuple[str, str], ...] = TENANTS,
+                   limits: list[str] = GENEROUS_LIMITS) -> list[Tenant]:
+    """Migrate the database and create each (name, tier) tenant with ``limits`` and a key."""
     _tiergate(env, "db", "upgrade")
     tenants = []
-    for name, tier in TENANTS:
-        _tiergate(env, "tenants", "create", name, "--tier", tier, *GENEROUS_LIMITS)
+    for name, tier in named:
+        _tiergate(env, "tenants", "create", name, "--tier", tier, *limits)
         tenants.append(Tenant(name, tier, _tiergate(env, "keys", "create", name).splitlines()[-1]))
     return tenants
 

@@ -34,8 +34,8 @@ from tiergate_common.env import PRICES
 
 GROUPS = ("tier", "tenant", "adapter")
 BUCKETS = ("hour", "day")
-# Price of one GPU-hour per tier; premium pays 3x standard unless configured otherwise.
-# Batch API lines (tier batch) pay half of standard, as OpenAI's batches do.
+# Price of one GPU-hour per tier; premium pays 3x standard unless configured otherwise, and batch
+# (spare capacity, its recompute after a preemption included) half of standard, as OpenAI's Batch API.
 DEFAULT_PRICES = {"standard": 2.0, "premium": 6.0, "batch": 1.0}
 _SQLITE_BUCKET_FORMATS = {"hour": "%Y-%m-%d %H:00:00", "day": "%Y-%m-%d 00:00:00"}
 

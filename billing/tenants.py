@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from billing.errors import DuplicateTenant, InvalidLimit, InvalidTier, UnknownTenant
 from billing.models import Tenant, find_named, utcnow
 
-TIERS = ("premium", "standard")
+TIERS = ("premium", "standard", "batch")  # batch: spare capacity only (issue 32)
 DEFAULT_RPM = 60
 DEFAULT_TPM = 100_000
 DEFAULT_MAX_CONCURRENT = 8

@@ -49,6 +49,9 @@ class EngineConfig:
     # longer than this or than a decoding tier's tpot_slo_s (``tiers``). None: only the tiers' bounds.
     max_step_s: float | None = None
     min_prefill_chunk: int | None = None  # prefill tokens a bounded step still takes; None: one block
+    # The batch tier's KV margin and step share (SchedulerConfig.spare_kv_margin, spare_step_share).
+    batch_kv_margin: float = 0.1
+    batch_step_share: float = 0.2
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "tenant"  # "tenant" or "shared" (see scheduler/block_manager.py)
     # Grammars (engine/grammar_compiler.py): a compile past its budget is refused; compiled ones are
@@ -78,7 +81,8 @@ class EngineConfig:
             prefix_cache_scope=self.prefix_cache_scope, policy=self.policy, fair_share=self.fair_share,
             tiers=self.tiers, standard_min_share=self.standard_min_share, long_context_after=long_context_after,
             express_spare_blocks=self.express_spare_blocks if self.express_steps_on else 0,
-            max_step_s=self.max_step_s, min_prefill_chunk=self.min_prefill_chunk)
+            max_step_s=self.max_step_s, min_prefill_chunk=self.min_prefill_chunk,
+            spare_kv_margin=self.batch_kv_margin, spare_step_share=self.batch_step_share)
 
     @property
     def native_gguf(self) -> bool:

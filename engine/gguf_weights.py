@@ -17,11 +17,16 @@ Projections (q|k|v, o, gate|up, down) become ``QuantWeight``s, a fused group thr
 ``stack_outputs``; the token embedding stays quantized (rows dequantized on lookup), and a tied
 head is that same weight. Norms and biases are float32. A tensor whose type has no kernel is
 dequantized here, with one warning naming the tensors and the types.
+
+Weights repacked at load (``engine.quant_linear.REPACKED_TYPES``) are copies; once they are made,
+the map's pages are let go (``madvise(MADV_DONTNEED)``), so the weights count once in the
+process's RSS: what is still read in place (an embedding's rows) is paged in again on use.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -160,11 +165,29 @@ def read_gguf_weights(path: Path, config: ModelConfig, table_file: Path) -> Gguf
         head = quant_of("lm_head.weight")
         if head is None:
             head = float_of("lm_head.weight")
+    if any(isinstance(w, QuantWeight) and w.packed for w in _flat_weights(embed, head, projections)):
+        _release_mapped_pages(tensors)
     if dequantized:
         listed = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in sorted(dequantized.items()))
         warnings.warn(f"{path.name}: no kernel for these tensor types, dequantized to float32 at load ({listed})",
                       stacklevel=2)
     return GgufWeights(embed, head, projections, floats, dict(dequantized), dict(types))
+
+
+def _flat_weights(embed: Weight, head: Weight | None, projections: list[dict[str, Weight]]) -> Iterator[Weight]:
+    yield embed
+    if head is not None:
+        yield head
+    for layer in projections:
+        for w in layer.values():
+            yield from getattr(w, "parts", [w])
+
+
+def _release_mapped_pages(tensors: dict[str, FileTensor]) -> None:
+    """Drops the map's resident pages from this process (the file's page cache keeps them)."""
+    mapped = next((getattr(t.data, "_mmap", None) for t in tensors.values()), None)
+    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)
 
 
 def _name_map(arch: str, num_layers: int) -> gguf.TensorNameMap:

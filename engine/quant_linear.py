@@ -8,11 +8,17 @@ dot products run on integers, as llama.cpp does, so a decode step reads the file
 float32 copy 4-7x their size. ``stack_outputs`` puts several weights side by side behind one
 call (a fused q|k|v or gate|up whose parts may differ in type).
 
+Q4_0, Q8_0, Q4_K and Q6_K weights are repacked at load (``REPACKED_TYPES``) into an interleaved
+layout of 16 output rows (csrc/quant_packed.h; docs/quantization.md says why) that the few-row
+decode kernels (csrc/quant_gemv*.cpp) read with one integer dot product per 16 rows and 4
+inputs. Only bytes move: ``blocks`` unpacks the file's bytes back exactly, and the packed copy is
+the only one kept. ``TIERGATE_QUANT_REPACK=0`` keeps every weight in the file's layout.
+
 Where the kernels cannot be built, the weight is dequantized in slices and multiplied by
 ``torch.mm``: slower, exact in the weight, and with no activation rounding.
 
-``TIERGATE_QUANT_ISA`` forces a kernel path (``avx512``, ``avx2`` or ``scalar``); unset or
-``auto``, the best this CPU runs.
+``TIERGATE_QUANT_ISA`` forces a kernel path (``avx512``, ``avxvnni``: AVX2 with AVX-VNNI,
+``avx2`` or ``scalar``); unset or ``auto``, the best this CPU runs.
 """
 
 from __future__ import annotations
@@ -25,16 +31,22 @@ import numpy as np
 import torch
 
 from engine.cpu_build import quant_kernels_loaded
-from engine.packed_linear import PackedWeight
+from engine.packed_linear import PackedWeight, advise_huge_pages
 from engine.quantize import quantize_rows
+from tiergate_common.env import QUANT_REPACK
 
 T = gguf.GGMLQuantizationType
 SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K,
                                                              T.Q5_K, T.Q6_K})
 # --quantize's names for the formats it writes.
 QUANTIZE_KINDS: dict[str, gguf.GGMLQuantizationType] = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_k": T.Q4_K}
-# Kernel paths, in the order auto prefers them; csrc/quant_linear.cpp numbers them the same way.
-ISAS = ("avx512", "avx2", "scalar")
+# Kernel paths as csrc/quant_linear.cpp numbers them, and the order auto prefers them in.
+ISAS = ("avx512", "avx2", "scalar", "avxvnni")
+AUTO_ORDER = ("avx512", "avxvnni", "avx2", "scalar")
+# Output rows per group of csrc/quant_packed.h's layout (its PACK_ROWS).
+PACK_ROWS = 16
+# Formats repacked at load into csrc/quant_packed.h's layout for the few-row kernels.
+REPACKED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K})
 # Output rows the fallback dequantizes at a time: bounds its float copy to a few MB.
 FALLBACK_SLICE_ROWS = 256
 
@@ -57,7 +69,7 @@ def _isa_index(asked: str) -> int:
         raise RuntimeError("the quantized kernels could not be built here")
     asked = asked.strip().lower()
     if asked in ("", "auto"):
-        return next(i for i in range(len(ISAS)) if torch.ops.tiergate.quant_isa_supported(i))
+        return next(ISAS.index(n) for n in AUTO_ORDER if torch.ops.tiergate.quant_isa_supported(ISAS.index(n)))
     if asked not in ISAS:
         raise ValueError(f"TIERGATE_QUANT_ISA={asked!r}: expected one of {', '.join(ISAS)} or auto")
     if not torch.ops.tiergate.quant_isa_supported(ISAS.index(asked)):
@@ -87,8 +99,14 @@ def _dequantize(blocks: torch.Tensor, ggml_type: gguf.GGMLQuantizationType) -> t
     return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), ggml_type).astype(np.float32, copy=False))
 
 
+def repack_enabled(ggml_type: gguf.GGMLQuantizationType) -> bool:
+    """Whether a weight of this format is repacked at load (see the module docstring)."""
+    return ggml_type in REPACKED_TYPES and QUANT_REPACK.get() != "off" and quant_kernels_present()
+
+
 class QuantWeight(PackedWeight):
-    """One projection weight in a GGUF block format: ``blocks`` uint8 ``[out, bytes_per_row]``."""
+    """One projection weight in a GGUF block format: ``blocks`` uint8 ``[out, bytes_per_row]`` as the
+    file stores them; ``storage`` what the kernels read (those blocks, or their packed layout)."""
 
     form = "quant"
 
@@ -96,10 +114,27 @@ class QuantWeight(PackedWeight):
                  out_features: int) -> None:
         ggml_type = gguf.GGMLQuantizationType(ggml_type)
         _check_blocks(blocks, ggml_type, in_features, out_features)
-        # Read in place (an mmap's view stays one); rows must be contiguous for the kernels.
-        self.blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, out_features
-        self._op_args = ([self.blocks], [int(ggml_type)], [out_features])
+        self.packed = repack_enabled(ggml_type)
+        if self.packed:  # the source (a view of the mapped file, or a copy) is not kept
+            block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+            out = torch.empty(-(-out_features // PACK_ROWS), in_features // block_size, PACK_ROWS * type_size,
+                              dtype=torch.uint8)
+            advise_huge_pages(out)  # a decode step streams it whole: a TLB miss per 4 KB page otherwise
+            self.storage = torch.ops.tiergate.quant_repack(blocks.contiguous(), int(ggml_type), out)
+        else:  # read in place (an mmap's view stays one); rows must be contiguous for the kernels
+            self.storage = blocks if blocks.is_contiguous() else blocks.contiguous()
+        self._op_args = ([self.storage], [int(ggml_type)], [out_features])
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The file's bytes, ``[out, bytes_per_row]`` (unpacked anew from a packed weight)."""
+        if not self.packed:
+            return self.storage
+        return self._unpack(torch.arange(self.out_features))
+
+    def _unpack(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tiergate.quant_unpack_rows(self.storage, int(self.ggml_type), self.in_features, ids)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return quant_matmul(x, [self], self._op_args)
@@ -112,12 +147,12 @@ class QuantWeight(PackedWeight):
         flat = ids.reshape(-1).to(torch.long)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
             raise IndexError(f"row ids must be in [0, {self.out_features})")
-        rows = _dequantize(self.blocks.index_select(0, flat), self.ggml_type)
-        return rows.view(*ids.shape, self.in_features)
+        blocks = self._unpack(flat) if self.packed else self.storage.index_select(0, flat)
+        return _dequantize(blocks, self.ggml_type).view(*ids.shape, self.in_features)
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.nbytes
+        return self.storage.nbytes
 
 
 class StackedQuantWeight(PackedWeight):
@@ -134,7 +169,7 @@ class StackedQuantWeight(PackedWeight):
         self.parts = list(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
-        self._op_args = ([p.blocks for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
+        self._op_args = ([p.storage for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return quant_matmul(x, self.parts, self._op_args)
@@ -166,7 +201,7 @@ def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | Non
     if not quant_kernels_present():
         return _fallback_matmul(x, parts)
     if op_args is None:
-        op_args = ([p.blocks for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
+        op_args = ([p.storage for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
     return torch.ops.tiergate.quant_linear(x, *op_args, _isa_index(os.environ.get("TIERGATE_QUANT_ISA", "auto")))
 
 
@@ -175,8 +210,9 @@ def _fallback_matmul(x: torch.Tensor, parts: list[QuantWeight]) -> torch.Tensor:
     out = torch.empty(x.shape[0], sum(p.out_features for p in parts), dtype=torch.float32)
     first = 0
     for part in parts:
+        blocks = part.blocks
         for lo in range(0, part.out_features, FALLBACK_SLICE_ROWS):
-            rows = _dequantize(part.blocks[lo:lo + FALLBACK_SLICE_ROWS], part.ggml_type)
+            rows = _dequantize(blocks[lo:lo + FALLBACK_SLICE_ROWS], part.ggml_type)
             out[:, first + lo:first + lo + rows.shape[0]] = torch.mm(x, rows.t())
         first += part.out_features
     return out

@@ -15,6 +15,7 @@ from typing import NoReturn
 from sqlalchemy.exc import SQLAlchemyError
 
 from billing.errors import BillingError
+from billing.tenants import TIERS
 from gateway import budget_cli
 from gateway.adapter_dirs import AdapterDirError
 from gateway.settings import Settings, SettingsError, load_settings
@@ -98,15 +99,16 @@ def build_parser() -> OneLineParser:
                                                                                   metavar="ACTION")
     tc = t.add_parser("create", help="create a tenant")
     tc.add_argument("name")
-    tc.add_argument("--tier", required=True, choices=["premium", "standard"])
+    tc.add_argument("--tier", required=True, choices=TIERS)
     t.add_parser("list", help="list tenants")
     ts = t.add_parser("set", help="change a tenant's tier or limits")
     ts.add_argument("name")
-    ts.add_argument("--tier", choices=["premium", "standard"])
+    ts.add_argument("--tier", choices=TIERS)
     for parser in (tc, ts):
         parser.add_argument("--rpm", type=positive_int)
         parser.add_argument("--tpm", type=positive_int)
-        parser.add_argument("--max-concurrent", type=positive_int)
+        parser.add_argument("--max-concurrent", type=positive_int,
+                            help="sequences in flight at once (n choices of each prompt count one each)")
         parser.add_argument("--weight", type=positive_float,
                             help="share of the tier's engine time relative to its other tenants (default 1)")
 

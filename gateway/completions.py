@@ -274,7 +274,9 @@ async def _admit(gw: Gateway, admitted: AdmittedRequest, tenant) -> Decision:
                        headers=retry_headers(refusal.retry_after_s))
     limits = Limits(tenant.rpm, tenant.tpm, tenant.max_concurrent)
     try:
-        decision = await gw.limiter.acquire(admitted.tenant, limits, admitted.request_id, admitted.reserved_tokens)
+        # Every sequence (n choices of each prompt) takes a batch slot: the concurrency limit counts them.
+        decision = await gw.limiter.acquire(admitted.tenant, limits, admitted.request_id, admitted.reserved_tokens,
+                                            admitted.prompts * admitted.n)
     except LimiterUnavailable:
         log.warning("rate limiter unavailable; refusing %s", admitted.request_id, exc_info=True)
         raise service_unavailable("The rate limiter is unavailable; retry shortly.",
@@ -364,7 +366,8 @@ async def _submit(gw: Gateway, admitted: AdmittedRequest, request: EngineRequest
 def _limit_message(decision, reserved: int) -> str:
     limits = decision.limits
     if decision.reason == "concurrency":
-        return f"Rate limit reached for concurrent requests: limit {limits.max_concurrent}. Retry when one ends."
+        return (f"Rate limit reached for concurrent sequences: limit {limits.max_concurrent} (each of n choices of "
+                "each prompt counts one). Retry when one ends.")
     if decision.reason == "requests":
         return f"Rate limit reached for requests per minute (RPM): limit {limits.rpm}, used {limits.rpm}."
     if reserved > limits.tpm:

@@ -57,7 +57,11 @@ class EndpointPickerCollector(Collector):
                 out.extend(GaugeMetricFamily(n, "") for n in self._names(names))
             return out
         draining.add_metric([], 1.0 if self.draining() else 0.0)
-        load = engine.load().values()
+        # Spare-capacity (batch) work is no queue an interactive request would wait behind: not "waiting".
+        spare = {t.name for t in getattr(getattr(engine, "config", None), "tiers", ()) if t.spare_only}
+        by_tier = engine.load()
+        queued = sum(t.queue_depth for name, t in by_tier.items() if name not in spare)
+        load = by_tier.values()
         used_by_tier, num_blocks = engine.kv_usage()
         running_adapters, waiting_adapters = _adapter_usage(engine)
         # A stand-in engine of a test may lack a config; the real one always has it.
@@ -69,8 +73,7 @@ class EndpointPickerCollector(Collector):
             self._lora_changed_at = time.time()
         for names in self._pairs():
             waiting_name, running_name, kv_name, lora_name, cache_name = names
-            out.append(_gauge(waiting_name, "Requests waiting for their first step, all tiers.",
-                              sum(t.queue_depth for t in load)))
+            out.append(_gauge(waiting_name, "Requests waiting for their first step, every tier but batch.", queued))
             out.append(_gauge(running_name, "Requests in the running batch, all tiers.", sum(t.running for t in load)))
             out.append(_gauge(kv_name, "Fraction of KV-cache blocks in use, 0 to 1.",
                               min(1.0, sum(used_by_tier.values()) / num_blocks) if num_blocks else 0.0))

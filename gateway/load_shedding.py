@@ -3,13 +3,18 @@
 The engine publishes, per tier, a predicted TTFT for a request arriving now
 (queued prefill work over measured step speed). A request is refused with 429
 ``overloaded`` instead of queueing without bound when:
-- its tier's queue is full (premium's bound is larger than standard's);
+- its tier's queue is full (premium's bound is larger than standard's) and, under fair share,
+  its tenant already holds its share of that queue (the bound over the tenants waiting, in
+  sequences: n choices count n), so one tenant filling the queue sheds itself, not its
+  neighbours; past ``hard_queue_factor`` times the bound everyone is refused;
 - its tier has an SLO and the prediction exceeds it;
 - it is standard (no SLO of its own) and either its predicted wait exceeds
   ``standard_max_wait_s``, or premium's prediction is already past
   ``standard_shed_fraction`` of premium's SLO: standard work competes with
   premium for the same steps, so it is shed first, before premium misses.
 Retry-After is the predicted drain time of the backlog that caused the refusal.
+A spare-capacity tier (batch) is refused only when its queue is full: its lines wait for idle
+steps by design, and its backlog is no interactive tier's (scheduler/spare.py).
 
 Only a backlog (requests waiting in a queue) is a reason to refuse for
 latency: on hardware whose single prefill already exceeds the SLO (a laptop
@@ -32,6 +37,7 @@ class SheddingPolicy:
     standard_queue_fraction: float = 0.5
     standard_shed_fraction: float = 0.8
     standard_max_wait_s: float = 30.0
+    hard_queue_factor: float = 2.0  # under fair share, tenants under their share queue up to this times the bound
 
 
 @dataclass(frozen=True)
@@ -60,9 +66,11 @@ class LoadShedder:
             return None  # the engine has not published a load for this tier yet: nothing is queued
         predicted = mine.predicted_ttft_for(tenant)
         config = self.tiers[tier]
-        if mine.queue_depth >= self.queue_bound(tier):
+        if self._queue_full(tier, mine, tenant):
             return Refusal("overload", f"The {tier} queue is full ({mine.queue_depth} requests waiting); "
                            "retry later.", mine.predicted_ttft_s)
+        if config.spare_only:
+            return None
         if config.ttft_slo_s is not None:
             if mine.queue_depth > 0 and predicted > config.ttft_slo_s:
                 return Refusal("slo", f"The server is overloaded: predicted time to first token "
@@ -79,6 +87,16 @@ class LoadShedder:
                 return Refusal("slo", "The server is overloaded; requests of higher tiers come first.",
                                best_load.predicted_ttft_s)
         return None
+
+    def _queue_full(self, tier: str, mine: TierLoad, tenant: str | None) -> bool:
+        bound = self.queue_bound(tier)
+        if mine.queue_depth < bound:
+            return False
+        if tenant is None or not mine.tenant_waiting or mine.queue_depth >= bound * self.policy.hard_queue_factor:
+            return True
+        own = mine.tenant_waiting.get(tenant, 0)
+        sharing = len(mine.tenant_waiting) + (0 if own else 1)
+        return own >= bound / sharing
 
     @staticmethod
     def _backlogged(load: Mapping[str, TierLoad], tier: str) -> bool:

@@ -44,7 +44,7 @@ class Built:
 
 
 def tiers(settings: Settings) -> tuple[TierConfig, ...]:
-    """The two tiers billing knows, with the premium SLO and reserve the settings give."""
+    """The tiers billing knows (premium, standard, batch), with the premium SLO and reserve the settings give."""
     return default_tiers(premium_slo_s=settings.premium_slo_s, premium_kv_reserve=settings.premium_kv_reserve,
                          premium_tpot_slo_s=settings.premium_tpot_s)
 
@@ -55,6 +55,7 @@ def engine_config(settings: Settings) -> EngineConfig:
                         policy=settings.scheduler_policy, express_between_layers=settings.express_steps,
                         prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
                         max_loras=settings.max_loras, tiers=tiers(settings), max_step_s=settings.step_bound_s,
+                        batch_kv_margin=settings.batch_kv_margin, batch_step_share=settings.batch_step_share,
                         grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
                         grammar_compile_workers=settings.grammar_compile_workers,
                         grammar_cache_bytes=settings.grammar_cache_bytes, grammar_cache_scope=settings.grammar_cache_scope,

@@ -57,6 +57,10 @@ class Settings:
     # GPU, 2 s on a CPU, where one step of the bundled model at full batch takes ~0.3 s.
     premium_ttft_slo_s: float | None = None
     premium_kv_reserve: float = 0.30
+    # The batch tier (scheduler/spare.py): a line starts only with the premium reserve and this share of the
+    # KV pool left free, and a step with interactive work grows by at most batch_step_share for batch rows.
+    batch_kv_margin: float = 0.1
+    batch_step_share: float = 0.2
     # The inter-token latency bound (scheduler/step_budget.py): while streams decode, a step's prefill is
     # cut so that the step is predicted to last at most max_step_s, and at most premium_tpot_slo_s while a
     # premium stream decodes (the tightest decoding tier sets it). None: the device's default (CPU 0.15 s
@@ -148,6 +152,9 @@ class Settings:
                 raise SettingsError(f"{name} must be zero (no bound) or positive, not {getattr(self, name)}")
         if not 0 <= self.premium_kv_reserve < 1:
             raise SettingsError(f"premium_kv_reserve must be in [0, 1), not {self.premium_kv_reserve}")
+        if not 0 <= self.batch_kv_margin < 1 or not 0 <= self.batch_step_share < float("inf"):
+            raise SettingsError("batch_kv_margin must be in [0, 1) and batch_step_share zero or more, not "
+                                f"{self.batch_kv_margin} and {self.batch_step_share}")
         if not self.drain_timeout_s >= 0:
             raise SettingsError(f"drain_timeout_s must be zero or more, not {self.drain_timeout_s}")
         if not 1 <= self.concurrency_lease_s <= 3600:

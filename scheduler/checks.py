@@ -29,6 +29,10 @@ def check_config(config: SchedulerConfig) -> None:
         raise ValueError("a tier's tpot_slo_s must be positive")
     if config.min_chunk < 1:
         raise ValueError("min_prefill_chunk must be at least 1")
+    if not 0 <= config.spare_kv_margin < 1 or not 0 <= config.spare_step_share < float("inf"):
+        raise ValueError("spare_kv_margin must be in [0, 1) and spare_step_share at least 0")
+    if any(t.spare_only and (t.kv_reserve_fraction > 0 or t.ttft_slo_s is not None) for t in config.tiers):
+        raise ValueError("a spare-capacity tier can have neither a KV reserve nor a TTFT SLO")
     if config.prefix_cache_scope not in ("tenant", "shared"):
         raise ValueError(f"prefix_cache_scope must be tenant or shared, not {config.prefix_cache_scope!r}")
 

@@ -14,6 +14,10 @@ class TierConfig:
     # Time per output token: while a sequence of this tier decodes, no step is planned to last longer
     # (scheduler/step_budget.py). None: only SchedulerConfig.max_step_s bounds its steps.
     tpot_slo_s: float | None = None
+    # A spare-capacity tier (OpenAI's Batch API lines): admitted only while no request of a tier
+    # without this flag waits and the KV pool keeps ``SchedulerConfig.spare_kv_margin`` free beyond
+    # the reserves; planned after every other tier's work in a step, preempted before any of it.
+    spare_only: bool = False
 
 
 def default_tiers(
@@ -25,23 +29,30 @@ def default_tiers(
         TierConfig("premium", priority=0, ttft_slo_s=premium_slo_s, kv_reserve_fraction=premium_kv_reserve,
                    tpot_slo_s=premium_tpot_slo_s),
         TierConfig("standard", priority=1, ttft_slo_s=standard_slo_s),
-        # The Batch API's lines (gateway/batch_driver.py); the batchtier branch gives it its spare-only policy.
-        TierConfig("batch", priority=2, ttft_slo_s=None),
+        TierConfig("batch", priority=2, ttft_slo_s=None, spare_only=True),
     )
 
 
 @dataclass(frozen=True)
 class StepCost:
     """Step time as a linear cost: ``base_s + per_prefill_token_s * prefill tokens + per_decode_seq_s *
-    decode rows + per_context_token_s * context tokens`` (the model bench/step_cost.py fits offline)."""
+    decode rows + per_context_token_s * context tokens + per_attention_pair_s * prefill attention pairs``
+    (bench/step_cost.py fits the first four offline; the scheduler's online fit learns all five).
+
+    The pair term is a prefill chunk's attention: each of its rows attends to every position before it,
+    so a chunk deep into a long prompt costs per token in proportion to its depth; without it a chunk
+    at position 1,900 is predicted as cheap as one at 0. Zero by default: a GPU's flash attention
+    barely shows it, and the online fit finds it where it shows (a CPU)."""
 
     base_s: float = 0.012
     per_prefill_token_s: float = 6e-4
     per_decode_seq_s: float = 1.5e-4
     per_context_token_s: float = 3e-6
+    per_attention_pair_s: float = 0.0
 
-    def as_tuple(self) -> tuple[float, float, float, float]:
-        return (self.base_s, self.per_prefill_token_s, self.per_decode_seq_s, self.per_context_token_s)
+    def as_tuple(self) -> tuple[float, float, float, float, float]:
+        return (self.base_s, self.per_prefill_token_s, self.per_decode_seq_s, self.per_context_token_s,
+                self.per_attention_pair_s)
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,12 @@ class SchedulerConfig:
     # (CPU-scale, the bundled model's order of magnitude), and how many recent steps the fit weighs.
     step_cost_prior: StepCost = field(default_factory=StepCost)
     step_cost_memory_steps: int = 200
+    # Spare-capacity tiers (``TierConfig.spare_only``): a sequence of one starts only if the pool keeps
+    # the other tiers' reserves plus this share of it free, so interactive work that arrives finds room
+    # without preempting; and a step that carries interactive work grows by at most this share of its
+    # predicted time for spare rows, so that work's first tokens and gaps stay about what they were.
+    spare_kv_margin: float = 0.1
+    spare_step_share: float = 0.2
 
     @property
     def min_chunk(self) -> int:

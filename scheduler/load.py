@@ -22,6 +22,8 @@ class TierLoad:
     # as much of each other tenant's, not for the whole tier's. None without fair share.
     newcomer_ttft_s: float | None = None  # a tenant with nothing queued in the tier
     tenant_ttft_s: Mapping[str | None, float] = field(default_factory=dict)  # tenants with work queued
+    # Fair share: waiting sequences per tenant (each of n choices counts), for the queue bound's share.
+    tenant_waiting: Mapping[str | None, int] = field(default_factory=dict)
 
     def predicted_ttft_for(self, tenant: str | None) -> float:
         """Predicted TTFT of a new request of ``tenant`` (None: unknown, the tier's prediction)."""
@@ -90,9 +92,11 @@ def tier_loads(live: Iterable[Sequence], tiers: Iterable[str], estimator: LoadEs
     running = dict.fromkeys(tiers, 0)
     queued = dict.fromkeys(tiers, 0)  # prefill tokens not yet computed
     by_tenant: dict[str, dict[str | None, int]] = {t: {} for t in tiers}
+    waiting_by_tenant: dict[str, dict[str | None, int]] = {t: {} for t in tiers}
     for s in live:
         if s.status is SequenceStatus.WAITING:
             waiting[s.tier] += 1
+            waiting_by_tenant[s.tier][s.tenant] = waiting_by_tenant[s.tier].get(s.tenant, 0) + 1
             left = s.num_tokens
         else:
             running[s.tier] += 1
@@ -113,6 +117,7 @@ def tier_loads(live: Iterable[Sequence], tiers: Iterable[str], estimator: LoadEs
             predicted_ttft_s=estimator.predict_ttft(tier, sum(queued[t] for t in ahead)),
             newcomer_ttft_s=newcomer,
             tenant_ttft_s=per_tenant,
+            tenant_waiting=waiting_by_tenant[tier] if policy.fair_within_tier else {},
         )
     return result
 

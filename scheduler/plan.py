@@ -51,19 +51,27 @@ class StepFeatures:
     prefill_tokens: int = 0  # tokens of chunks that are not decodes (prompts, recompute)
     decode_rows: int = 0
     context_tokens: int = 0  # KV positions the chunks reach, summed over chunks (each chunk's end)
+    attention_pairs: int = 0  # (row, position) pairs a prefill chunk's rows attend over, summed over chunks
 
     @staticmethod
     def of(chunk: ScheduledChunk, sign: int = 1) -> StepFeatures:
         if chunk.is_decode:
             return StepFeatures(0, sign, sign * chunk.end)
-        return StepFeatures(sign * chunk.num_tokens, 0, sign * chunk.end)
+        return StepFeatures(sign * chunk.num_tokens, 0, sign * chunk.end,
+                            sign * attention_pairs(chunk.start, chunk.num_tokens))
 
     def __add__(self, other: StepFeatures) -> StepFeatures:
         return StepFeatures(self.prefill_tokens + other.prefill_tokens, self.decode_rows + other.decode_rows,
-                            self.context_tokens + other.context_tokens)
+                            self.context_tokens + other.context_tokens, self.attention_pairs + other.attention_pairs)
 
-    def row(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.prefill_tokens), float(self.decode_rows), float(self.context_tokens))
+    def row(self) -> tuple[float, float, float, float, float]:
+        return (1.0, float(self.prefill_tokens), float(self.decode_rows), float(self.context_tokens),
+                float(self.attention_pairs))
+
+
+def attention_pairs(start: int, num_tokens: int) -> int:
+    """Causal attention of positions ``[start, start + num_tokens)``: row i attends to positions 0..i."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
 
 
 @dataclass

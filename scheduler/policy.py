@@ -49,6 +49,15 @@ class Policy(ABC):
     def caps(self) -> tuple[TierCap, ...]:
         return ()
 
+    def is_spare(self, queue: str) -> bool:
+        """Whether ``queue`` holds a spare-capacity tier (``TierConfig.spare_only``): its work is planned
+        after every other queue's, and only while none of those has a request waiting."""
+        return False
+
+    def spare_headroom_blocks(self) -> int:
+        """Blocks a spare-capacity admission must leave free: the other tiers' reserves and the margin."""
+        return 0
+
     @abstractmethod
     def tiers_ahead(self, tier: str) -> set[str]:
         """The tiers whose queued prefill a new request of ``tier`` waits behind (its own included)."""
@@ -143,6 +152,7 @@ class TieredPolicy(Policy):
     def __init__(self, config: SchedulerConfig, arrival: dict[str, int]) -> None:
         super().__init__(config, arrival)
         self.priority = {t.name: t.priority for t in config.tiers}
+        self.spare = frozenset(t.name for t in config.tiers if t.spare_only)
         self.fair = (
             VirtualTokenCounters(config.fair_prefill_weight, config.fair_decode_weight) if config.fair_share else None
         )
@@ -162,30 +172,38 @@ class TieredPolicy(Policy):
         return self.fair is not None and self.fair.counter(waiting) < self.fair.counter(running)
 
     def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int) -> list[Sequence]:
-        """The first request of each tenant that runs two fewer sequences of the tier than another
-        and has no other prefill work in it, if its prompt fits.
+        """The first request of each tenant that has no other prefill work in its tier, if its prompt
+        fits, when another tenant of the tier runs two more sequences than it or is prefilling a
+        prompt with more than a whole step's token budget left.
 
         A step lasts as long as its longest work, and every prefill that ends in it waits for
-        all of it: beside a flood's prefill chunks, a neighbour's short request would take as
-        long as the flood's step, not its own. Such a request (a light tenant's turn, not a
-        backlog) gets a step with the running decodes and no other tenant's prefill of its tier.
-        A flood's own new request never qualifies (no one runs more than it), and the scheduler
-        grants no two such steps in a row, so a backlogged tenant's prefill is held for at most
-        every other step.
+        all of it: beside a flood's prefill chunks, or one long prompt's step-sized chunk, a
+        neighbour's short request would take as long as that step, not its own. Such a request
+        (a light tenant's turn, not a backlog) gets a step with the running decodes and no other
+        tenant's prefill of its tier. A flood's or a long prompt's own new request never
+        qualifies (its tenant is prefilling already, or no one runs more than it), and the
+        scheduler grants no two such steps in a row, so a backlogged tenant's prefill is held for
+        at most every other step.
         """
         if self.fair is None:
             return []
-        queue = list(queue)
+        queue = [s for s in queue if s.tier not in self.spare]  # spare work never jumps in between layers
         runs = Counter((s.tier, s.tenant) for s in running)
         most = Counter()
         for (tier, _), n in runs.items():
             most[tier] = max(most[tier], n)
         busy = {(s.tier, s.tenant) for s in running if s.is_prefilling}
+        step_tokens = self.config.max_num_batched_tokens
+        long_prefills = {(s.tier, s.tenant) for s in running
+                         if s.is_prefilling and s.num_tokens - s.num_computed_tokens > step_tokens}
         waiting = Counter((s.tier, s.tenant) for s in queue)
         picked = []
         for seq in queue:
             key = (seq.tier, seq.tenant)
-            if key in busy or waiting[key] > 1 or seq.num_tokens > budget or runs[key] + 2 > most[seq.tier]:
+            if key in busy or waiting[key] > 1 or seq.num_tokens > budget:
+                continue
+            beside_long = any(tier == seq.tier and tenant != seq.tenant for tier, tenant in long_prefills)
+            if runs[key] + 2 > most[seq.tier] and not beside_long:
                 continue
             picked.append(seq)
             budget -= seq.num_tokens
@@ -214,6 +232,13 @@ class TieredPolicy(Policy):
 
     def queue_of(self, seq: Sequence) -> str:
         return seq.tier
+
+    def is_spare(self, queue: str) -> bool:
+        return queue in self.spare
+
+    def spare_headroom_blocks(self) -> int:
+        reserved = sum(t.kv_reserve_fraction for t in self.config.tiers if not t.spare_only)
+        return math.ceil((reserved + self.config.spare_kv_margin) * self.config.num_blocks)
 
     def tiers_ahead(self, tier: str) -> set[str]:
         return {name for name, rank in self.priority.items() if rank <= self.priority[tier]}
@@ -246,13 +271,19 @@ class TieredPolicy(Policy):
     def _worse(self, seq: Sequence, running: list[Sequence]) -> list[Sequence]:
         return [s for s in running if self.priority[s.tier] > self.priority[seq.tier]]
 
+    def _worst(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Those of ``seqs`` in the worst tier among them: a worse tier is preempted before a better one
+        (batch before standard), so spare work always goes first."""
+        bottom = max(self.priority[s.tier] for s in seqs)
+        return [s for s in seqs if self.priority[s.tier] == bottom]
+
     def _most_blocks(self, seqs: list[Sequence]) -> Sequence:
         return max(seqs, key=lambda s: (len(s.block_table), self.arrival[s.seq_id]))
 
     def victim_for_running(self, needy: Sequence, running: list[Sequence]) -> Sequence:
         worse = self._worse(needy, running)
         if worse:
-            return self._most_blocks(worse)
+            return self._most_blocks(self._worst(worse))
         # Never a better tier: among equals the latest arrival of the most served tenant goes first.
         equals = [s for s in running if self.priority[s.tier] == self.priority[needy.tier]]
         if self.fair is not None:
@@ -271,10 +302,10 @@ class TieredPolicy(Policy):
         if not worse:
             return self._fair_victim(waiting, reason, running, frees_enough) if self.fair is not None else None
         if reason == NO_SLOT:
-            return self.latest(worse)
+            return self.latest(self._worst(worse))
         if reason == NO_BLOCKS:
             # Preempting is pointless if all of the worse tiers' blocks would not do.
-            return self._most_blocks(worse) if frees_enough(worse) else None
+            return self._most_blocks(self._worst(worse)) if frees_enough(worse) else None
         # NO_ADAPTER: free a slot held only by worse tiers, losing the fewest
         # sequences (ties: the group with the latest arrival).
         kept = {s.adapter for s in running if s not in worse}
@@ -284,7 +315,9 @@ class TieredPolicy(Policy):
                 groups.setdefault(s.adapter, []).append(s)
         if not groups:
             return None
-        group = min(groups.values(), key=lambda g: (len(g), -self.arrival[self.latest(g).seq_id]))
+        # A slot held by the worst tier alone goes first; then the one losing the fewest sequences.
+        group = min(groups.values(), key=lambda g: (-min(self.priority[s.tier] for s in g), len(g),
+                                                    -self.arrival[self.latest(g).seq_id]))
         return self.latest(group)
 
     def _fair_victim(

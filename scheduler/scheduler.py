@@ -21,6 +21,7 @@ from scheduler.load import LoadEstimator, TierLoad, tier_loads
 from scheduler.plan import StepBuilder, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.spare import decode_features, interactive_waits_for_first_token, spare_bound
 from scheduler.step_budget import StepTimeBound, first_token_target_s, scaled_share, step_target_s
 from scheduler.step_cost import StepCostModel, step_features
 from scheduler.step_update import apply_step
@@ -62,7 +63,10 @@ class Scheduler:
     def max_sequence_tokens(self, tier: str) -> int:
         """The longest prompt + max_tokens a sequence of ``tier`` can ever hold (static; any thread)."""
         # The last sampled token is never computed, hence the + 1.
-        fits = self.block_manager.cap_for(tier) * self.config.block_size + 1
+        blocks = self.block_manager.cap_for(tier)
+        if self.policy.is_spare(tier):  # it starts only with the headroom left free (plan_spare)
+            blocks = min(blocks, self.config.num_blocks - self.policy.spare_headroom_blocks())
+        fits = blocks * self.config.block_size + 1
         return min(fits, self.config.max_model_len)
 
     def add(self, seq: Sequence, sibling_of: str | None = None) -> None:
@@ -129,11 +133,14 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan one step; blocks for every chunk are allocated, preemptions already done."""
         step = StepBuilder(StepPlan(), self.config.max_num_batched_tokens, self.policy.charge_prefill)
-        queues = self.policy.queue_names()
-        prefilling: dict[str, list[Sequence]] = {q: [] for q in queues}
+        queues = [q for q in self.policy.queue_names() if not self.policy.is_spare(q)]
+        prefilling = self._prefilling()
+        spare_decodes = []
         for seq in sorted(self.running, key=self.policy.rank):
             if seq.is_prefilling:
-                prefilling[self.policy.queue_of(seq)].append(seq)
+                continue
+            if self.policy.is_spare(self.policy.queue_of(seq)):
+                spare_decodes.append(seq)  # planned after every other tier's work (plan_spare)
             elif (
                 step.budget > 0
                 and seq.seq_id not in step.preempted
@@ -152,13 +159,41 @@ class Scheduler:
         self._express_last = bool(step.held)
         if kept and step.budget > 0:
             # Tokens kept for worse queues that they could not use go back to everyone.
-            prefilling = {q: [] for q in queues}
-            for seq in sorted(self.running, key=self.policy.rank):
-                if seq.is_prefilling:
-                    prefilling[self.policy.queue_of(seq)].append(seq)
+            prefilling = self._prefilling()
             for queue in queues:
                 self._schedule_prefills(queue, prefilling[queue], step, 0, False)
+        self._plan_spare(step, spare_decodes)
         return step.plan
+
+    def _prefilling(self) -> dict[str, list[Sequence]]:
+        """Running sequences with prompt left to compute, per queue, in the policy's order."""
+        prefilling: dict[str, list[Sequence]] = {q: [] for q in self.policy.queue_names()}
+        for seq in sorted(self.running, key=self.policy.rank):
+            if seq.is_prefilling:
+                prefilling[self.policy.queue_of(seq)].append(seq)
+        return prefilling
+
+    def _plan_spare(self, step: StepBuilder, decodes: list[Sequence]) -> None:
+        """The spare-capacity queues' work, into what the step's interactive work left (scheduler/spare.py)."""
+        spare = [q for q in self.policy.queue_names() if self.policy.is_spare(q)]
+        if not spare or interactive_waits_for_first_token(self.waiting, step, self.running, self.policy.is_spare,
+                                                          self.policy.queue_of):
+            return  # spare rows would lengthen a step some interactive request waits for
+        beside = bool(step.plan.chunks)  # interactive decodes, whose step spare rows may grow only so much
+        step.time = spare_bound(self.config, step, self.step_cost.coefficients())
+        for seq in decodes:
+            if (
+                step.tokens_left > 0  # a row may fit the time bound where no prefill token does
+                and seq.seq_id not in step.preempted
+                and len(seq.output_token_ids) < seq.max_tokens
+                and (not beside or step.time is None or step.time.fits(step.features + decode_features(seq)))
+                and self._grow_running(seq, seq.num_computed_tokens + 1, step)
+            ):
+                step.add(seq, 1)
+        prefilling = self._prefilling()
+        headroom = self.policy.spare_headroom_blocks()
+        for queue in spare:
+            self._schedule_prefills(queue, prefilling[queue], step, 0, True, headroom)
 
     def schedule_express(self, step_adapters: frozenset[str] | None = None) -> StepPlan:
         """A step of the policy's express requests alone, each whole; empty when nobody qualifies.
@@ -174,6 +209,8 @@ class Scheduler:
         # The running decodes wait for this step too, inside the step under way or before the next one.
         self._bound(step, step_target_s(self.config, [s for s in self.running if not s.is_prefilling]))
         for queue in self.policy.queue_names():
+            if self.policy.is_spare(queue):
+                continue
             for seq in self.policy.express(self.waiting[queue], self.running, step.budget):
                 if seq.adapter is not None and step_adapters is not None and seq.adapter not in step_adapters:
                     continue
@@ -213,9 +250,11 @@ class Scheduler:
             step.held[queue] = tenants
 
     def _schedule_prefills(
-        self, queue: str, prefilling: list[Sequence], step: StepBuilder, keep: int, may_preempt: bool
+        self, queue: str, prefilling: list[Sequence], step: StepBuilder, keep: int, may_preempt: bool,
+        headroom: int | None = None,
     ) -> None:
-        """Continue ``queue``'s running prefills, then admit its waiting sequences in order.
+        """Continue ``queue``'s running prefills, then admit its waiting sequences in order (a spare-capacity
+        queue's, given ``headroom``, each only if its whole prompt fits with that many blocks left free).
 
         Under fair share a waiting sequence of a tenant served less than a running prefill's
         is admitted before that prefill continues: else a flood's long prefills would take
@@ -230,7 +269,7 @@ class Scheduler:
             if seq.seq_id in step.preempted or (held is not None and seq.tenant not in held):
                 continue
             if held is None:
-                self._admit_waiting(queued, step, keep, may_preempt, skipped, before=seq)
+                self._admit_waiting(queued, step, keep, may_preempt, skipped, before=seq, headroom=headroom)
                 if seq.seq_id in step.preempted:  # it gave way to one admitted before it
                     continue
             chunk = step.chunks.get(seq.seq_id)
@@ -248,7 +287,7 @@ class Scheduler:
                 step.add(seq, n)
                 self._first_token(step, seq)
         if held is None:
-            self._admit_waiting(queued, step, keep, may_preempt, skipped)
+            self._admit_waiting(queued, step, keep, may_preempt, skipped, headroom=headroom)
         if any(s.seq_id in step.preempted for s in queued):
             # Preempted for want of blocks this step: worse queues must not take the blocks it will
             # need. (Under fair share a less-served tenant of the same queue may still go first.)
@@ -262,8 +301,10 @@ class Scheduler:
         may_preempt: bool,
         skipped: set[str],
         before: Sequence | None = None,
+        headroom: int | None = None,
     ) -> None:
-        """Admit ``queued`` in the policy's order (only those that go ``before`` a running prefill)."""
+        """Admit ``queued`` in the policy's order (only those that go ``before`` a running prefill); a
+        spare-capacity queue's (``headroom`` given) each beside its whole prompt with that many blocks free."""
         while not step.admission_closed and step.budget - keep > 0:
             seq = self.policy.next_to_admit(queued, skipped)
             if seq is None or seq.seq_id in step.preempted:
@@ -273,7 +314,9 @@ class Scheduler:
             # The spare is kept only beside running sequences: alone, a request that needs the whole
             # pool must still start.
             spare = self.config.express_spare_blocks if self.running else 0
-            reason = self._admit(seq, step, keep, may_preempt, spare)
+            if headroom is not None:
+                spare = max(spare, headroom)
+            reason = self._admit(seq, step, keep, may_preempt, spare, whole=headroom is not None)
             if reason is None:
                 self._first_token(step, seq)
             elif reason in (NO_SLOT, NO_BLOCKS):
@@ -282,12 +325,15 @@ class Scheduler:
                 skipped.add(seq.seq_id)  # it waits for a slot; later requests with resident adapters may go
 
     def _admission_need(
-        self, seq: Sequence, step: StepBuilder, keep: int, spare: int
+        self, seq: Sequence, step: StepBuilder, keep: int, spare: int, whole: bool = False
     ) -> tuple[str | None, list[int], int]:
-        """(why ``seq`` cannot start now, leaving ``spare`` blocks free, or None; its cached prefix blocks; its chunk)."""
+        """(why ``seq`` cannot start now, leaving ``spare`` blocks free (``whole``: beside its whole prompt's, not
+        just its first chunk's), or None; its cached prefix blocks; its chunk)."""
         cached = self.block_manager.match_prefix(seq)
         start = len(cached) * self.config.block_size
         n = min(seq.num_tokens - start, step.room(start, keep))
+        if whole:
+            spare += self.block_manager.blocks_for(seq.num_tokens) - self.block_manager.blocks_for(start + n)
         if len(self.running) >= self.config.max_num_seqs:
             return NO_SLOT, cached, n
         adapters = {s.adapter for s in self.running if s.adapter is not None}
@@ -297,17 +343,18 @@ class Scheduler:
             return NO_BLOCKS, cached, n
         return None, cached, n
 
-    def _admit(self, seq: Sequence, step: StepBuilder, keep: int, may_preempt: bool, spare: int = 0) -> str | None:
-        """Start ``seq`` (preempting as the policy says if ``may_preempt``) with ``spare`` blocks left free;
-        None, or why it cannot start."""
+    def _admit(self, seq: Sequence, step: StepBuilder, keep: int, may_preempt: bool, spare: int = 0,
+               whole: bool = False) -> str | None:
+        """Start ``seq`` (preempting as the policy says if ``may_preempt``) with ``spare`` blocks left free
+        (``whole``: once its whole prompt has its blocks); None, or why it cannot start."""
         while True:
-            reason, cached, n = self._admission_need(seq, step, keep, spare)
+            reason, cached, n = self._admission_need(seq, step, keep, spare, whole)
             if reason is None:
                 break
             if not may_preempt:
                 return reason
             victim = self.policy.victim_for_waiting(
-                seq, reason, self.running, lambda seqs: self._frees_enough(seq, step, keep, seqs, spare)
+                seq, reason, self.running, lambda seqs: self._frees_enough(seq, step, keep, seqs, spare, whole)
             )
             if victim is None:
                 return reason
@@ -324,10 +371,11 @@ class Scheduler:
         step.add(seq, n)
         return None
 
-    def _frees_enough(self, seq: Sequence, step: StepBuilder, keep: int, victims: list[Sequence], spare: int) -> bool:
+    def _frees_enough(self, seq: Sequence, step: StepBuilder, keep: int, victims: list[Sequence], spare: int,
+                      whole: bool = False) -> bool:
         bm = self.block_manager
         cached = bm.match_prefix(seq)
-        tokens = len(cached) * self.config.block_size + min(
+        tokens = seq.num_tokens if whole else len(cached) * self.config.block_size + min(
             seq.num_tokens - len(cached) * self.config.block_size,
             step.budget + sum(step.chunks[v.seq_id].num_tokens for v in victims if v.seq_id in step.chunks) - keep,
         )
@@ -359,7 +407,8 @@ class Scheduler:
             self.block_manager.free(seq)
             self.running.remove(seq)
             seq.recompute_until = max(seq.recompute_until, seq.num_computed_tokens)
-            seq.recompute_charged_tier = cause.tier
+            # Spare work is preempted by design and priced for it: its recompute is its own tier's.
+            seq.recompute_charged_tier = seq.tier if self.policy.is_spare(self.policy.queue_of(seq)) else cause.tier
             seq.num_computed_tokens = 0
             seq.num_preemptions += 1
             seq.status = SequenceStatus.WAITING

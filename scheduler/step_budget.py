@@ -55,15 +55,38 @@ class StepTimeBound:
     cost: StepCost
     min_chunk: int
 
+    def fits(self, features: StepFeatures) -> bool:
+        """Whether a step computing ``features`` is predicted within the target (as planned, ``PLAN_TO`` of it)."""
+        return predict(self.cost, features) <= PLAN_TO * self.target_s + 1e-12
+
     def room(self, features: StepFeatures, start: int | None = None) -> int:
         """Prefill tokens a step computing ``features`` so far may still take in a new chunk beginning at
         position ``start`` (None: leave out the chunk's fixed context cost, for an estimate of what is left)."""
-        left = PLAN_TO * self.target_s - predict(self.cost, features) - self.cost.per_context_token_s * (start or 0)
-        per_token = self.cost.per_prefill_token_s + self.cost.per_context_token_s
-        # Rounded a little past the floor: a prediction that lands on the target exactly must fit.
-        fits = math.floor(left / per_token + 1e-9) if per_token > 0 else math.inf
+        start = start or 0
+        left = PLAN_TO * self.target_s - predict(self.cost, features) - self.cost.per_context_token_s * start
+        fits = _largest_chunk(left, self.cost, start)
         granted = self.min_chunk - features.prefill_tokens  # the step's guaranteed progress
         return int(min(max(fits, granted, 0), 1 << 30))
+
+
+def _largest_chunk(left_s: float, cost: StepCost, start: int) -> float:
+    """The most prefill tokens from position ``start`` whose predicted cost fits in ``left_s`` (inf: any).
+
+    n tokens cost ``(per_prefill + per_context) * n + per_pair * (n * start + n * (n + 1) / 2)``
+    (scheduler/plan.py's attention pairs): the positive root of that quadratic, floored.
+    """
+    if left_s < 0:
+        return -1
+    linear = cost.per_prefill_token_s + cost.per_context_token_s + cost.per_attention_pair_s * (start + 0.5)
+    half_pair = cost.per_attention_pair_s / 2
+    if half_pair > 0:
+        root = (-linear + math.sqrt(linear * linear + 4 * half_pair * left_s)) / (2 * half_pair)
+    elif linear > 0:
+        root = left_s / linear
+    else:
+        return math.inf
+    # Rounded a little past the floor: a prediction that lands on the target exactly must fit.
+    return math.floor(root + 1e-9)
 
 
 def scaled_share(share_tokens: int, room: int, max_tokens: int) -> int:

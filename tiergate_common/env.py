@@ -94,6 +94,8 @@ CACHE_DIR: Var[str | None] = Var("CACHE_DIR", str, None)
 CPU_THREADS: Var[int | None] = Var("CPU_THREADS", int, None)
 # Engine: projections' form (engine/packed_linear.py): auto (panels, the same), onednn, or off/plain (torch.mm).
 PACKED_WEIGHTS = Switch("PACKED_WEIGHTS", extra=("panels", "onednn", "plain"))
+# Engine: off keeps Q4_0/Q8_0/Q4_K/Q6_K weights in the file's layout instead of repacking them (engine/quant_linear.py).
+QUANT_REPACK = Switch("QUANT_REPACK")
 # Engine: off attends over a gathered copy of each context instead of the in-place kernels.
 PAGED_ATTENTION = Switch("PAGED_ATTENTION")
 # Engine: off normalizes with torch's rms_norm instead of the fused kernel.

@@ -16,7 +16,12 @@
 //
 // The paths are compiled with target attributes so one build holds all of them, and the
 // caller picks one per call (engine/quant_linear.py: the best the CPU runs, or the one forced
-// by TIERGATE_QUANT_ISA): 0 AVX-512 VNNI, 1 AVX2, 2 scalar.
+// by TIERGATE_QUANT_ISA): 0 AVX-512 VNNI, 1 AVX2, 2 scalar, 3 AVX2 with AVX-VNNI (whose tiles
+// here are AVX2's).
+//
+// A weight may come repacked (quant_packed.h: a 3-d tensor): a call of a few rows whose weights
+// all are goes to quant_gemv.cpp's kernels; otherwise each group of 16 outputs of it is unpacked
+// back into ggml rows in the thread's scratch and served as below.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,6 +32,9 @@
 
 #include "quant_formats.h"
 #include "quant_kernels.h"
+#include "quant_packed.h"
+
+#include <cpuid.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,7 +49,7 @@ using namespace tiergate_quant;
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 
-enum Isa : int64_t { AVX512 = 0, AVX2 = 1, SCALAR = 2 };
+enum Isa : int64_t { AVX512 = 0, AVX2 = 1, SCALAR = 2, AVXVNNI = 3 };
 
 constexpr int64_t GROUP = 16;  // outputs a thread decodes at once
 
@@ -74,19 +82,8 @@ Acts quantize_acts(const at::Tensor& x) {
       const float* src = xp + r * stride;
       int8_t* q = a.q.data() + r * a.in_pad;
       for (int64_t b = 0; b < in / 32; ++b) {
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(src[b * 32 + i]));
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int sums[2] = {0, 0};
-        for (int i = 0; i < 32; ++i) {
-          // Rounds half away from zero, as ggml's reference Q8 quantizer (std::round is a libm
-          // call per value; trunc and a compare vectorize), clamped for a rounding at 127.
-          const float v = src[b * 32 + i] * id, t = std::trunc(v);
-          const float r = t + (std::fabs(v - t) >= 0.5f ? std::copysign(1.f, v) : 0.f);
-          const int n = int(std::clamp(r, -127.f, 127.f));
-          q[b * 32 + i] = int8_t(n);
-          sums[i / 16] += n;
-        }
+        int sums[2];
+        const float d = quantize_block32(src + b * 32, q + b * 32, sums);
         for (int h = 0; h < 2; ++h) {
           a.d[r * n16 + b * 2 + h] = d;
           a.s[r * n16 + b * 2 + h] = d * float(sums[h]);
@@ -258,8 +255,9 @@ Kernels kernels_for(int64_t isa, bool is_signed, std::integer_sequence<int, R...
 }
 
 struct Part {
-  const uint8_t* blocks;
+  const uint8_t* blocks;  // ggml rows, or quant_packed.h's groups where `packed`
   int64_t type, out_features, row_bytes, col0;
+  bool packed;
 };
 
 struct Group {
@@ -273,6 +271,12 @@ bool isa_supported(int64_t isa) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512vnni");
   if (isa == AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == AVXVNNI) {
+    // CPUID leaf 7 sub-leaf 1, EAX bit 4 (GCC 12's __builtin_cpu_supports misses AVX-VNNI).
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __get_cpuid_count(7, 1, &a, &b, &c, &d) &&
+           (a >> 4 & 1);
+  }
   return isa == SCALAR;
 }
 
@@ -281,6 +285,13 @@ void check_part(const at::Tensor& blocks, int64_t type, int64_t in, int64_t out_
   const Format f = format_of(type);
   TORCH_CHECK(in % f.block_values == 0, "quant_linear: the input size ", in, " is not a multiple of ",
               f.block_values);
+  if (blocks.dim() == 3) {
+    TORCH_CHECK(repacked(type) && blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
+                    blocks.is_contiguous() && blocks.size(0) == (out_features + PACK_ROWS - 1) / PACK_ROWS &&
+                    blocks.size(1) == in / f.block_values && blocks.size(2) == tile_bytes(type),
+                "quant_linear: packed blocks do not match the format, input size and out_features");
+    return;
+  }
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.is_contiguous(),
               "quant_linear: blocks must be a contiguous uint8 CPU tensor [out, bytes_per_row]");
@@ -290,6 +301,7 @@ void check_part(const at::Tensor& blocks, int64_t type, int64_t in, int64_t out_
 
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
                         at::IntArrayRef out_features, int64_t isa) {
+  static_assert(GROUP == PACK_ROWS, "a scratch group is one packed group");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "quant_linear: x must be a float32 CPU tensor [rows, in] with contiguous rows");
   TORCH_CHECK(!blocks.empty() && blocks.size() == types.size() && blocks.size() == out_features.size(),
@@ -301,17 +313,31 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
   int64_t total = 0;
   for (size_t p = 0; p < blocks.size(); ++p) {
     check_part(blocks[p], types[p], in, out_features[p]);
-    parts.push_back({blocks[p].const_data_ptr<uint8_t>(), types[p], out_features[p], blocks[p].size(1), total});
+    const bool packed = blocks[p].dim() == 3;
+    parts.push_back({blocks[p].const_data_ptr<uint8_t>(), types[p], out_features[p],
+                     in / format_of(types[p]).block_values * format_of(types[p]).block_bytes, total, packed});
     for (int64_t first = 0; first < out_features[p]; first += GROUP) groups.push_back({int64_t(p), first});
     total += out_features[p];
   }
   at::Tensor out = at::empty({rows, total}, x.options());
   if (rows == 0) return out;
+  float* outp = out.mutable_data_ptr<float>();
+  if (rows <= GEMV_MAX_ROWS) {
+    GemvPart packed_parts[8];
+    const int n = int(parts.size());
+    bool all_packed = n <= 8;
+    for (int p = 0; p < n && all_packed; ++p) {
+      all_packed = parts[p].packed;
+      packed_parts[p] = {parts[p].blocks, parts[p].type, parts[p].out_features, parts[p].col0};
+    }
+    if (all_packed && gemv_packed(x.const_data_ptr<float>(), x.stride(0), rows, in, packed_parts, n, isa, outp, total))
+      return out;
+  }
+  if (isa == AVXVNNI) isa = AVX2;  // the scratch tiles' AVX2 path: maddubs serves them as well
   const Acts a = quantize_acts(x);
   const int64_t n16 = a.in_pad / 16;
   const Kernels unsigned_tiles = kernels_for(isa, false, std::make_integer_sequence<int, MAX_ROWS>{});
   const Kernels signed_tiles = kernels_for(isa, true, std::make_integer_sequence<int, MAX_ROWS>{});
-  float* outp = out.mutable_data_ptr<float>();
   // A few rows: AVX-512 decodes each weight chunk in registers for all of them (quant_fused_avx512.cpp).
   const bool fused = isa == AVX512 && rows <= FUSED_MAX_ROWS;
 
@@ -319,13 +345,20 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
     // Zeroed once: the padding past `in` stays zero and weighs nothing; outputs past a part's
     // end compute on stale finite values and are not stored.
     // Allocated on first use: the fused path needs none.
-    std::vector<uint8_t> q;
+    std::vector<uint8_t> q, unpacked;
     std::vector<float> d, m;
     for (int64_t g = begin; g < end; ++g) {
       const Part& part = parts[groups[g].part];
       const int64_t first = groups[g].first, count = std::min(GROUP, part.out_features - first);
+      // The group's ggml rows: in place, or unpacked from a packed weight (its group first / GROUP).
+      const uint8_t* group_rows = part.blocks + first * part.row_bytes;
+      if (part.packed) {
+        unpacked.resize(GROUP * part.row_bytes);
+        unpack_group(part.type, part.blocks, in / format_of(part.type).block_values, first / GROUP, unpacked.data());
+        group_rows = unpacked.data();
+      }
       if (fused) {
-        const FusedArgs f{part.blocks, part.type, part.row_bytes, in, first, count, &a, 0, rows,
+        const FusedArgs f{group_rows, part.type, part.row_bytes, in, 0, count, &a, 0, rows,
                           outp + part.col0 + first, total};
         if (fused_avx512(f)) continue;
       }
@@ -336,7 +369,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
       }
       const int64_t nblocks = in / format_of(part.type).block_values;
       for (int64_t o = 0; o < count; ++o) {
-        const uint8_t* row = part.blocks + (first + o) * part.row_bytes;
+        const uint8_t* row = group_rows + o * part.row_bytes;
         uint8_t* qo = q.data() + o * a.in_pad;
         float *d_o = d.data() + o * n16, *m_o = m.data() + o * n16;
         if (!(isa == AVX512 && decode_avx512(part.type, row, in, qo, d_o, m_o)))
@@ -361,6 +394,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
 // Rows of a weight in float32 [rows, in], rounded as ggml's (and gguf-py's) dequantizers round:
 // d * q + m, whose product is exact, except Q6_K's d * (q - 32), whose product may round.
 at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t in) {
+  TORCH_CHECK(blocks.dim() == 2, "quant_dequantize: ggml rows [out, bytes_per_row] (unpack a packed weight first)");
   check_part(blocks, type, in, blocks.size(0));
   const int64_t rows = blocks.size(0), nblocks = in / format_of(type).block_values, n16 = in / 16;
   at::Tensor out = at::empty({rows, in}, blocks.options().dtype(at::kFloat));

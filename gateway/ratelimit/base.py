@@ -11,7 +11,16 @@ from typing import Protocol
 class Limits:
     rpm: int
     tpm: int
-    max_concurrent: int
+    max_concurrent: int  # sequences in flight (n x prompts per request), not requests
+
+    def slots_for(self, sequences: int) -> int:
+        """Concurrency slots a request of ``sequences`` holds: one per sequence, at most the whole limit.
+
+        Every sequence takes a batch slot in the engine, so ``n`` or a list prompt is paid for in
+        slots; a request asking for more than the limit holds all of it (it runs alone) rather than
+        being refused for ever.
+        """
+        return max(1, min(sequences, self.max_concurrent))
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,9 @@ class LimiterUnavailable(Exception):
 
 
 class RateLimiter(Protocol):
-    async def acquire(self, tenant: str, limits: Limits, request_id: str, tokens: int) -> Decision:
-        """Admit one request reserving ``tokens`` of the TPM budget, or refuse it and change nothing."""
+    async def acquire(self, tenant: str, limits: Limits, request_id: str, tokens: int, sequences: int = 1) -> Decision:
+        """Admit one request of ``sequences`` sequences reserving ``tokens`` of the TPM budget (and
+        ``limits.slots_for(sequences)`` concurrency slots), or refuse it and change nothing."""
         ...
 
     async def release(self, tenant: str, request_id: str, reserved_tokens: int, used_tokens: int) -> None:

@@ -30,7 +30,7 @@ class _TenantWindow:
     entries: deque[_Entry] = field(default_factory=deque)
     by_id: dict[str, _Entry] = field(default_factory=dict)
     tokens: int = 0
-    in_flight: set[str] = field(default_factory=set)
+    in_flight: dict[str, int] = field(default_factory=dict)  # request id -> concurrency slots held
 
     def expire(self, before: float) -> None:
         while self.entries and self.entries[0].at <= before:
@@ -45,13 +45,14 @@ class InProcessLimiter:
         self.clock = clock
         self._tenants: dict[str, _TenantWindow] = {}
 
-    async def acquire(self, tenant: str, limits: Limits, request_id: str, tokens: int) -> Decision:
+    async def acquire(self, tenant: str, limits: Limits, request_id: str, tokens: int, sequences: int = 1) -> Decision:
         now = self.clock()
         w = self._tenants.setdefault(tenant, _TenantWindow())
         w.expire(now - self.window_s)
         reset_req = w.entries[0].at + self.window_s - now if w.entries else 0.0
         reason, retry = None, 0.0
-        if len(w.in_flight) >= limits.max_concurrent:
+        slots = limits.slots_for(sequences)
+        if sum(w.in_flight.values()) + slots > limits.max_concurrent:
             reason, retry = "concurrency", CONCURRENCY_RETRY_S
         elif len(w.entries) >= limits.rpm:
             reason, retry = "requests", reset_req
@@ -66,7 +67,7 @@ class InProcessLimiter:
         w.entries.append(entry)
         w.by_id[request_id] = entry
         w.tokens += tokens
-        w.in_flight.add(request_id)
+        w.in_flight[request_id] = slots
         return Decision(True, None, 0.0, limits, limits.rpm - len(w.entries), limits.tpm - w.tokens,
                         w.entries[0].at + self.window_s - now, self._tokens_free_in(w, w.tokens, now))
 
@@ -74,7 +75,7 @@ class InProcessLimiter:
         w = self._tenants.get(tenant)
         if w is None:
             return
-        w.in_flight.discard(request_id)
+        w.in_flight.pop(request_id, None)
         entry = w.by_id.get(request_id)
         refund = min(max(0, reserved_tokens - used_tokens), entry.tokens if entry else 0)
         if entry is not None and refund:

@@ -47,7 +47,9 @@ RENEWALS_PER_LEASE = 3
 HEALTH_CHECK_INTERVAL_S = 5
 
 # KEYS: requests zset (id -> admitted at), tokens hash (id -> reserved), token total, concurrency zset (id -> lease end)
-# ARGV: request id, tokens, rpm, tpm, max_concurrent, window_s, lease_s
+# ARGV: request id, tokens, rpm, tpm, max_concurrent, window_s, lease_s, slots
+# A request holding several concurrency slots (n x prompts sequences) has one lease member per slot:
+# its id, then id#2 .. id#slots (lease_members() below), so ZCARD still counts slots.
 # Returns strings (Lua numbers would be truncated to integers):
 #   {allowed, reason, retry_after_s, used_requests, used_tokens, reset_requests_s, reset_tokens_s}
 ACQUIRE = """
@@ -55,6 +57,7 @@ local req, tok, total, conc = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, cost = ARGV[1], tonumber(ARGV[2])
 local rpm, tpm, maxc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local window, lease = tonumber(ARGV[6]), tonumber(ARGV[7])
+local slots = tonumber(ARGV[8])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 
@@ -91,7 +94,7 @@ local function reset_req()
 end
 
 local reason, retry = '', 0
-if inflight >= maxc then
+if inflight + slots > maxc then
   reason, retry = 'concurrency', -1
 elseif used_req >= rpm then
   reason, retry = 'requests', reset_req()
@@ -109,15 +112,17 @@ redis.call('ZADD', req, now, id)
 redis.call('HSET', tok, id, cost)
 redis.call('INCRBY', total, cost)
 redis.call('ZADD', conc, now + lease, id)
+for k = 2, slots do redis.call('ZADD', conc, now + lease, id .. '#' .. k) end
 local ttl = math.ceil((window + lease) * 1000)
 for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ttl) end
 return {'1', '', '0', tostring(used_req + 1), tostring(used_tok + cost),
         tostring(reset_req()), tostring(tokens_free_in(used_tok + cost))}
 """
 
-# KEYS: as ACQUIRE; ARGV: request id, tokens to give back
+# KEYS: as ACQUIRE; ARGV: request id, tokens to give back, slots held
 RELEASE = """
 redis.call('ZREM', KEYS[4], ARGV[1])
+for k = 2, tonumber(ARGV[3]) do redis.call('ZREM', KEYS[4], ARGV[1] .. '#' .. k) end
 local refund = tonumber(ARGV[2])
 local held = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 refund = math.min(refund, held)
@@ -128,7 +133,7 @@ end
 return refund
 """
 
-# KEYS: the concurrency zset; ARGV: lease_s, then the request ids this process still runs.
+# KEYS: the concurrency zset; ARGV: lease_s, then the lease members of the requests this process still runs.
 # XX: a lease that already lapsed (or was released) is not brought back.
 RENEW = """
 local t = redis.call('TIME')
@@ -142,6 +147,11 @@ local want = math.ceil(tonumber(ARGV[1]) * 1000)
 if ttl >= 0 and ttl < want then redis.call('PEXPIRE', KEYS[1], want) end
 return renewed
 """
+
+
+def lease_members(request_id: str, slots: int) -> list[str]:
+    """The concurrency zset's members of a request holding ``slots`` slots (as ACQUIRE names them)."""
+    return [request_id] + [f"{request_id}#{k}" for k in range(2, slots + 1)]
 
 
 def redis_client(url: str) -> aioredis.Redis:
@@ -168,7 +178,7 @@ class RedisLimiter:
         self._acquire = self.client.register_script(ACQUIRE)
         self._release = self.client.register_script(RELEASE)
         self._renew = self.client.register_script(RENEW)
-        self._held: dict[str, str] = {}  # request id -> tenant, for the leases this process renews
+        self._held: dict[str, tuple[str, int]] = {}  # request id -> (tenant, slots), the leases this process renews
         self._heartbeat: asyncio.Task | None = None
 
     def _keys(self, tenant: str) -> list[str]:
@@ -176,18 +186,20 @@ class RedisLimiter:
         base = f"{self.key_prefix}:{{{tenant}}}"
         return [f"{base}:req", f"{base}:tok", f"{base}:total", f"{base}:conc"]
 
-    async def acquire(self, tenant: str, limits: Limits, request_id: str, tokens: int) -> Decision:
+    async def acquire(self, tenant: str, limits: Limits, request_id: str, tokens: int, sequences: int = 1) -> Decision:
+        slots = limits.slots_for(sequences)
         try:
             out = await self._acquire(
                 keys=self._keys(tenant),
-                args=[request_id, tokens, limits.rpm, limits.tpm, limits.max_concurrent, self.window_s, self.lease_s],
+                args=[request_id, tokens, limits.rpm, limits.tpm, limits.max_concurrent, self.window_s, self.lease_s,
+                      slots],
             )
         except (RedisConnectionError, RedisTimeoutError) as e:
             # Fail closed: admitting without the shared budget is how limits stop holding across replicas.
             raise LimiterUnavailable(str(e)) from e
         allowed, reason, retry, used_req, used_tok, reset_req, reset_tok = (v.decode() for v in out)
         if allowed == "1":
-            self._held[request_id] = tenant
+            self._held[request_id] = (tenant, slots)
             if self._heartbeat is None or self._heartbeat.done():
                 self._heartbeat = asyncio.get_running_loop().create_task(self._renew_leases())
         retry_s = float(retry)
@@ -208,14 +220,14 @@ class RedisLimiter:
 
     async def release(self, tenant: str, request_id: str, reserved_tokens: int, used_tokens: int) -> None:
         # Forgotten first: if Redis is down the lease lapses by itself, as it would after a crash.
-        self._held.pop(request_id, None)
-        await self._release(keys=self._keys(tenant), args=[request_id, max(0, reserved_tokens - used_tokens)])
+        _, slots = self._held.pop(request_id, (tenant, 1))
+        await self._release(keys=self._keys(tenant), args=[request_id, max(0, reserved_tokens - used_tokens), slots])
 
     async def renew(self) -> int:
-        """Extend every lease this process holds by ``lease_s`` from now; returns how many were renewed."""
+        """Extend every lease this process holds by ``lease_s`` from now; returns how many slots were renewed."""
         by_tenant: dict[str, list[str]] = defaultdict(list)
-        for request_id, tenant in list(self._held.items()):
-            by_tenant[tenant].append(request_id)
+        for request_id, (tenant, slots) in list(self._held.items()):
+            by_tenant[tenant] += lease_members(request_id, slots)
         renewed = 0
         for tenant, ids in by_tenant.items():
             renewed += int(await self._renew(keys=self._keys(tenant)[3:], args=[self.lease_s, *ids]) or 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 from bench import long_prompt_gap
@@ -33,3 +34,11 @@ def test_the_report_has_a_row_per_mode_from_the_gaps_and_ttfts_measured():
     assert [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "mode" not in line] == \
         ["alone", "off", "on"]
     assert "| 300 |" not in lines[-1] and "/ 300 |" in lines[-1]
+
+
+def test_every_long_prompt_of_a_run_is_new_to_the_prefix_cache():
+    """Phases send long prompts in turn; one repeated from an earlier phase would be served from the cache."""
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda text: [ord(c) for c in text]))
+    prompts = list(itertools.islice(long_prompt_gap._long_prompts(engine), 40))
+    assert all(len(p) == long_prompt_gap.LONG_PROMPT for p in prompts)
+    assert len({tuple(p[:16]) for p in prompts}) == 40  # each its own from its first block

@@ -87,6 +87,16 @@ def test_default_prices_make_premium_three_times_standard(engine, ledger, monkey
     assert rows["premium"] == pytest.approx(3 * rows["standard"]) and rows["standard"] > 0
 
 
+def test_the_batch_tier_has_its_own_row_at_half_the_standard_default_price(engine, ledger, monkeypatch):
+    monkeypatch.delenv("TIERGATE_PRICES", raising=False)
+    ledger.write(_rec("s", "beta", "standard", 1, 10.0))
+    # A batch line preempted by interactive work pays its own recompute (scheduler/spare.py).
+    ledger.write(_rec("b", "bulk", "batch", 1, 10.0, recompute={"batch": 2.0}))
+    rows = {r.group: r for r in usage_report(engine, DAY, DAY + timedelta(days=1))}
+    assert (rows["batch"].requests, rows["batch"].gpu_seconds, rows["batch"].recompute_gpu_seconds) == (1, 10.0, 2.0)
+    assert rows["batch"].cost == pytest.approx(rows["standard"].cost / 2 * 1.2)
+
+
 def test_report_errors(engine, ledger):
     ledger.write(_rec("g", "acme", "gold", 1, 1.0))
     with pytest.raises(MissingPrice, match="gold"):

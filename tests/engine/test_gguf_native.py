@@ -105,13 +105,24 @@ def test_native_logits_equal_the_dequantized_paths_without_activation_rounding(n
 
 
 @pytest.mark.parametrize("name", list(FILES))
-def test_native_logits_on_the_kernels_stay_within_the_activation_rounding(name, loaded):
+@pytest.mark.parametrize("tokens", [len(PROMPT), 3], ids=["prefill", "few_rows"])
+def test_native_logits_on_the_kernels_stay_within_the_activation_rounding(name, loaded, tokens):
+    """A prompt of 3 tokens is a call of 3 rows: the repacked weights' few-row kernels serve it."""
     assert engine.quant_linear.quant_kernels_present()
-    exact = prompt_logits(loaded[name][1])
-    native = prompt_logits(loaded[name][0])
+    exact = prompt_logits(loaded[name][1], PROMPT[:tokens])
+    native = prompt_logits(loaded[name][0], PROMPT[:tokens])
     spread = exact.abs().max().item()
     assert (native - exact).abs().max().item() < KERNEL_RTOL * spread
     assert (native.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("name", ["q4_k_m", "q8_0_tied"])
+def test_q4_0_q8_0_q4_k_and_q6_k_weights_are_served_repacked(name, loaded):
+    model = loaded[name][0].model
+    weights = [model.embed, model.head] + [getattr(layer, proj) for layer in model.layers for proj in PROJECTIONS]
+    parts = [part for w in weights for part in getattr(w, "parts", [w])]
+    assert all(p.packed == (p.ggml_type in engine.quant_linear.REPACKED_TYPES) for p in parts)
+    assert any(p.packed for p in parts)
 
 
 def test_a_type_without_a_kernel_is_dequantized_with_one_warning_naming_tensors_and_type(tmp_path, cache,

@@ -10,6 +10,10 @@ rounded half away from zero), so x_i is read as d·q_i with |x_i - d·q_i| <= d/
 ``activation_bound`` computes this; the kernels' error is typically a tenth of it. A second,
 tighter check quantizes x as the kernel does (``_as_kernel_reads``) and compares within the
 float32 term alone, which a wrong nibble, scale or offset anywhere would far exceed.
+
+Q4_0, Q8_0, Q4_K and Q6_K weights are repacked at load (csrc/quant_packed.h): calls of up to
+four rows run the packed few-row kernels (csrc/quant_gemv*.cpp), more rows the scratch tiles
+over groups unpacked again; ``layout`` runs each test on both the packed and the file's layout.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import torch
 
 from engine import quant_linear
 from engine.quant_linear import (
+    AUTO_ORDER,
     ISAS,
     SERVED_TYPES,
+    REPACKED_TYPES,
     QuantWeight,
     kernel_isa,
     quant_kernels_present,
@@ -43,7 +49,8 @@ def kernels_built():
 
 
 def available_isas() -> list[str]:
-    return [isa for isa in ISAS if torch.ops.tiergate.quant_isa_supported(ISAS.index(isa))]
+    """The paths this CPU runs, the one auto picks first."""
+    return [isa for isa in AUTO_ORDER if torch.ops.tiergate.quant_isa_supported(ISAS.index(isa))]
 
 
 @pytest.fixture(params=ISAS)
@@ -52,6 +59,13 @@ def isa(request, monkeypatch):
     if request.param not in available_isas():
         pytest.skip(f"this CPU cannot run the {request.param} path")
     monkeypatch.setenv("TIERGATE_QUANT_ISA", request.param)
+    return request.param
+
+
+@pytest.fixture(params=["packed", "file"])
+def layout(request, monkeypatch):
+    """Weights built after it repacked (the default) or kept in the file's layout (TIERGATE_QUANT_REPACK=0)."""
+    monkeypatch.setenv("TIERGATE_QUANT_REPACK", "1" if request.param == "packed" else "0")
     return request.param
 
 
@@ -105,9 +119,10 @@ def shapes_for(ggml_type: T) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-def test_kernel_matches_float64_dequantized_reference_within_activation_rounding(ggml_type, isa):
+def test_kernel_matches_float64_dequantized_reference_within_activation_rounding(ggml_type, isa, layout):
     for i, (rows, in_features, out_features) in enumerate(shapes_for(ggml_type)):
         w = weight(ggml_type, in_features, out_features, seed=i)
+        assert w.packed == (layout == "packed" and ggml_type in REPACKED_TYPES)
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(i))
         check_product(w, x, w(x))
 
@@ -130,18 +145,57 @@ def test_bfloat16_x_is_read_as_float32():
     assert torch.equal(w(x), w(x.float()))
 
 
-def test_stacked_weights_of_mixed_types_give_each_part_side_by_side_in_one_call(isa):
+@pytest.mark.parametrize("rows", [1, 3, 11])
+def test_stacked_weights_of_mixed_types_give_each_part_side_by_side_in_one_call(isa, rows):
     parts = [weight(T.Q4_K, 512, 40, seed=1), weight(T.Q6_K, 512, 13, seed=2), weight(T.Q8_0, 512, 24, seed=3),
              weight(T.Q5_K, 512, 3, seed=4), weight(T.Q5_0, 512, 9, seed=5), weight(T.Q5_1, 512, 6, seed=6)]
     fused = stack_outputs(parts)
     assert fused.form == "quant" and fused.in_features == 512 and fused.out_features == 95
     assert fused.nbytes == sum(p.nbytes for p in parts)
-    x = torch.randn(11, 512)
+    x = torch.randn(rows, 512)
     y = fused(x)
-    assert torch.equal(y, torch.cat([p(x) for p in parts], dim=1))
+    if rows > 4:  # a few rows of packed parts alone run the packed kernels, which round their sums otherwise
+        assert torch.equal(y, torch.cat([p(x) for p in parts], dim=1))
     for part, piece in zip(parts, y.split([p.out_features for p in parts], dim=1)):
         check_product(part, x, piece)
     assert torch.equal(fused.dense(), torch.cat([p.dense() for p in parts], dim=1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 6])
+def test_stacked_packed_weights_of_every_repacked_format_in_one_few_row_call(isa, rows):
+    """q|k|v or gate|up of a Q4_K_M file: all parts packed, so a decode step is one packed call."""
+    parts = [weight(T.Q4_K, 768, 35, seed=1), weight(T.Q6_K, 768, 16, seed=2), weight(T.Q8_0, 768, 7, seed=3),
+             weight(T.Q4_0, 768, 50, seed=4)]
+    assert all(p.packed for p in parts)
+    fused = stack_outputs(parts)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    y = fused(x)
+    for part, piece in zip(parts, y.split([p.out_features for p in parts], dim=1)):
+        check_product(part, x, piece)
+
+
+@pytest.mark.parametrize("ggml_type", sorted(REPACKED_TYPES), ids=lambda t: t.name)
+def test_repacking_keeps_the_file_bytes_exactly_and_only_the_packed_copy(ggml_type):
+    for in_features, out_features in [(256, 1), (512, 16), (768, 45)]:
+        source = torch.from_numpy(random_blocks(ggml_type, out_features, in_features, seed=out_features))
+        w = QuantWeight(source.clone(), ggml_type, in_features, out_features)
+        assert w.packed and w.storage.dim() == 3
+        assert torch.equal(w.blocks, source)
+        groups = -(-out_features // 16)
+        assert w.nbytes == groups * 16 * source.shape[1]  # the file's bytes, the last group padded to 16 rows
+        assert np.array_equal(w.dense().numpy(), gguf.quants.dequantize(source.numpy(), ggml_type).T)
+
+
+def test_repacking_is_off_with_the_variable(monkeypatch):
+    monkeypatch.setenv("TIERGATE_QUANT_REPACK", "0")
+    w = weight(T.Q4_0, 64, 5)
+    assert not w.packed and w.storage.dim() == 2 and w.blocks is w.storage
+
+
+def test_unpacking_refuses_row_ids_out_of_range():
+    w = weight(T.Q8_0, 64, 5)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.tiergate.quant_unpack_rows(w.storage, int(T.Q8_0), 64, torch.tensor([16]))
 
 
 def test_stack_outputs_of_one_weight_is_that_weight():
@@ -162,7 +216,7 @@ def test_dense_is_exactly_gguf_py_dequantize(ggml_type):
     assert np.array_equal(dense.numpy(), gguf.quants.dequantize(w.blocks.numpy(), ggml_type).T)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q5_0, T.Q6_K, T.Q4_0, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
 def test_dequantize_rows_gives_the_rows_a_token_embedding_looks_up(ggml_type):
     w = weight(ggml_type, 256, 50)
     ids = torch.tensor([[3, 49, 3], [0, 7, 12]])
@@ -191,7 +245,7 @@ def test_quantize_weight_q4_k_round_trips_through_gguf_py_and_beats_q4_0():
     w_in_out[:256, 0] = 0.0  # an all-zero super-block
     w_in_out[256:288, 1] = 0.25  # a constant sub-block
     q = quantize_weight(w_in_out, "q4_k")
-    assert q.ggml_type == T.Q4_K and q.nbytes == 24 * 4 * 144
+    assert q.ggml_type == T.Q4_K and q.blocks.nbytes == 24 * 4 * 144
     back = gguf.quants.dequantize(q.blocks.numpy(), T.Q4_K).T
     assert np.array_equal(q.dense().numpy(), back)
     assert (back[:256, 0] == 0).all()

@@ -156,6 +156,17 @@ def test_settings_come_from_flags_then_environment_then_defaults():
         load_settings(environ={"TIERGATE_SCHEDULER_POLICY": "random"})
 
 
+def test_the_batch_tiers_margin_and_step_share_come_from_settings_into_the_scheduler():
+    from gateway.server import engine_config
+    from gateway.settings import SettingsError, load_settings
+
+    settings = load_settings(environ={"TIERGATE_BATCH_KV_MARGIN": "0.2", "TIERGATE_BATCH_STEP_SHARE": "0.5"})
+    config = engine_config(settings).scheduler_config(num_blocks=100, max_model_len=256)
+    assert (config.spare_kv_margin, config.spare_step_share) == (0.2, 0.5)
+    with pytest.raises(SettingsError, match="batch_kv_margin"):
+        load_settings(environ={"TIERGATE_BATCH_KV_MARGIN": "1"})
+
+
 def test_the_database_url_comes_from_the_environment_through_settings():
     from gateway.settings import SettingsError, load_settings
 
@@ -184,7 +195,7 @@ def test_the_premium_slo_and_reserve_come_from_settings_into_the_engines_tiers()
     premium, standard, batch = tiers(settings)
     assert (premium.name, premium.ttft_slo_s, premium.kv_reserve_fraction) == ("premium", 2.0, 0.25)
     assert (standard.name, standard.ttft_slo_s, standard.kv_reserve_fraction) == ("standard", None, 0.0)
-    assert (batch.name, batch.ttft_slo_s) == ("batch", None)
+    assert (batch.name, batch.ttft_slo_s, batch.spare_only) == ("batch", None, True)
     assert tiers(load_settings(environ={}))[0].ttft_slo_s == 2.0  # the CPU default
     assert tiers(load_settings(environ={"TIERGATE_DEVICE": "cuda"}))[0].ttft_slo_s == 0.5
     with pytest.raises(SettingsError, match="TIERGATE_PREMIUM_TTFT_SLO_S"):

@@ -67,7 +67,7 @@ def test_renew_does_not_bring_back_a_released_lease(prefix):
         try:
             assert (await limiter.acquire("t", ONE_SLOT, "a", 1)).allowed
             await limiter.release("t", "a", 1, 1)
-            limiter._held["a"] = "t"  # a renewal racing with the release
+            limiter._held["a"] = ("t", 1)  # a renewal racing with the release
             renewed = await limiter.renew()
             return renewed, await limiter.acquire("t", ONE_SLOT, "b", 1)
         finally:
@@ -75,3 +75,20 @@ def test_renew_does_not_bring_back_a_released_lease(prefix):
 
     renewed, decision = asyncio.run(go())
     assert renewed == 0 and decision.allowed
+
+
+def test_a_request_of_several_sequences_renews_and_releases_every_slot(prefix):
+    async def go():
+        limiter = RedisLimiter(REDIS_URL, key_prefix=prefix, lease_s=LEASE_S)
+        limits = Limits(rpm=100, tpm=10_000, max_concurrent=4)
+        try:
+            assert (await limiter.acquire("t", limits, "wide", 1, sequences=3)).allowed
+            renewed = await limiter.renew()
+            beside = await limiter.acquire("t", limits, "two", 1, sequences=2)
+            await limiter.release("t", "wide", 1, 1)
+            return renewed, beside, await limiter.acquire("t", limits, "four", 1, sequences=4)
+        finally:
+            await limiter.close()
+
+    renewed, beside, after = asyncio.run(go())
+    assert renewed == 3 and beside.reason == "concurrency" and after.allowed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -100,17 +101,35 @@ def test_tpm_holds_under_concurrent_load(serve, backend, replicas):
     assert codes.count(429) == 21
 
 
-def test_concurrency_limit_refuses_the_extra_stream(serve):
+@contextlib.contextmanager
+def beside_a_stream(serve, max_concurrent: int):
+    """A tenant limited to ``max_concurrent`` with one long stream open: yields (post, body) for more requests."""
     live = serve()
-    key = live.add_tenant("narrow", "standard", rpm=1000, tpm=1_000_000, max_concurrent=1)
+    key = live.add_tenant("narrow", "standard", rpm=1000, tpm=1_000_000, max_concurrent=max_concurrent)
     body = {"model": live.engine.model_name, "prompt": "x", "max_tokens": 200, "stream": True}
     headers = {"authorization": f"Bearer {key}"}
     with httpx.Client(timeout=30) as http, http.stream("POST", live.url + "/v1/completions", json=body,
                                                         headers=headers) as first:
         assert first.status_code == 200
-        second = http.post(live.url + "/v1/completions", json={**body, "stream": False}, headers=headers)
+        yield lambda **extra: http.post(live.url + "/v1/completions", json={**body, "stream": False, **extra},
+                                        headers=headers)
+
+
+def test_concurrency_limit_refuses_the_extra_stream(serve):
+    with beside_a_stream(serve, max_concurrent=1) as post:
+        second = post()
         assert second.status_code == 429
         assert second.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_concurrency_limit_counts_each_choice_of_a_request(serve):
+    """n choices run n sequences: a tenant allowed 3 at once cannot run n=3 beside a stream."""
+    with beside_a_stream(serve, max_concurrent=3) as post:
+        wide = post(n=3, max_tokens=1)
+        assert wide.status_code == 429
+        assert "concurrent sequences" in wide.json()["error"]["message"]
+        two = post(n=2, max_tokens=1)
+        assert two.status_code == 200, two.text
 
 
 def test_an_unreachable_redis_refuses_with_503_and_retry_after_not_500(serve, unused_port):

@@ -67,3 +67,23 @@ def test_a_floods_backlog_does_not_shed_a_tenant_with_nothing_waiting():
 def test_without_fair_share_every_tenant_is_judged_by_the_tiers_backlog():
     fifo = {"premium": TierLoad(0, 0, 0.0), "standard": TierLoad(30, 2, 40.0)}
     assert controller(standard_max_wait_s=30).check("standard", fifo, "light").reason == "slo"
+
+
+def test_a_tenant_filling_the_queue_sheds_itself_not_a_neighbour():
+    """The queue bound is shared by the tenants waiting, counted in sequences (n choices count n)."""
+    full = {"premium": TierLoad(0, 0, 0.0),
+            "standard": TierLoad(96, 32, 5.0, newcomer_ttft_s=1.0, tenant_ttft_s={"flood": 5.0, "light": 1.0},
+                                 tenant_waiting={"flood": 90, "light": 6})}
+    c = controller(max_queued=128, standard_queue_fraction=0.5)  # standard's bound: 64
+    assert c.check("standard", full, "flood").reason == "overload"
+    assert c.check("standard", full, "light") is None
+    assert c.check("standard", full, "newcomer") is None
+    past_hard = {**full, "standard": TierLoad(128, 32, 5.0, newcomer_ttft_s=1.0, tenant_waiting={"flood": 128})}
+    assert c.check("standard", past_hard, "newcomer").reason == "overload"
+
+
+def test_batch_is_refused_only_for_a_full_queue_never_for_latency_or_premiums_backlog():
+    c = controller(max_queued=10)
+    busy = {**load(premium_ttft=0.45, premium_queue=2), "batch": TierLoad(4, 8, 1e4)}
+    assert c.check("batch", busy) is None  # a batch line waits for idle steps by design
+    assert c.check("batch", {**busy, "batch": TierLoad(5, 8, 1e4)}).reason == "overload"

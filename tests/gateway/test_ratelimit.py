@@ -95,6 +95,29 @@ def test_concurrency_slots_free_on_release(limiter):
     assert again.allowed
 
 
+def test_concurrency_counts_every_sequence_of_a_request(limiter):
+    """n choices (or a list of prompts) take n batch slots: the sender pays for them in its limit."""
+    async def go():
+        limits = Limits(rpm=100, tpm=10_000, max_concurrent=8)
+        wide = await limiter.acquire("t", limits, "wide", 1, sequences=6)
+        too_many = await limiter.acquire("t", limits, "three", 1, sequences=3)
+        fits = await limiter.acquire("t", limits, "two", 1, sequences=2)
+        await limiter.release("t", "wide", 1, 1)
+        # More sequences than the whole limit: it waits for the tenant's other work, then runs alone.
+        n16_beside = await limiter.acquire("t", limits, "n16-a", 1, sequences=16)
+        await limiter.release("t", "two", 1, 1)
+        n16_alone = await limiter.acquire("t", limits, "n16-b", 1, sequences=16)
+        single = await limiter.acquire("t", limits, "one", 1)
+        await limiter.release("t", "n16-b", 1, 1)
+        after = await limiter.acquire("t", limits, "last", 1, sequences=8)
+        await limiter.close()
+        return wide, too_many, fits, n16_beside, n16_alone, single, after
+
+    wide, too_many, fits, n16_beside, n16_alone, single, after = run(go())
+    assert wide.allowed and fits.allowed and n16_alone.allowed and after.allowed
+    assert (too_many.reason, n16_beside.reason, single.reason) == ("concurrency",) * 3
+
+
 def test_tenants_have_separate_budgets(limiter):
     async def go():
         limits = Limits(rpm=1, tpm=100, max_concurrent=10)

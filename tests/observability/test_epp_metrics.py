@@ -74,3 +74,13 @@ def test_vllm_names_carry_the_same_values():
                       ("tiergate_kv_cache_usage_perc", "vllm:kv_cache_usage_perc")):
         assert [s.value for s in families[vllm]] == [s.value for s in families[own]]
     assert families["vllm:lora_requests_info"][0].labels == families["tiergate_lora_requests_info"][0].labels
+
+
+def test_batch_lines_waiting_are_not_counted_as_interactive_queue():
+    engine = BusyEngine(loads={"premium": TierLoad(1, 0, 0.1), "standard": TierLoad(2, 0, 0.2),
+                               "batch": TierLoad(500, 8, 90.0)})
+    metrics = GatewayMetrics(default_tiers())
+    metrics.attach_engine(engine)
+    families = scrape(metrics)
+    assert families["tiergate_num_requests_waiting"][0].value == 3
+    assert families["tiergate_num_requests_running"][0].value == 8

@@ -111,6 +111,34 @@ def test_without_fair_share_nothing_goes_between_layers(policy, fair):
     assert sched.schedule_express(frozenset()).is_empty
 
 
+def test_beside_one_long_prompt_a_neighbours_short_request_goes_between_layers():
+    """One tenant prefilling a prompt of several steps runs a single sequence, yet its step-sized chunks would
+    make a neighbour's short request wait a whole step: the neighbour goes between layers."""
+    sched = Scheduler(config(max_model_len=256))
+    long = make("long", 0, prompt=200, max_tokens=2)  # 32-token steps: about six of them
+    sched.add(long)
+    engine_step(sched)
+    under_way = sched.schedule()
+    before = snapshot(under_way)
+    light = make("light", 99, prompt=6, max_tokens=3)
+    sched.add(light)
+
+    assert [c.seq for c in sched.schedule_express(frozenset()).chunks] == [light]
+    assert snapshot(under_way) == before
+
+
+def test_the_long_prompts_own_tenant_and_its_last_step_get_no_express_step():
+    sched = Scheduler(config(max_model_len=256))
+    long = make("long", 0, prompt=40, max_tokens=2)  # 40 tokens: 8 left after one step, under a step's 32
+    sched.add(long)
+    engine_step(sched)
+    sched.schedule()
+    sched.add(make("light", 99, prompt=6, max_tokens=3))
+    sched.add(make("long", 1, prompt=6, max_tokens=3))  # the long prompt's tenant: busy prefilling
+
+    assert sched.schedule_express(frozenset()).is_empty
+
+
 def test_a_prompt_longer_than_a_step_waits_for_the_step_end():
     sched = Scheduler(config())
     flood_under_way(sched)

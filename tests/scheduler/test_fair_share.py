@@ -306,6 +306,16 @@ def test_load_predicts_each_tenant_its_own_wait_under_fair_share(request_of):
     assert Scheduler(config(fair_share=False)).load()["standard"].newcomer_ttft_s is None
 
 
+def test_load_counts_each_tenants_waiting_sequences_for_the_queue_share(request_of):
+    sched = Scheduler(config(max_num_seqs=1))
+    for _ in range(4):
+        sched.add(request_of("flood", prompt=20))
+    sched.add(request_of("light", prompt=20))
+    engine_step(sched)  # one of the flood's runs; the rest wait
+    assert dict(sched.load()["standard"].tenant_waiting) == {"flood": 3, "light": 1}
+    assert Scheduler(config(fair_share=False)).load()["standard"].tenant_waiting == {}
+
+
 @pytest.mark.parametrize("fair", [True, False])
 def test_a_light_request_does_not_wait_for_a_floods_running_prefills(request_of, fair):
     sched = Scheduler(config(max_num_seqs=8, max_num_batched_tokens=16, fair_share=fair))

@@ -7,6 +7,7 @@ and check the plan against them, never a clock.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
 from scheduler.config import StepCost, TierConfig
+from scheduler.plan import ScheduledChunk, attention_pairs
 from scheduler.step_budget import PLAN_TO, step_target_s
 from scheduler.step_cost import StepCostModel, StepFeatures, predict, step_features
 
@@ -80,7 +82,47 @@ def test_beside_decoding_streams_a_long_prompt_chunk_fits_the_step_target():
     assert 32 < features.prefill_tokens < 100
     assert predict(cost, features) <= PLAN_TO * 0.1
     # One more token would not fit: the chunk is as large as the target allows.
-    assert predict(cost, StepFeatures(features.prefill_tokens + 1, 4, features.context_tokens + 1)) > PLAN_TO * 0.1
+    assert predict(cost, one_more_token(plan)) > PLAN_TO * 0.1
+
+
+def one_more_token(plan: StepPlan) -> StepFeatures:
+    """The features of ``plan`` with its prefill chunk one token longer."""
+    chunk = next(c for c in plan.chunks if not c.is_decode)
+    longer = ScheduledChunk(chunk.seq, chunk.start, chunk.num_tokens + 1)
+    return step_features(plan) + StepFeatures.of(chunk, -1) + StepFeatures.of(longer)
+
+
+# The same step with a CPU's attention: each prompt row attends to every position before it.
+ATTENTION = dataclasses.replace(COST, per_attention_pair_s=2e-7)
+
+
+def test_deep_into_a_long_prompt_its_chunks_shrink_with_their_attention():
+    """A chunk at position 1,500 reads 1,500 positions per row: it must be smaller to fit the same target."""
+    sched = Scheduler(config(max_step_s=0.1, step_cost_prior=ATTENTION))
+    decoding(sched, *(stream(i, max_tokens=4000) for i in range(4)))
+    prompt = long_prompt(tokens=1987)
+    sched.add(prompt)
+    chunks = []
+    while prompt.num_computed_tokens < prompt.num_prompt_tokens:
+        plan, cost = plan_with_cost(sched)
+        chunk = next(c for c in plan.chunks if c.seq is prompt)
+        chunks.append((chunk.start, chunk.num_tokens))
+        features = step_features(plan)
+        assert predict(cost, features) <= PLAN_TO * 0.1 or chunk.num_tokens <= 16
+        if chunk.num_tokens > 16 and chunk.end < prompt.num_prompt_tokens:
+            assert predict(cost, one_more_token(plan)) > PLAN_TO * 0.1  # as large as the target allows
+        apply(sched, plan)
+    first, last = chunks[0][1], chunks[-2][1]
+    assert last < first * 0.8, chunks
+
+
+def test_attention_pairs_count_each_prompt_row_against_the_positions_before_it():
+    seq = long_prompt(tokens=100)
+    assert StepFeatures.of(ScheduledChunk(seq, 0, 4)).attention_pairs == 1 + 2 + 3 + 4
+    assert StepFeatures.of(ScheduledChunk(seq, 10, 2)).attention_pairs == 11 + 12
+    done = long_prompt(tokens=4)
+    done.output_token_ids.append(5)
+    assert StepFeatures.of(ScheduledChunk(done, 4, 1)).attention_pairs == 0  # a decode: its context is enough
 
 
 def test_the_long_prompt_advances_every_step_and_finishes_even_when_nothing_fits():
@@ -235,6 +277,19 @@ def test_every_step_beside_decodes_fits_its_target_unless_it_is_the_minimum_chun
         sched.observe_step(predict(truth, features), plan.num_tokens, features.prefill_tokens, plan)
         apply(sched, plan)
         sched.check_invariants()
+
+
+def test_the_cost_model_learns_a_prefill_chunks_attention_from_the_engines_steps():
+    """Deep chunks cost more per token than shallow ones: a fit without the pair term under-predicts them."""
+    truth = StepCost(0.02, 6e-4, 2e-4, 3e-6, 3e-7)
+    model = StepCostModel(COST, memory_steps=200)
+    rng = random.Random(3)
+    for _ in range(400):
+        start, n = rng.choice([0, 200, 900, 1500, 1900]), rng.choice([0, 16, 64, 150])
+        f = StepFeatures(n, rng.randint(0, 8), rng.randint(10, 4000) + start + n, attention_pairs(start, n))
+        model.observe(f, predict(truth, f))
+    deep = StepFeatures(100, 4, 4000, attention_pairs(1880, 100))
+    assert model.predict(deep) == pytest.approx(predict(truth, deep), rel=0.05)
 
 
 @pytest.mark.parametrize("stall, tolerance", [(1, 0.05), (30, 0.15)])

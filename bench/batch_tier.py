@@ -1,0 +1,278 @@
+"""The batch tier (issue 32) through the real gateway: interactive load alone, then beside a 2,000-line batch.
+
+One `tiergate serve` (bundled model, this CPU, a throwaway SQLite database) with three tenants:
+"acme" (premium), "globex" (standard) and "bulk" (batch). In one run:
+
+1. capacity: the interactive mix in a closed loop at ``--capacity-concurrency``; completed requests/s.
+2. alone: that mix as Poisson arrivals at ``--load`` times the capacity for ``--phase-s`` seconds.
+3. beside: the same arrivals (same seed) with a ``--lines``-line batch started just before them;
+   the batch then runs on after the interactive load ends, until it is done.
+
+The batch goes through OpenAI's Files and Batches API when the server has it (a 404 on ``POST
+/v1/files`` means not yet), else each line is a /v1/completions request of the batch tenant, a
+window of ``--window`` in flight (bench/batch_driver.py); the result says which. Completion tokens
+per tier are sampled from /metrics every ``--sample-s`` for the plot.
+
+Goals (issue 32): interactive TTFT p99 beside the batch <= 1.1x alone, premium and standard each;
+the engine's output tokens/s beside the batch >= 1.5x the interactive load's alone; the batch's
+tail (after the interactive load ends) at the engine's full speed (its tokens/s against the
+capacity run's).
+
+    .venv/bin/python -m bench.batch_tier [--phase-s 120] [--lines 2000] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench import machine, model_files
+from bench.batch_driver import (
+    BatchOutcome, has_files_api, line_body, run_via_completions, run_via_files_api, sample_tokens,
+)
+from bench.load.plan import PromptTexts, Tenant
+from bench.loadgen import LoadSettings, _prompt_texts, run_load
+from bench.slo_sweep import _free_port, set_up_tenants, start_server, stop_server
+
+OUT = Path(__file__).parent / "out" / "batch_tier"
+TENANTS = (("acme", "premium"), ("globex", "standard"), ("bulk", "batch"))
+LIMITS = ["--rpm", "1000000", "--tpm", "1000000000", "--max-concurrent", "10000"]
+INTERACTIVE = ("premium", "standard")
+# Completion tokens are counted when a request ends, so the plot's rates are taken over this window.
+PLOT_WINDOW_S = 10.0
+
+
+def interactive_settings(args: argparse.Namespace, url: str, tenants: list[Tenant], requests: int) -> LoadSettings:
+    return LoadSettings(
+        base_url=url, tenants=[t for t in tenants if t.tier in INTERACTIVE], num_requests=requests,
+        tier_share={"premium": args.premium_share, "standard": 1 - args.premium_share},
+        prompt_len_range=(20, args.max_prompt), output_len_range=(16, args.max_output), ignore_eos=True,
+        tokenizer_dir=model_files.hf_dir(), seed=args.seed, progress=False)
+
+
+def batch_bodies(args: argparse.Namespace, texts: PromptTexts, model: str) -> list[dict]:
+    # Offsets past the interactive requests' windows, so no line shares a prompt with them.
+    return [line_body(model, texts.text(20 + (i * 37) % (args.line_prompt - 19), 100_000 + i), args.line_tokens)
+            for i in range(args.lines)]
+
+
+async def run_batch(client: httpx.AsyncClient, url: str, key: str, bodies: list[dict], window: int) -> BatchOutcome:
+    if await has_files_api(client, url, key):
+        return await run_via_files_api(client, url, key, bodies)
+    return await run_via_completions(client, url, key, bodies, window)
+
+
+def ttft_p99(point: dict, tier: str) -> float | None:
+    return (point["tiers"].get(tier) or {}).get("ttft_s", {}).get("p99")
+
+
+def tokens_between(samples: list[tuple[float, dict[str, float]]], start: float, end: float,
+                   tiers: tuple[str, ...] | None = None) -> float:
+    """Completion tokens per second counted between the samples nearest ``start`` and ``end``."""
+    first = min(samples, key=lambda s: abs(s[0] - start))
+    last = min(samples, key=lambda s: abs(s[0] - end))
+    if last[0] <= first[0]:
+        return 0.0
+    keys = tiers if tiers is not None else set(first[1]) | set(last[1])
+    gained = sum(last[1].get(t, 0.0) - first[1].get(t, 0.0) for t in keys)
+    return gained / (last[0] - first[0])
+
+
+async def measure(args: argparse.Namespace, url: str, tenants: list[Tenant]) -> dict:
+    bulk = next(t for t in tenants if t.tier == "batch")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=128)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        origin = time.perf_counter()
+        samples: list[tuple[float, dict[str, float]]] = []
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_tokens(client, url, args.sample_s, origin, samples, stop))
+        marks: dict[str, float] = {}
+
+        def mark(name: str) -> None:
+            marks[name] = time.perf_counter() - origin
+            print(f"batch_tier: {name} at {marks[name]:.0f} s", file=sys.stderr, flush=True)
+
+        await run_load(interactive_settings(args, url, tenants, 4), concurrency=2)  # warm-up
+        mark("capacity_start")
+        capacity = await run_load(interactive_settings(args, url, tenants, args.capacity_requests),
+                                  concurrency=args.capacity_concurrency)
+        mark("capacity_end")
+        capacity_rps = sum(t["throughput_rps"] or 0 for t in capacity["tiers"].values())
+        rate = args.load * capacity_rps
+        requests = max(4, round(rate * args.phase_s))
+        alone = await run_load(interactive_settings(args, url, tenants, requests), rate=rate)
+        mark("alone_end")
+        await asyncio.sleep(args.settle_s)  # the alone phase's last streams end before the batch starts
+        texts = _prompt_texts(interactive_settings(args, url, tenants, 1))
+        bodies = batch_bodies(args, texts, alone["requests"][0]["model"])
+        mark("batch_start")
+        batch_task = asyncio.create_task(run_batch(client, url, bulk.key, bodies, args.window))
+        await asyncio.sleep(args.batch_lead_s)  # the batch fills the engine before the interactive load comes
+        mark("beside_start")
+        beside = await run_load(interactive_settings(args, url, tenants, requests), rate=rate)
+        mark("beside_end")
+        batch = await batch_task
+        marks["batch_end"] = batch.finished_at - origin
+        stop.set()
+        await sampler
+    alone_start = marks["capacity_end"]
+    return {
+        "capacity": capacity, "alone": alone, "beside": beside, "rate_rps": rate, "capacity_rps": capacity_rps,
+        "batch": vars(batch), "marks": marks, "samples": samples,
+        "tokens_per_s": {
+            "capacity": tokens_between(samples, marks["capacity_start"], marks["capacity_end"]),
+            "alone": tokens_between(samples, alone_start, marks["alone_end"]),
+            "beside": tokens_between(samples, marks["beside_start"], marks["beside_end"]),
+            "beside_interactive": tokens_between(samples, marks["beside_start"], marks["beside_end"], INTERACTIVE),
+            "beside_batch": tokens_between(samples, marks["beside_start"], marks["beside_end"], ("batch",)),
+            "batch_tail": tokens_between(samples, marks["beside_end"], marks["batch_end"], ("batch",)),
+        },
+    }
+
+
+def ratios(result: dict) -> dict:
+    tps = result["tokens_per_s"]
+    out = {f"ttft_p99_{tier}": _ratio(ttft_p99(result["beside"], tier), ttft_p99(result["alone"], tier))
+           for tier in INTERACTIVE}
+    out["engine_tokens"] = _ratio(tps["beside"], tps["alone"])
+    out["batch_tail_vs_capacity"] = _ratio(tps["batch_tail"], tps["capacity"])
+    out["batch_outlived_load"] = result["marks"]["batch_end"] > result["marks"]["beside_end"]
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    samples, marks = result["samples"], result["marks"]
+    tiers = ["premium", "standard", "batch"]
+    k = max(1, round(PLOT_WINDOW_S / result["settings"]["sample_s"]))
+    pairs = list(zip(samples, samples[k:]))
+    times = [(a[0] + b[0]) / 2 for a, b in pairs]
+    rates = {t: [(b[1].get(t, 0) - a[1].get(t, 0)) / max(b[0] - a[0], 1e-9) for a, b in pairs] for t in tiers}
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    ax.stackplot(times, *(rates[t] for t in tiers), labels=tiers, alpha=0.8)
+    for name in ("capacity_end", "alone_end", "beside_start", "beside_end", "batch_end"):
+        ax.axvline(marks[name], color="k", lw=0.6, ls="--")
+        ax.text(marks[name], ax.get_ylim()[1] * 0.97, name.replace("_", " "), rotation=90, va="top", fontsize=7)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel(f"completion tokens/s ({PLOT_WINDOW_S:g} s window)")
+    ax.set_title("Output tokens/s by tier: capacity, interactive alone, interactive beside a batch")
+    ax.legend(loc="upper center")
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> dict:
+    host = machine.describe()
+    with tempfile.TemporaryDirectory(prefix="tiergate-batch-tier-") as tmp:
+        env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{tmp}/tiergate.db",
+               "TIERGATE_SPOOL_PATH": f"{tmp}/spool.jsonl", "TIERGATE_LOG_LEVEL": "warning"}
+        tenants = set_up_tenants(env, TENANTS, LIMITS)
+        port = _free_port()
+        server = start_server(env, "tiered", port, args.premium_ttft_slo)
+        try:
+            result = asyncio.run(measure(args, f"http://127.0.0.1:{port}", tenants))
+        finally:
+            stop_server(server)
+    result["settings"] = {k: v for k, v in vars(args).items() if k != "json"}
+    result["machine"] = host
+    result["load_average_end"] = os.getloadavg()
+    result["ratios"] = ratios(result)
+    result["plots"] = [str(plot(result, OUT / "tokens_by_tier.png").relative_to(Path(__file__).parent.parent))]
+    for phase in ("capacity", "alone", "beside"):
+        result[phase].pop("requests", None)
+    return result
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render_markdown(result: dict) -> str:
+    s, r, tps, batch = result["settings"], result["ratios"], result["tokens_per_s"], result["batch"]
+    lines = [
+        f"Measured {machine.render_markdown(result['machine'])}; load average at the end "
+        f"{', '.join(f'{x:.1f}' for x in result['load_average_end'])}.",
+        "",
+        f"Interactive mix: premium {s['premium_share']:.0%} / standard, prompts 20:{s['max_prompt']} tokens, outputs "
+        f"16:{s['max_output']}, greedy, EOS ignored. Capacity (closed loop, concurrency {s['capacity_concurrency']}): "
+        f"{result['capacity_rps']:.2f} requests/s, {tps['capacity']:.0f} output tokens/s; load "
+        f"{s['load']:.0%} of it = {result['rate_rps']:.2f} requests/s for {s['phase_s']} s per phase. Batch: "
+        f"{batch['lines']} lines of {s['line_tokens']} tokens (prompts 20:{s['line_prompt']}), sent via "
+        f"**{batch['via']}**" + (f" (window {s['window']})" if batch["via"] == "completions" else "")
+        + f"; {batch['ok']} ok, {batch['failed']} failed, {batch['retried']} retried.",
+        "",
+        "| tier | TTFT p50 alone | p50 beside | TTFT p99 alone | p99 beside | p99 ratio (goal <= 1.1) | 429s alone / beside |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for tier in INTERACTIVE:
+        a, b = result["alone"]["tiers"].get(tier, {}), result["beside"]["tiers"].get(tier, {})
+        lines.append(f"| {tier} | {_f(a.get('ttft_s', {}).get('p50'))} | {_f(b.get('ttft_s', {}).get('p50'))} | "
+                     f"{_f(ttft_p99(result['alone'], tier))} | {_f(ttft_p99(result['beside'], tier))} | "
+                     f"{_f(r[f'ttft_p99_{tier}'])} | {sum((a.get('rejected_429') or {}).values())} / "
+                     f"{sum((b.get('rejected_429') or {}).values())} |")
+    m = result["marks"]
+    lines += [
+        "",
+        f"Engine output tokens/s: interactive alone {tps['alone']:.0f}; beside the batch {tps['beside']:.0f} "
+        f"(interactive {tps['beside_interactive']:.0f} + batch {tps['beside_batch']:.0f}): ratio "
+        f"**{_f(r['engine_tokens'])}x** (goal >= 1.5). The batch ended {m['batch_end'] - m['beside_end']:.0f} s after "
+        f"the interactive load did (outlived it: {r['batch_outlived_load']}), its tail at {tps['batch_tail']:.0f} tokens/s "
+        f"= **{_f(r['batch_tail_vs_capacity'])}x** the capacity run's output rate.",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.batch_tier", description=__doc__.split("\n\n")[0])
+    p.add_argument("--phase-s", type=float, default=120.0, help="seconds of interactive load per phase")
+    p.add_argument("--load", type=float, default=0.7, help="interactive load as a share of the measured capacity")
+    p.add_argument("--capacity-concurrency", type=int, default=16)
+    p.add_argument("--capacity-requests", type=int, default=48)
+    p.add_argument("--premium-share", type=float, default=0.3)
+    p.add_argument("--max-prompt", type=int, default=200)
+    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--lines", type=int, default=2000)
+    p.add_argument("--line-tokens", type=int, default=16)
+    p.add_argument("--line-prompt", type=int, default=120)
+    p.add_argument("--window", type=int, default=16, help="batch lines in flight (completions path)")
+    p.add_argument("--batch-lead-s", type=float, default=5.0)
+    p.add_argument("--settle-s", type=float, default=5.0)
+    p.add_argument("--sample-s", type=float, default=2.0)
+    p.add_argument("--premium-ttft-slo", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    result = run(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    print(render_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+// The few-row (decode) path of the quantized projections, over weights repacked at load into
+// quant_packed.h's interleaved layout, and the ops that pack and unpack that layout.
+//
+// quant_linear.cpp hands a call of at most GEMV_MAX_ROWS rows whose weights are all packed to
+// gemv_packed: x is quantized here once (int8 per 32 inputs, rounded as quant_linear.cpp's
+// quantize_acts rounds, into buffers kept per thread so a decode step allocates nothing but its
+// output), then the threads split the groups of 16 outputs of every part between them and run
+// one instruction set's kernels (quant_gemv_body.h).
+//
+// Registered: torch.ops.tiergate.quant_repack(blocks, type, out) -> out (packed) and
+// quant_unpack_rows(packed, type, in_features, ids) -> the ggml rows `ids`, byte for byte.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "quant_kernels.h"
+#include "quant_packed.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace tiergate_quant {
+
+namespace {
+
+// quant_linear.cpp's numbering of the kernel paths.
+enum Isa : int64_t { AVX512 = 0, AVX2 = 1, SCALAR = 2, AVXVNNI = 3 };
+
+struct GemvActs {
+  std::vector<int32_t> q;  // int8 values written through int8_t*, read as words
+  std::vector<float> d, ds;
+  std::vector<int32_t> s16;
+};
+
+void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, GemvActs& a) {
+  a.q.resize(rows * in / 4);
+  a.d.resize(rows * in / 32);
+  a.ds.resize(rows * in / 32);
+  a.s16.resize(rows * in / 16);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * x_stride;
+    int8_t* q = reinterpret_cast<int8_t*>(a.q.data() + r * in / 4);
+    for (int64_t b = 0; b < in / 32; ++b) {
+      int sums[2];
+      const float d = quantize_block32(src + b * 32, q + b * 32, sums);
+      a.d[r * in / 32 + b] = d;
+      a.ds[r * in / 32 + b] = d * float(sums[0] + sums[1]);
+      a.s16[r * in / 16 + 2 * b] = sums[0];
+      a.s16[r * in / 16 + 2 * b + 1] = sums[1];
+    }
+  }
+}
+
+}  // namespace
+
+bool gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, const GemvPart* parts, int nparts,
+                 int64_t isa, float* out, int64_t out_stride) {
+  if (rows < 1 || rows > GEMV_MAX_ROWS || isa == SCALAR) return false;
+  int64_t groups = 0;
+  for (int p = 0; p < nparts; ++p) {
+    if (!parts[p].packed) return false;
+    groups += (parts[p].out_features + PACK_ROWS - 1) / PACK_ROWS;
+  }
+  thread_local GemvActs acts;  // the caller's thread: reused by every call it makes
+  quantize_rows(x, x_stride, rows, in, acts);
+  const GemvJob job{parts, nparts, rows, in, acts.q.data(), acts.d.data(), acts.ds.data(), acts.s16.data(), out,
+                    out_stride};
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    if (isa == AVX512) gemv_groups_avx512(job, g0, g1);
+    else if (isa == AVXVNNI) gemv_groups_avxvnni(job, g0, g1);
+    else gemv_groups_avx2(job, g0, g1);
+  });
+  return true;
+}
+
+namespace {
+
+int64_t groups_of(int64_t rows) { return (rows + PACK_ROWS - 1) / PACK_ROWS; }
+
+// Into `out` (uint8 [groups, blocks, tile bytes], allocated by the caller: engine/quant_linear.py
+// asks for huge pages on it before its pages are first touched here).
+at::Tensor quant_repack(const at::Tensor& blocks, int64_t type, const at::Tensor& out) {
+  TORCH_CHECK(repacked(type), "quant_repack: no packed layout for block format ", type);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous() && blocks.size(1) % format_of(type).block_bytes == 0,
+              "quant_repack: blocks must be a contiguous uint8 CPU tensor [out, whole blocks]");
+  const int64_t rows = blocks.size(0), row_bytes = blocks.size(1), bb = format_of(type).block_bytes;
+  const int64_t nblocks = row_bytes / bb, tb = tile_bytes(type);
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 3 &&
+                  out.size(0) == groups_of(rows) && out.size(1) == nblocks && out.size(2) == tb,
+              "quant_repack: out must be a contiguous uint8 CPU tensor [groups of 16 rows, blocks, 16 * block bytes]");
+  const at::Tensor& packed = out;
+  const uint8_t* src = blocks.const_data_ptr<uint8_t>();
+  uint8_t* dst = packed.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, groups_of(rows), 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> zero(bb, 0);  // the rows past the last output
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nblocks; ++b)
+        for (int64_t r = 0; r < PACK_ROWS; ++r) {
+          const int64_t row = g * PACK_ROWS + r;
+          uint8_t* block = row < rows ? const_cast<uint8_t*>(src + row * row_bytes + b * bb) : zero.data();
+          move_block(type, dst + (g * nblocks + b) * tb, r, block, true);
+        }
+  });
+  return out;
+}
+
+at::Tensor quant_unpack_rows(const at::Tensor& packed, int64_t type, int64_t in, const at::Tensor& ids) {
+  TORCH_CHECK(repacked(type), "quant_unpack_rows: no packed layout for block format ", type);
+  const Format f = format_of(type);
+  TORCH_CHECK(in % f.block_values == 0, "quant_unpack_rows: the input size is not a multiple of ", f.block_values);
+  const int64_t nblocks = in / f.block_values, tb = tile_bytes(type);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  packed.is_contiguous() && packed.size(1) == nblocks && packed.size(2) == tb,
+              "quant_unpack_rows: packed must be a contiguous uint8 CPU tensor [groups, blocks, tile bytes]");
+  const at::Tensor idx = ids.to(at::kLong).contiguous();
+  const int64_t n = idx.numel(), limit = packed.size(0) * PACK_ROWS;
+  const int64_t* id = idx.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < limit, "quant_unpack_rows: row id out of range");
+  at::Tensor rows = at::empty({n, nblocks * f.block_bytes}, packed.options());
+  const uint8_t* src = packed.const_data_ptr<uint8_t>();
+  uint8_t* dst = rows.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = id[i] / PACK_ROWS, r = id[i] % PACK_ROWS;
+      for (int64_t b = 0; b < nblocks; ++b)
+        move_block(type, const_cast<uint8_t*>(src + (g * nblocks + b) * tb), r,
+                   dst + i * nblocks * f.block_bytes + b * f.block_bytes, false);
+    }
+  });
+  return rows;
+}
+
+}  // namespace
+
+}  // namespace tiergate_quant
+
+TORCH_LIBRARY_FRAGMENT(tiergate, m) {
+  m.def("quant_repack(Tensor blocks, int type, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("quant_repack", c10::DispatchKey::CPU, TORCH_FN(tiergate_quant::quant_repack));
+  m.def("quant_unpack_rows(Tensor packed, int type, int in_features, Tensor ids) -> Tensor");
+  m.impl("quant_unpack_rows", c10::DispatchKey::CPU, TORCH_FN(tiergate_quant::quant_unpack_rows));
+}

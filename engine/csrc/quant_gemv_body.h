@@ -1,0 +1,213 @@
+// The few-row kernels over the interleaved layout (quant_packed.h), written once over a vector
+// type V and included by one translation unit per instruction set (quant_gemv_avx512.cpp,
+// quant_gemv_avx2.cpp), each under its own target pragma.
+//
+// V holds LANES of a group's 16 rows (16 in a zmm, 8 in a ymm: SLICES = 16 / LANES passes); a
+// 4-byte piece of the tile then loads as LANES rows x 4 inputs, and V::dot adds, per row, the
+// products of its 4 unsigned weight bytes with 4 int8 activations broadcast to every lane. Per
+// block of 32 inputs (16 for Q6_K) that int32 sum is converted once and multiplied by the rows'
+// scales times the activation block's scale. A format's unsigned offset (Q4_0's 8, Q6_K's 32,
+// Q8_0's 128 after V flips its sign bit) starts the int32 sum at -offset times the block's sum
+// of activations, the same for every row; Q4_K's mins multiply that sum in float.
+//
+// Expects, before inclusion: namespace tiergate_quant's GemvJob / GemvPart (quant_packed.h) and a
+// traits struct V.
+
+namespace gemv_body {
+
+using I = typename V::I;
+using F = typename V::F;
+
+// Row r's int8 activations as int32 words (word w holds inputs 4w..4w+3).
+inline const int32_t* words(const GemvJob& j, int r) { return j.xq + r * (j.in / 4); }
+
+inline I nibbles_low(I v) { return V::and_(v, V::set1_8(0x0F)); }
+inline I nibbles_high(I v) { return V::and_(V::srli16(v, 4), V::set1_8(0x0F)); }
+
+template <int ROWS>
+void store(const GemvJob& j, const GemvPart& p, int64_t first, F (&acc)[ROWS]) {
+  const int64_t count = std::min<int64_t>(V::LANES, p.out_features - first);
+  for (int r = 0; r < ROWS; ++r) V::store(j.out + r * j.out_stride + p.col0 + first, acc[r], count);
+}
+
+// Q4_0 (nibbles: low inputs 0-15, high 16-31) and Q8_0 (int8, read as unsigned by V::dot_s8).
+// Each row's int32 sums run in CHAINS independent chains per block (summed at its end), so the
+// dot products' latency overlaps: a single chain of 8 would wait on each before the next.
+template <int ROWS, bool Q8>
+void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
+  constexpr int CHAINS = ROWS <= 2 ? 4 : 2;
+  const int64_t blocks = j.in / 32, tb = PACK_ROWS * (Q8 ? 34 : 18);
+  const int64_t lanes_at = slice * V::BYTES;
+  const int offset = Q8 ? V::S8_OFFSET : 8;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* t = group + b * tb;
+    const F d = V::halves(t + slice * V::LANES * 2);
+    I sum[CHAINS][ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      const int32_t* s = j.xs16 + r * (j.in / 16) + 2 * b;
+      sum[0][r] = V::set1_32(-offset * (s[0] + s[1]));
+      for (int c = 1; c < CHAINS; ++c) sum[c][r] = V::zero();
+    }
+    // Word w of the block's activations (inputs 4w..4w+3) meets u[w]: 8 of LANES rows x 4 bytes.
+    I u[8];
+    if (Q8) {
+      for (int w = 0; w < 8; ++w) u[w] = V::load(t + 32 + w * 64 + lanes_at);
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        const I v = V::load(t + 32 + k * 64 + lanes_at);
+        u[k] = nibbles_low(v), u[4 + k] = nibbles_high(v);
+      }
+    }
+#pragma GCC unroll 8
+    for (int w = 0; w < 8; ++w)
+      for (int r = 0; r < ROWS; ++r) {
+        const I x = V::set1_32(words(j, r)[8 * b + w]);
+        I& s = sum[w % CHAINS][r];
+        s = Q8 ? V::dot_s8(s, u[w], x) : V::dot(s, u[w], x);
+      }
+    for (int r = 0; r < ROWS; ++r) {
+      I total = sum[0][r];
+      for (int c = 1; c < CHAINS; ++c) total = V::add32(total, sum[c][r]);
+      acc[r] = V::fmadd(V::cvt(total), V::mul(d, V::set1_ps(j.xd[r * (j.in / 32) + b])), acc[r]);
+    }
+  }
+}
+
+// Byte `byte` of each 32-bit lane, unsigned, as float.
+inline F byte_of(I v, int byte) { return V::cvt(V::and_(V::srli32(v, 8 * byte), V::set1_32(0xFF))); }
+
+template <int ROWS>
+void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
+  const int64_t supers = j.in / 256, tb = PACK_ROWS * 144;
+  const int64_t lanes_at = slice * V::BYTES;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* t = group + sb * tb;
+    const F d = V::halves(t + slice * V::LANES * 2), dmin = V::halves(t + 32 + slice * V::LANES * 2);
+    // quant_formats.h's scale_min_k4 on 16 rows at once: lane r of w0..w2 is row r's scale bytes 0-11.
+    const I w0 = V::load(t + 64 + lanes_at), w1 = V::load(t + 128 + lanes_at), w2 = V::load(t + 192 + lanes_at);
+    const I low6 = V::set1_8(0x3F), low4 = V::set1_8(0x0F), top2 = V::set1_8(0x03);
+    const I scales[2] = {V::and_(w0, low6),
+                         V::or_(V::and_(w2, low4), V::slli32(V::and_(V::srli32(w0, 6), top2), 4))};
+    const I mins[2] = {V::and_(w1, low6),
+                       V::or_(V::and_(V::srli32(w2, 4), low4), V::slli32(V::and_(V::srli32(w1, 6), top2), 4))};
+    F sums[ROWS], offs[ROWS];
+    for (int r = 0; r < ROWS; ++r) sums[r] = offs[r] = V::zero_ps();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      I lo[ROWS], hi[ROWS];
+      for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = V::zero();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        const I v = V::load(t + 256 + (c * 8 + k) * 64 + lanes_at);
+        const I l = nibbles_low(v), h = nibbles_high(v);
+        for (int r = 0; r < ROWS; ++r) {
+          const int32_t* x = words(j, r) + 64 * sb + 16 * c;
+          lo[r] = V::dot(lo[r], l, V::set1_32(x[k]));
+          hi[r] = V::dot(hi[r], h, V::set1_32(x[8 + k]));
+        }
+      }
+      const int s0 = 2 * c, s1 = 2 * c + 1;
+      const F sc0 = byte_of(scales[s0 / 4], s0 % 4), sc1 = byte_of(scales[s1 / 4], s1 % 4);
+      const F m0 = byte_of(mins[s0 / 4], s0 % 4), m1 = byte_of(mins[s1 / 4], s1 % 4);
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xd = j.xd + r * (j.in / 32) + 8 * sb;
+        const float* xds = j.xds + r * (j.in / 32) + 8 * sb;
+        sums[r] = V::fmadd(V::cvt(lo[r]), V::mul(sc0, V::set1_ps(xd[s0])), sums[r]);
+        sums[r] = V::fmadd(V::cvt(hi[r]), V::mul(sc1, V::set1_ps(xd[s1])), sums[r]);
+        offs[r] = V::fmadd(m0, V::set1_ps(xds[s0]), offs[r]);
+        offs[r] = V::fmadd(m1, V::set1_ps(xds[s1]), offs[r]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) acc[r] = V::fnmadd(dmin, offs[r], V::fmadd(d, sums[r], acc[r]));
+  }
+}
+
+template <int ROWS>
+void q6_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
+  const int64_t supers = j.in / 256, tb = PACK_ROWS * 210;
+  const int64_t lanes_at = slice * V::BYTES;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* t = group + sb * tb;
+    const F d = V::halves(t + slice * V::LANES * 2);
+    const uint8_t* scales = t + 32;  // 4 pieces: lane r holds row r's int8 scales 4i..4i+3
+    const uint8_t* ql = t + 32 + 256;
+    const uint8_t* qh = ql + 2048;
+    F sums[ROWS];
+    for (int r = 0; r < ROWS; ++r) sums[r] = V::zero_ps();
+    // Inputs 128h + 32s + l (l < 32): nibble s / 2 of ql byte 64h + 32(s % 2) + l, bits 2s of qh byte 32h + l.
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const int sub = 8 * h + 2 * s;  // the 16-input sub-blocks of l < 16 and l >= 16
+        I first[ROWS], second[ROWS];
+        for (int r = 0; r < ROWS; ++r) {
+          const int32_t* xs = j.xs16 + r * (j.in / 16) + 16 * sb + sub;
+          first[r] = V::set1_32(-32 * xs[0]);
+          second[r] = V::set1_32(-32 * xs[1]);
+        }
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          const I low = V::load(ql + (16 * h + 8 * (s % 2) + k) * 64 + lanes_at);
+          const I high = V::load(qh + (8 * h + k) * 64 + lanes_at);
+          const I nib = s / 2 ? nibbles_high(low) : nibbles_low(low);
+          const I top = V::slli32(V::and_(V::srli32(high, 2 * s), V::set1_8(0x03)), 4);
+          const I v = V::or_(nib, top);
+          for (int r = 0; r < ROWS; ++r) {
+            const int32_t* x = words(j, r) + 64 * sb + 32 * h + 8 * s;
+            if (k < 4) first[r] = V::dot(first[r], v, V::set1_32(x[k]));
+            else second[r] = V::dot(second[r], v, V::set1_32(x[k]));
+          }
+        }
+        // int8 scales sub and sub + 1: byte sub % 4 of piece sub / 4, sign-extended.
+        const I sc = V::load(scales + (sub / 4) * 64 + lanes_at);
+        const F sc0 = V::cvt(V::srai32(V::slli32(sc, 24 - 8 * (sub % 4)), 24));
+        const F sc1 = V::cvt(V::srai32(V::slli32(sc, 24 - 8 * (sub % 4 + 1)), 24));
+        for (int r = 0; r < ROWS; ++r) {
+          const F xd = V::set1_ps(j.xd[r * (j.in / 32) + 8 * sb + 4 * h + s]);
+          sums[r] = V::fmadd(V::cvt(first[r]), V::mul(sc0, xd), sums[r]);
+          sums[r] = V::fmadd(V::cvt(second[r]), V::mul(sc1, xd), sums[r]);
+        }
+      }
+    for (int r = 0; r < ROWS; ++r) acc[r] = V::fmadd(d, sums[r], acc[r]);
+  }
+}
+
+template <int ROWS>
+void group_rows(const GemvJob& j, const GemvPart& p, int64_t g) {
+  const int64_t blocks = j.in / format_of(p.type).block_values;
+  const uint8_t* group = p.packed + g * blocks * tile_bytes(p.type);
+  for (int slice = 0; slice < V::SLICES; ++slice) {
+    const int64_t first = g * PACK_ROWS + slice * V::LANES;
+    if (first >= p.out_features) break;  // a slice of padding rows only
+    F acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = V::zero_ps();
+    switch (p.type) {
+      case Q4_0: blocks32<ROWS, false>(j, group, slice, acc); break;
+      case Q8_0: blocks32<ROWS, true>(j, group, slice, acc); break;
+      case Q4_K: q4_k<ROWS>(j, group, slice, acc); break;
+      default: q6_k<ROWS>(j, group, slice, acc); break;
+    }
+    store<ROWS>(j, p, first, acc);
+  }
+}
+
+// Groups [g0, g1) of the job, numbered across its parts in order.
+inline void groups(const GemvJob& j, int64_t g0, int64_t g1) {
+  int64_t base = 0;
+  for (int pi = 0; pi < j.nparts && g0 < g1; ++pi) {
+    const GemvPart& p = j.parts[pi];
+    const int64_t n = (p.out_features + PACK_ROWS - 1) / PACK_ROWS;
+    for (int64_t g = std::max(g0, base); g < std::min(g1, base + n); ++g) {
+      switch (j.rows) {
+        case 1: group_rows<1>(j, p, g - base); break;
+        case 2: group_rows<2>(j, p, g - base); break;
+        case 3: group_rows<3>(j, p, g - base); break;
+        default: group_rows<4>(j, p, g - base); break;
+      }
+    }
+    base += n;
+  }
+}
+
+}  // namespace gemv_body

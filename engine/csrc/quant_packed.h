@@ -1,0 +1,115 @@
+// The interleaved layout some block formats are repacked into at load (quant_gemv.cpp's kernels
+// read it; quant_linear.cpp's scratch tiles unpack a group of it back into ggml rows).
+//
+// Output rows go in groups of PACK_ROWS = 16. A group's block b (the same inputs of its 16
+// rows) is one tile of 16 * block_bytes bytes: each field of the block (a run of `len` bytes
+// at `offset`) is cut into pieces of `piece` bytes, and the tile holds, piece by piece, that
+// piece of row 0, row 1, ..., row 15. With 4-byte pieces, 64 consecutive bytes are 16 rows x 4
+// bytes: one AVX-512 vector whose 32-bit lane r holds row r's bytes, so one dpbusd multiplies
+// 16 rows by 4 inputs of x broadcast; with 2-byte pieces a float16 field of the 16 rows lies
+// side by side for one vcvtph2ps. Only bytes move, so the values are the file's: unpacking
+// gives the ggml bytes back exactly.
+//
+// The packed tensor is uint8 [groups, blocks, 16 * block_bytes]; the rows of the last group
+// past the weight's outputs are zero bytes (scale zero), computed and not stored.
+#pragma once
+
+#include "quant_formats.h"
+
+#include <cstdint>
+#include <cstring>
+
+namespace tiergate_quant {
+
+constexpr int64_t PACK_ROWS = 16;
+
+struct Field {
+  int offset, len, piece;
+};
+
+struct Layout {
+  int fields;
+  Field field[4];
+};
+
+inline bool repacked(int64_t type) { return type == Q4_0 || type == Q8_0 || type == Q4_K || type == Q6_K; }
+
+// Fields in tile order; each kernel reads them at the offsets this order gives (tile_offsets).
+constexpr Layout layout_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return {2, {{0, 2, 2}, {2, 16, 4}}};  // d; nibbles (low: inputs 0-15, high: 16-31)
+    case Q8_0: return {2, {{0, 2, 2}, {2, 32, 4}}};  // d; int8 quants
+    case Q4_K: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}}};  // d; dmin; 6-bit scales, mins; nibbles
+    default: return {4, {{208, 2, 2}, {192, 16, 4}, {0, 128, 4}, {128, 64, 4}}};  // Q6_K: d; int8 scales; ql; qh
+  }
+}
+
+inline int64_t tile_bytes(int64_t type) { return PACK_ROWS * format_of(type).block_bytes; }
+
+// Where field f's first piece sits in a tile.
+inline int64_t tile_offset(int64_t type, int f) {
+  const Layout l = layout_of(type);
+  int64_t at = 0;
+  for (int i = 0; i < f; ++i) at += PACK_ROWS * l.field[i].len;
+  return at;
+}
+
+// Copies one block of one row between the ggml form (`block`) and its place in a tile: into the
+// tile when `pack`, out of it otherwise.
+inline void move_block(int64_t type, uint8_t* tile, int64_t row, uint8_t* block, bool pack) {
+  const Layout l = layout_of(type);
+  int64_t at = 0;
+  for (int f = 0; f < l.fields; ++f) {
+    const Field& fd = l.field[f];
+    for (int p = 0; p < fd.len / fd.piece; ++p) {
+      uint8_t* in_tile = tile + at + (p * PACK_ROWS + row) * fd.piece;
+      uint8_t* in_block = block + fd.offset + p * fd.piece;
+      if (pack) std::memcpy(in_tile, in_block, fd.piece);
+      else std::memcpy(in_block, in_tile, fd.piece);
+    }
+    at += PACK_ROWS * fd.len;
+  }
+}
+
+// The 16 ggml rows of packed group `group` (rows of `blocks` blocks), into `rows` [16, row bytes].
+inline void unpack_group(int64_t type, const uint8_t* packed, int64_t blocks, int64_t group, uint8_t* rows) {
+  const int64_t tb = tile_bytes(type), bb = format_of(type).block_bytes, row_bytes = blocks * bb;
+  const uint8_t* g = packed + group * blocks * tb;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t r = 0; r < PACK_ROWS; ++r)
+      move_block(type, const_cast<uint8_t*>(g + b * tb), r, rows + r * row_bytes + b * bb, false);
+}
+
+// One call of the few-row kernels (quant_gemv*.cpp): `rows` (<= GEMV_MAX_ROWS) rows of x quantized
+// to int8 per 32 inputs, times packed weights side by side.
+constexpr int64_t GEMV_MAX_ROWS = 4;
+
+struct GemvPart {
+  const uint8_t* packed;
+  int64_t type, out_features, col0;  // col0: the part's first column of out
+};
+
+struct GemvJob {
+  const GemvPart* parts;
+  int nparts;
+  int64_t rows, in;
+  const int32_t* xq;    // [rows, in / 4]: int8 activations, 4 to a word
+  const float* xd;      // [rows, in / 32]: each block's scale
+  const float* xds;     // [rows, in / 32]: scale times the block's sum of int8 values
+  const int32_t* xs16;  // [rows, in / 16]: sums of int8 values per 16 inputs
+  float* out;
+  int64_t out_stride;
+};
+
+// Groups [g0, g1) of the job's outputs (numbered across parts, PACK_ROWS outputs each) on one
+// instruction set: AVX-512 VNNI, AVX2 with AVX-VNNI's dpbusd, or AVX2 with maddubs.
+void gemv_groups_avx512(const GemvJob& job, int64_t g0, int64_t g1);
+void gemv_groups_avxvnni(const GemvJob& job, int64_t g0, int64_t g1);
+void gemv_groups_avx2(const GemvJob& job, int64_t g0, int64_t g1);
+
+// Whether the job ran (false: a part not packed, too many rows, or the scalar path, which
+// quant_linear.cpp's scratch tiles serve after unpacking). isa: quant_linear.cpp's numbering.
+bool gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, const GemvPart* parts, int nparts,
+                 int64_t isa, float* out, int64_t out_stride);
+
+}  // namespace tiergate_quant

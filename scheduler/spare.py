@@ -1,0 +1,66 @@
+"""Spare-capacity tiers (``TierConfig.spare_only``, the batch tier): when a step may carry their work, and how much.
+
+Their work is planned last in a step, into what the interactive tiers' work left, and only while
+no interactive request waits for its first token: none in a queue, no running prompt cut short,
+and none whose prompt this step computes. Such a request would wait longer beside spare rows,
+which lengthen the step it waits for. A step of interactive decodes grows by at most
+``SchedulerConfig.spare_step_share`` of its predicted time for spare rows, and never past the
+inter-token bound it has (scheduler/step_budget.py). A step of spare work alone decodes every spare
+stream, and its prefill is bounded as a step of streams is, by the tightest interactive bound
+(``max_step_s``, the tiers' TPOT SLOs), one block always going in: a request that arrives while it
+runs waits for it about as long as for a step of streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from collections import deque
+
+from scheduler.config import SchedulerConfig, StepCost
+from scheduler.plan import StepBuilder, StepFeatures
+from scheduler.sequence import Sequence
+from scheduler.step_budget import PLAN_TO, StepTimeBound
+from scheduler.step_cost import predict
+
+
+def interactive_waits_for_first_token(
+    waiting: Mapping[str, deque[Sequence]],
+    step: StepBuilder,
+    running: list[Sequence],
+    is_spare: Callable[[str], bool],
+    queue_of: Callable[[Sequence], str],
+) -> bool:
+    """Whether a request of a tier that is not spare waits for its first token after ``step``'s interactive
+    planning: queued, running with prompt left that the step does not finish, or given a prompt chunk in it."""
+    if any(queue and not is_spare(name) for name, queue in waiting.items()):
+        return True
+    if any(not chunk.is_decode for chunk in step.plan.chunks):
+        return True  # only interactive chunks are planned yet
+    # A prompt with no chunk in the step (one with a chunk was caught above).
+    return any(seq.is_prefilling and not is_spare(queue_of(seq)) for seq in running)
+
+
+def spare_bound(config: SchedulerConfig, step: StepBuilder, cost: StepCost) -> StepTimeBound | None:
+    """The time bound a step's spare work is planned under (None: only the token budget bounds it);
+    ``step`` holds the interactive work planned so far (decodes only)."""
+    limits = []
+    if step.time is not None:
+        limits.append(PLAN_TO * step.time.target_s)
+    if step.plan.chunks:
+        limits.append(predict(cost, step.features) * (1 + config.spare_step_share))
+    else:
+        bounds = [config.max_step_s, *(t.tpot_slo_s for t in config.tiers if not t.spare_only)]
+        bounds = [b for b in bounds if b is not None]
+        if bounds:
+            limits.append(PLAN_TO * min(bounds))
+    if not limits:
+        return None
+    # Beside interactive decodes no guaranteed chunk: spare prefill may wait for a step with room. Alone,
+    # a step always advances its prompt, as any bounded step does, or spare work could starve forever
+    # on a machine whose every step outlasts the bound.
+    return StepTimeBound(min(limits) / PLAN_TO, cost, min_chunk=0 if step.plan.chunks else config.min_chunk)
+
+
+def decode_features(seq: Sequence) -> StepFeatures:
+    """What one decode row of ``seq`` adds to a step."""
+    return StepFeatures(0, 1, seq.num_computed_tokens + 1)

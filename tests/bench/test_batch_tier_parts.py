@@ -1,0 +1,67 @@
+"""The batch tier bench's parts: feature detection of the Files API, the completions driver's window and
+retries, token rates between samples and the goal ratios."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from bench.batch_driver import has_files_api, line_body, run_via_completions
+from bench.batch_tier import ratios, tokens_between
+
+
+def gateway_without_files_api(seen: list[dict], busy_first: int) -> Starlette:
+    """Answers completions (the first ``busy_first`` with 429) and has no /v1/files route."""
+    in_flight = {"now": 0, "most": 0}
+
+    async def completions(request: Request) -> JSONResponse:
+        seen.append(await request.json())
+        if len(seen) <= busy_first:
+            return JSONResponse({"error": {"message": "busy"}}, status_code=429, headers={"retry-after": "0"})
+        in_flight["now"] += 1
+        in_flight["most"] = max(in_flight["most"], in_flight["now"])
+        await asyncio.sleep(0.01)
+        in_flight["now"] -= 1
+        return JSONResponse({"choices": [{"text": "x"}]})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    app.state.in_flight = in_flight
+    return app
+
+
+def test_lines_go_as_completions_when_the_server_has_no_files_api_within_the_window():
+    seen: list[dict] = []
+    app = gateway_without_files_api(seen, busy_first=2)
+    bodies = [line_body("m", f"prompt {i}", 4) for i in range(20)]
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            assert not await has_files_api(client, "http://t", "k")
+            return await run_via_completions(client, "http://t", "k", bodies, window=3)
+
+    outcome = asyncio.run(main())
+    assert (outcome.via, outcome.ok, outcome.failed, outcome.retried) == ("completions", 20, 0, 2)
+    assert sorted(b["prompt"] for b in seen[2:]) == sorted(b["prompt"] for b in bodies)
+    assert app.state.in_flight["most"] <= 3
+
+
+def test_token_rates_and_ratios_from_samples():
+    samples = [(0.0, {"premium": 0, "batch": 0}), (10.0, {"premium": 100, "batch": 0}),
+               (20.0, {"premium": 200, "batch": 300}), (30.0, {"premium": 200, "batch": 900})]
+    assert tokens_between(samples, 0, 10) == 10.0
+    assert tokens_between(samples, 10, 20) == 40.0
+    assert tokens_between(samples, 20, 30, ("batch",)) == 60.0
+    result = {
+        "alone": {"tiers": {"premium": {"ttft_s": {"p99": 0.5}}, "standard": {"ttft_s": {"p99": 1.0}}}},
+        "beside": {"tiers": {"premium": {"ttft_s": {"p99": 0.55}}, "standard": {"ttft_s": {"p99": 0.9}}}},
+        "tokens_per_s": {"alone": 10.0, "beside": 40.0, "batch_tail": 60.0, "capacity": 50.0},
+        "marks": {"beside_end": 20.0, "batch_end": 30.0},
+    }
+    got = ratios(result)
+    assert abs(got["ttft_p99_premium"] - 1.1) < 1e-9 and abs(got["ttft_p99_standard"] - 0.9) < 1e-9
+    assert (got["engine_tokens"], got["batch_tail_vs_capacity"], got["batch_outlived_load"]) == (4.0, 1.2, True)
