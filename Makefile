@@ -35,9 +35,19 @@ test: $(STAMP) promtool haproxy
 	$(VENV)/bin/python -m pytest -q -m "not bench_peers"
 
 # llama-cpp-python compiles for about 12 minutes; pip keeps the wheel it builds in
-# its cache, and a wheel left in ~/.cache/tiergate-wheels is taken as is.
+# its cache, and a wheel left in ~/.cache/tiergate-wheels is taken as is. On a CPU
+# with AMX its wheel is built there first without ggml's AMX buffer, which crashes in
+# llama_decode on these CPUs (a known llama.cpp bug): the peer then runs its CPU_REPACK
+# layouts, as it does on every CPU without AMX.
+LLAMA_WHEELS := $(HOME)/.cache/tiergate-wheels
+LLAMA_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q --find-links $(HOME)/.cache/tiergate-wheels -e '.[test,bench]'
+	if grep -qw amx_int8 /proc/cpuinfo && ! ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
+	    CMAKE_ARGS="$(LLAMA_NO_AMX)" $(PY) -m pip wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python \
+	        -w $(LLAMA_WHEELS) "$$(sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)"; fi
+	$(PY) -m pip install -q --find-links $(LLAMA_WHEELS) -e '.[test,bench]'
 	touch $@
 
 # The peers' own tests first (they need llama-cpp-python, which `make test` does not install).

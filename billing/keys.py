@@ -74,23 +74,35 @@ def authenticate(engine: Engine, secret: str) -> TenantInfo | None:
         key, tenant = row
         if not hmac.compare_digest(key.secret_sha256, _digest(secret)):
             return None
-        adapters = session.scalars(
-            select(Adapter.name)
-            .join(AdapterGrant, AdapterGrant.adapter_id == Adapter.id)
-            .where(AdapterGrant.tenant_id == tenant.id)
-        )
-        return TenantInfo(
-            tenant=tenant.name,
-            tier=tenant.tier,
-            rpm=tenant.rpm,
-            tpm=tenant.tpm,
-            max_concurrent=tenant.max_concurrent,
-            adapters=frozenset(adapters),
-            version=tenant.version,
-            updated_at=tenant.updated_at,
-            key_id=key.key_id,
-            weight=tenant.weight,
-        )
+        return _tenant_info(session, tenant, key.key_id)
+
+
+def tenant_info(engine: Engine, name: str) -> TenantInfo | None:
+    """The tenant called ``name`` as a key of its would show it (no key id), or None: for work it sent
+    earlier and that runs without a key (a batch's lines)."""
+    with Session(engine) as session:
+        tenant = session.scalar(select(Tenant).where(Tenant.name == name))
+        return None if tenant is None else _tenant_info(session, tenant, "")
+
+
+def _tenant_info(session: Session, tenant: Tenant, key_id: str) -> TenantInfo:
+    adapters = session.scalars(
+        select(Adapter.name)
+        .join(AdapterGrant, AdapterGrant.adapter_id == Adapter.id)
+        .where(AdapterGrant.tenant_id == tenant.id)
+    )
+    return TenantInfo(
+        tenant=tenant.name,
+        tier=tenant.tier,
+        rpm=tenant.rpm,
+        tpm=tenant.tpm,
+        max_concurrent=tenant.max_concurrent,
+        adapters=frozenset(adapters),
+        version=tenant.version,
+        updated_at=tenant.updated_at,
+        key_id=key_id,
+        weight=tenant.weight,
+    )
 
 
 def revocation_mark(engine: Engine) -> tuple[datetime | None, int]:

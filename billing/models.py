@@ -144,6 +144,9 @@ class UsageEntry(Base):
     # Seconds the request waited in the engine's queue (after preemptions too): who waited for whom.
     queue_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     owner: Mapped[str | None] = mapped_column(String(128))  # the process holding an open row
+    # A Batch API line's request: its batch and the line's custom_id (tier `batch`); None otherwise.
+    batch_id: Mapped[str | None] = mapped_column(String(64))
+    custom_id: Mapped[str | None] = mapped_column(String(512))
 
 
 class RecomputeCharge(Base):
@@ -206,3 +209,7 @@ class Budget(Base):
     # An N-day period runs from this moment's day (in the budget's time zone) on, N days at a time.
     anchored_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+# The Batch API's tables share this metadata (Alembic compares it with the migrated schema).
+from billing import batch_models as _batch_models  # noqa: E402,F401

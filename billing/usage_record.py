@@ -27,6 +27,8 @@ class UsageRecord:
     recompute_by_tier: dict[str, float] = field(default_factory=dict)
     queue_seconds: float = 0.0  # waiting in the engine's queue
     owner: str | None = None  # an open row's process (billing.open_rows.PROCESS_OWNER)
+    batch_id: str | None = None  # a Batch API line's batch, and the line's custom_id
+    custom_id: str | None = None
 
     def __post_init__(self) -> None:
         # A bad row is refused here, before it could be spooled and retried forever.
@@ -64,6 +66,8 @@ class UsageRecord:
             "finished_at": utc_datetime(self.finished_at),
             "queue_seconds": self.queue_seconds,
             "owner": self.owner,
+            "batch_id": self.batch_id,
+            "custom_id": self.custom_id,
         }
 
 

@@ -33,7 +33,8 @@ from gateway import admin, memory
 from gateway.access_log import AccessLogMiddleware
 from gateway.load_shedding import LoadShedder, SheddingPolicy
 from gateway.auth import DATABASE_RETRY_S, Authenticator, database_unavailable
-from gateway import budget_admin, usage_api
+from gateway import batches_api, budget_admin, files_api, usage_api
+from gateway.batch_driver import BatchDriver
 from gateway.budget_gate import BudgetGate, make_budget_store
 from gateway.completions import chat_completions, completions
 from gateway.errors import APIError
@@ -161,6 +162,7 @@ def create_app(
     gw.budgets = BudgetGate(db, make_budget_store(settings.redis_url, settings.redis_key_prefix),
                             registry=metrics.registry, webhook_url=settings.budget_webhook_url)
     gw.usage.on_final = gw.budgets.settle
+    gw.batch_driver = BatchDriver(gw)
     engine.add_listener(gw.usage.on_engine_event)  # the meter's, through the recorder that takes its records
     engine.add_listener(metrics.on_engine_event)
     engine.add_listener(gw.tracing.on_engine_event)
@@ -203,6 +205,7 @@ def create_app(
             asyncio.create_task(gw.budgets.run_background(settings.budget_poll_s, settings.ledger_orphan_after_s)),
             asyncio.create_task(gw.budgets.notifier.run()),
             asyncio.create_task(memory.trim_forever()),  # freed request buffers go back to the system
+            asyncio.create_task(gw.batch_driver.run()),
         ]
         # What startup built (torch, the model, tokenizers) lives as long as the app; frozen out of
         # the collector, it no longer makes each full collection a long pause of the event loop
@@ -230,6 +233,8 @@ def create_app(
         Route("/v1/models", list_models, methods=["GET"]),
         *responses_api.routes,
         *tokenizer_routes.routes,
+        *files_api.routes,
+        *batches_api.routes,
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

@@ -164,40 +164,73 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
         raise
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A body that passed every check the endpoints that generate run on it, as the engine request it became."""
+
+    req: GenerationRequest
+    prompts: list[list[int]]  # each prompt's token ids (one, unless a list prompt)
+    max_tokens: int
+    engine_request: EngineRequest
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Its worst case: the prompts, and max_tokens for every choice of every prompt."""
+        return self.prompt_tokens + len(self.prompts) * self.req.n * self.max_tokens
+
+
+async def prepare(gw: Gateway, req: GenerationRequest, tenant, tier: str, adapter: str | None,
+                  request_id: str) -> Prepared:
+    """The one definition of a body's checks past its parse and model (prompt size, context, the engine's own),
+    as 400s: the live endpoints run it at admission, the Batch API on every line of a file and again as it runs it."""
+    gw.prompts.check_size(req)  # before any cost that grows with the prompt: the template's, the tokenizer's
+    prompts = await prompt_token_ids(gw, req)
+    check_prompt_scores(req, sum(map(len, prompts)), gw.engine.max_model_len)
+    max_tokens = req.max_tokens or default_max_tokens(max(map(len, prompts)), gw.engine.max_model_len,
+                                                      gw.settings.default_max_tokens)
+    # Sampling's fields carry SamplingParams' own names.
+    params = SamplingParams(max_tokens=max_tokens, **vars(req.sampling), stop=req.stop,
+                            stop_token_ids=req.stop_token_ids, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
+                            grammar=req.grammar, n=req.n, prompt_logprobs=prompt_scores_wanted(req))
+    engine_request = EngineRequest(request_id, prompts[0], params, tier, adapter, tenant=tenant.tenant,
+                                   tenant_weight=tenant.weight, more_prompts=tuple(prompts[1:]),
+                                   speculative=req.speculative)
+    check_request(gw.engine, engine_request, req.max_tokens is not None)
+    return Prepared(req, prompts, max_tokens, engine_request)
+
+
+def admitted_request(gw: Gateway, endpoint: Endpoint, prepared: Prepared, tenant: str, queued_at: float,
+                     arrived: float) -> AdmittedRequest:
+    """What the generation of a prepared request needs to frame its answer as the endpoint does."""
+    req, request = prepared.req, prepared.engine_request
+    return AdmittedRequest(
+        request_id=request.request_id, kind=endpoint.kind, model=req.model, tenant=tenant, tier=request.tier,
+        adapter=request.adapter, queued_at=queued_at, arrived=arrived, prompt_tokens=prepared.prompt_tokens,
+        reserved_tokens=prepared.reserved_tokens, prompts=len(prepared.prompts),
+        want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
+        parse_tool_calls=req.tools is not None and req.tools.choice != "none", n=req.n,
+        top_logprobs=req.logprobs or 0, prompt_logprobs=req.prompt_logprobs,
+        echo_texts=echo_texts(req, prepared.prompts, gw.prompts.tokenizer) if req.echo else (),
+        grammar_param=req.grammar_param if req.grammar is not None else None,
+    )
+
+
 async def _serve(request: Request, endpoint: Endpoint, gw: Gateway, tenant, request_id: str, refusal: Refusal,
                  arrived: float, queued_at: float) -> Response:
     body = parse_json_body(await read_body(request, gw.settings.max_body_bytes))
     req = endpoint.parse(body)
     adapter = refusal.adapter = resolve_adapter(req.model, tenant, gw.engine)
     try:
-        gw.prompts.check_size(req)  # before any cost that grows with the prompt: the template's, the tokenizer's
-        prompts = await prompt_token_ids(gw, req)
-        prompt = prompts[0]
-        check_prompt_scores(req, sum(map(len, prompts)), gw.engine.max_model_len)
-        max_tokens = req.max_tokens or default_max_tokens(max(map(len, prompts)), gw.engine.max_model_len,
-                                                          gw.settings.default_max_tokens)
-        # Sampling's fields carry SamplingParams' own names.
-        params = SamplingParams(max_tokens=max_tokens, **vars(req.sampling), stop=req.stop,
-                                stop_token_ids=req.stop_token_ids, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
-                                grammar=req.grammar, n=req.n, prompt_logprobs=prompt_scores_wanted(req))
-        engine_request = EngineRequest(request_id, prompt, params, tenant.tier, adapter, tenant=tenant.tenant,
-                                       tenant_weight=tenant.weight, more_prompts=tuple(prompts[1:]),
-                                       speculative=req.speculative)
-        check_request(gw.engine, engine_request, req.max_tokens is not None)
+        prepared = await prepare(gw, req, tenant, tenant.tier, adapter, request_id)
     except APIError:
         await count_refusal(gw, tenant, request_id)
         raise
-    prompt_tokens = sum(map(len, prompts))
-    admitted = AdmittedRequest(
-        request_id=request_id, kind=endpoint.kind, model=req.model, tenant=tenant.tenant, tier=tenant.tier,
-        adapter=adapter, queued_at=queued_at, arrived=arrived, prompt_tokens=prompt_tokens,
-        reserved_tokens=prompt_tokens + len(prompts) * req.n * max_tokens, prompts=len(prompts),
-        want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
-        parse_tool_calls=req.tools is not None and req.tools.choice != "none", n=req.n,
-        top_logprobs=req.logprobs or 0, prompt_logprobs=req.prompt_logprobs,
-        echo_texts=echo_texts(req, prompts, gw.prompts.tokenizer) if req.echo else (),
-        grammar_param=req.grammar_param if req.grammar is not None else None,
-    )
+    engine_request, max_tokens, prompt_tokens = prepared.engine_request, prepared.max_tokens, prepared.prompt_tokens
+    admitted = admitted_request(gw, endpoint, prepared, tenant.tenant, queued_at, arrived)
     # Refusals are counted (metrics) and billed (ledger) but not traced: a span costs about as much
     # as the rest of a 429, and a flood of 429s must stay cheap to answer.
     decision = await _admit(gw, admitted, tenant)

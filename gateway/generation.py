@@ -22,6 +22,7 @@ import anyio.to_thread
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from billing.usage_record import UsageRecord
 from engine.request import MASK_OVER_BUDGET, Delta, TokenLogprob, Usage
 from gateway import openai_format as fmt
 from gateway.errors import APIError, invalid_param
@@ -116,7 +117,7 @@ class Generation:
                                   self.request.queued_at, self.request.prompt_tokens, self.completion_tokens, self.first_token_at)
         # The engine saw an abort; the row says why: the server stopped, not the client.
         override = "interrupted" if status == "interrupted" else None
-        record = await self.gw.usage.finish(self.request.request_id, fallback, status=override)
+        record = await self._final_row(fallback, override)
         self.recorded = True
         # The engine's count includes tokens made after a client left, which it never saw: they are
         # billed, and they count against the tenant's TPM when the reservation is settled.
@@ -129,6 +130,10 @@ class Generation:
             tpot = (time.monotonic() - self._first_token_mono) / (self.completion_tokens - 1)
             self.gw.metrics.observe_tpot(self.request.tier, tpot)
         return record.status
+
+    async def _final_row(self, fallback: UsageRecord, status: str | None) -> UsageRecord:
+        """The request's final ledger row, durable when this returns."""
+        return await self.gw.usage.finish(self.request.request_id, fallback, status=status)
 
     async def sse(self) -> AsyncIterator[bytes]:
         request = self.request

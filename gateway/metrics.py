@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from engine.events import EngineEvent, FinishEvent, StepEvent
 from gateway.epp_metrics import EndpointPickerCollector
+from gateway.batch_metrics import BatchMetrics
 from scheduler.config import TierConfig, default_tiers
 from scheduler.load import TierLoad
 
@@ -100,6 +101,7 @@ class GatewayMetrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
+        self.batches = BatchMetrics(r)  # the Batch API's lines and batches
         self.requests = Counter("tiergate_requests", "Finished requests.", ["tier", "status"], registry=r)
         self.rejections = Counter(
             "tiergate_rejections", "Requests refused before reaching the engine.", ["tier", "reason"], registry=r

@@ -26,6 +26,7 @@ from gateway.tracing import Tracing
 from gateway.usage_recorder import UsageRecorder
 
 if TYPE_CHECKING:  # torch comes with these; a gateway module is imported by commands that never serve
+    from gateway.batch_driver import BatchDriver
     from engine.config import EngineConfig
     from engine.grammar_compiler import GrammarCompiler
     from engine.tokenizer import TextTokenizer
@@ -77,3 +78,4 @@ class Gateway:
     started_at: float = 0.0  # time.time() when the app started; the `created` of /v1/models entries
     database_ready: bool = True  # False from startup until the database answered and was set up
     budgets: BudgetGate | None = None  # tenants' spend limits (gateway/budget_gate.py); None: not enforced
+    batch_driver: BatchDriver | None = None  # runs the Batch API's lines (gateway/batch_driver.py)

@@ -151,30 +151,14 @@ class UsageRecorder:
         return record
 
     async def _finish(self, request_id: str, fallback: UsageRecord, status: str | None = None) -> UsageRecord:
-        """finish() up to the durable row.
-
-        ``status`` replaces the engine's when the gateway knows better why a request ended (an
-        abort the server made while stopping is ``interrupted``, not ``cancelled``). Not
-        cancellable: a cancelled caller (a client that left) still gets its row written before
-        this returns.
-        """
-        self._running.pop(request_id, None)
-        self._unopened.pop(request_id, None)
-        with self._cond:
-            record = self._finished.pop(request_id, None)
-        if record is not None and status is not None:
-            record = replace(record, status=status)
+        """finish() up to the durable row. Not cancellable: a cancelled caller (a client that left) still gets
+        its row written before this returns."""
+        record = await self.take_final(request_id, fallback, status)
         # A quiet SQLite ledger commits here, on the loop, faster than a handoff to its writer
         # and back; otherwise the writer group-commits the row with whatever else is waiting.
-        if record is not None and self.ledger.write_now([record]):
+        if self.ledger.write_now([record]):
             return record
         with anyio.CancelScope(shield=True):
-            if record is None:  # a stream that ended before the engine's finish event (a client that left)
-                record = await anyio.to_thread.run_sync(self._wait_record, request_id, fallback)
-                if status is not None:
-                    record = replace(record, status=status)
-                if self.ledger.write_now([record]):
-                    return record
             if self.ledger.writing:
                 # The writer commits the row whatever happens to this wait; the shield keeps the
                 # caller here until it has.
@@ -182,6 +166,21 @@ class UsageRecorder:
             else:  # no writer (a bare app in a test): the write happens inside submit()
                 (await anyio.to_thread.run_sync(self.ledger.submit, [record])).result()
         return record
+
+    async def take_final(self, request_id: str, fallback: UsageRecord, status: str | None = None) -> UsageRecord:
+        """The request's final record once its finish event came, not written: the caller writes it (finish(), or
+        a batch line's result, which goes in with its row in one transaction).
+
+        ``status`` replaces the engine's when the gateway knows better why a request ended (an
+        abort the server made while stopping is ``interrupted``, not ``cancelled``)."""
+        self._running.pop(request_id, None)
+        self._unopened.pop(request_id, None)
+        with self._cond:
+            record = self._finished.pop(request_id, None)
+        if record is None:  # a stream that ended before the engine's finish event (a client that left)
+            with anyio.CancelScope(shield=True):
+                record = await anyio.to_thread.run_sync(self._wait_record, request_id, fallback)
+        return record if status is None else replace(record, status=status)
 
     def _wait_record(self, request_id: str, fallback: UsageRecord) -> UsageRecord:
         with self._cond:
