@@ -69,7 +69,8 @@ def test_strict_validation_refuses_a_misspelled_field(rendered):
 def test_inference_overlay_has_a_pool_and_an_objective_per_tier_valid_against_their_schemas(inference):
     pool = one(inference, "InferencePool")
     objectives = [o for o in inference if o["kind"] == "InferenceObjective"]
-    assert {o["metadata"]["name"] for o in objectives} == {t.name for t in default_tiers()}
+    # The batch tier's lines never pass the inference gateway: each replica's batch driver runs them itself.
+    assert {o["metadata"]["name"] for o in objectives} == {t.name for t in default_tiers() if not t.spare_only}
     for obj in [pool, *objectives]:
         crd_validator(obj["kind"]).validate(obj)
     by_tier = {o["metadata"]["name"]: o["spec"]["priority"] for o in objectives}

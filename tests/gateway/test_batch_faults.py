@@ -130,6 +130,16 @@ def leased(database_url: str, batch_id: str) -> int:
     return n
 
 
+def leased_by(database_url: str, batch_id: str, pid: int) -> int:
+    """Lines of the batch leased by the process of this pid (a lease's owner is host/pid/token)."""
+    db = create_engine_for(database_url)
+    with db.connect() as connection:
+        owners = connection.execute(select(BatchLine.lease_owner).where(BatchLine.batch_id == batch_id,
+                                                                        BatchLine.state == "leased")).scalars().all()
+    db.dispose()
+    return sum(1 for owner in owners if owner and owner.split("/")[1] == str(pid))
+
+
 def test_sigkill_mid_batch_then_restart_answers_and_bills_every_line_once(database, tiny_model_dir, tmp_path):
     key = tenant_key(database)
     replica = Replica("solo", free_port(), replica_env(tiny_model_dir, database), tmp_path)
@@ -184,9 +194,12 @@ def test_three_replicas_behind_haproxy_share_one_batch_and_answer_each_line_once
     client, batch_id = start_batch(cluster.url, key, model_name(cluster.url, key))
     # One replica dies mid-batch; the two others take its lines over once their leases run out.
     victim = cluster.replicas[0]
-    assert wait_for(lambda: batch_lines_run(victim) >= 1, 180, 0.1)
+    # Killed once it has answered a line and holds others: those must be taken over (a replica killed between
+    # its claims would leave nothing to take over, and the test would show nothing).
+    assert wait_for(lambda: batch_lines_run(victim) >= 1 and leased_by(url, batch_id, victim.proc.pid) > 0, 180, 0.05)
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(30)
+    assert leased_by(url, batch_id, victim.proc.pid) > 0
     wait_completed(client, batch_id)
     assert_each_line_once(client, batch_id, url)
     assert max_attempts(url, batch_id) >= 2  # the dead replica's lines were taken over

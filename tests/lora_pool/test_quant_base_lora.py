@@ -36,6 +36,9 @@ from tests.lora_pool.test_engine_matches_peft import (  # noqa: F401 (fixtures)
 PROJ_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # As in tests/engine/test_gguf_native.py: activations rounded to int8 per 32 values, three layers deep.
 KERNEL_RTOL = 0.1
+# The AMX panel path (many rows, csrc/quant_dequant_panel.cpp) rounds the weights too, each value and each
+# activation to bfloat16's 8 significant bits, three layers deep.
+PANEL_RTOL = 0.15
 
 
 @pytest.fixture(scope="module", params=["q8_0", "q4_0"])
@@ -93,12 +96,17 @@ def test_adapters_over_a_quantized_base_match_peft_over_its_dequantized_values(b
     assert (peft_last_logits(peft_models[None], ids) - peft_last_logits(peft_models["attn_r4"], ids)).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("panel_rows", ["off", "1"], ids=["int8", "amx_panels"])
 def test_adapters_over_a_quantized_base_on_the_kernels_stay_within_the_activation_rounding(
-        base_dir, adapter_dirs, peft_models, kind):  # noqa: F811
+        base_dir, adapter_dirs, peft_models, kind, panel_rows, monkeypatch):  # noqa: F811
     assert engine.quant_linear.quant_kernels_present()
+    if panel_rows != "off" and not torch.ops.tiergate.quant_panel_supported():
+        pytest.skip("this CPU does not run oneDNN's bfloat16 micro-kernel (no AMX): the panel path is never taken")
+    monkeypatch.setenv("TIERGATE_QUANT_PANEL_ROWS", panel_rows)
+    rtol = KERNEL_RTOL if panel_rows == "off" else PANEL_RTOL
     for adapter, ours, expected in run_mixed_batch(base_dir, adapter_dirs, peft_models, kind):
         spread = expected.abs().max().item()
-        assert (ours - expected).abs().max().item() < KERNEL_RTOL * spread, f"adapter {adapter}"
+        assert (ours - expected).abs().max().item() < rtol * spread, f"adapter {adapter}"
 
 
 def test_an_engine_configured_to_quantize_serves_adapters_with_peft_greedy_tokens(base_dir, adapter_dirs,  # noqa: F811
