@@ -144,10 +144,6 @@ struct Panel {
   int64_t type, row_bytes, first, count, col;  // outputs [first, first + count) of the part, at column col
 };
 
-int64_t row_bytes_of(int64_t type, int64_t in) {
-  return in / format_of(type).block_values * format_of(type).block_bytes;
-}
-
 at::Tensor quant_panel_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
                               at::IntArrayRef out_features) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,

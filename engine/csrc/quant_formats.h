@@ -48,6 +48,11 @@ constexpr Format format_of(int64_t type) {
   }
 }
 
+// Bytes of one ggml row of `in` inputs.
+constexpr int64_t row_bytes_of(int64_t type, int64_t in) {
+  return in / format_of(type).block_values * format_of(type).block_bytes;
+}
+
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);

@@ -58,7 +58,7 @@ void check_blocks(const char* op, const at::Tensor& blocks, int64_t type, int64_
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.is_contiguous(),
               op, ": blocks must be a contiguous uint8 CPU tensor [out, bytes_per_row]");
-  TORCH_CHECK(blocks.size(0) == out_features && blocks.size(1) == in / f.block_values * f.block_bytes, op,
+  TORCH_CHECK(blocks.size(0) == out_features && blocks.size(1) == row_bytes_of(type, in), op,
               ": blocks do not match the input size and out_features");
 }
 
@@ -318,7 +318,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
     check_blocks("quant_linear", blocks[p], types[p], in, out_features[p]);
     const bool packed = blocks[p].dim() == 3;
     parts.push_back({blocks[p].const_data_ptr<uint8_t>(), types[p], out_features[p],
-                     in / format_of(types[p]).block_values * format_of(types[p]).block_bytes, total, packed});
+                     row_bytes_of(types[p], in), total, packed});
     for (int64_t first = 0; first < out_features[p]; first += GROUP) groups.push_back({int64_t(p), first});
     total += out_features[p];
   }
