@@ -1,6 +1,6 @@
 """`make bench`: every bench present, with settings that fit in about 30 minutes, into bench/RESULTS.md.
 
-Each bench runs as its own subprocess (`python -m bench.NAME ...`) and writes
+Each bench runs as its own subprocess (`python -m bench.KIND.NAME ...`) and writes
 JSON; if its module has `render_markdown(result: dict) -> str`, that renders
 its section, otherwise the tail of its printed output goes in verbatim. Plots
 a bench lists under "plots" in its JSON (paths) are embedded. A bench that
@@ -24,27 +24,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import machine
+from bench.common import machine, paths
 
-BENCH_DIR = Path(__file__).parent
-ROOT = BENCH_DIR.parent
-OUT = BENCH_DIR / "out"
+BENCH_DIR, ROOT, OUT = paths.BENCH_DIR, paths.ROOT, paths.OUT
 RESULTS = BENCH_DIR / "RESULTS.md"
 
 
 @dataclass
 class Bench:
-    name: str  # its JSON is bench/out/<name>.json
+    name: str  # its JSON is bench/out/<name>.json, its section in RESULTS.md is headed by the title
+    module: str  # bench.<module>, e.g. "live.slo"
     title: str
     args: list[str] = field(default_factory=list)
     quick_args: list[str] | None = None  # for --quick
     json_flag: str = "--json"
     timeout_s: int = 900
-    module: str = ""  # bench.<module>; defaults to the name
 
     @property
     def module_name(self) -> str:
-        return f"bench.{self.module or self.name}"
+        return f"bench.{self.module}"
 
     @property
     def json_path(self) -> Path:
@@ -58,61 +56,75 @@ def benches() -> list[Bench]:
     # The engine workload is cut to fit the 30-minute budget: llama.cpp and HF need about
     # 10 minutes between them for 48 requests; the Q4_1 reference run is left to a manual run.
     return [
-        Bench("engine_throughput", "Engine throughput: tiergate vs HF transformers and llama.cpp",
+        Bench("engine_throughput", "offline.engine_throughput",
+              "Engine throughput: tiergate vs HF transformers and llama.cpp",
               ["--requests", "48", "--output-len", "16:128", "--concurrency", "1,8,32",
                "--single-stream-requests", "6", "--single-stream-rounds", "5", "--engines",
                "tiergate,llama.cpp-F32,hf-transformers,tiergate-plain,tiergate-onednn"],
               ["--requests", "16", "--concurrency", "1,8", "--single-stream-requests", "2"], timeout_s=1200),
-        # The bundled file and the 360M Q4_K_M one; `python -m bench.quantized --full` runs every file
+        # The bundled file and the 360M Q4_K_M one; `python -m bench.offline.quantized --full` runs every file
         # (360M and 1B in Q8_0, Q4_0 and Q4_K_M: about an hour more, the 1B files most of it).
-        Bench("quantized", "Quantized GGUF serving: tiergate vs llama.cpp on the same files",
+        Bench("quantized", "offline.quantized", "Quantized GGUF serving: tiergate vs llama.cpp on the same files",
               ["--models", "bundled,360m", "--quants", "q4_k_m", "--rounds", "3"],
               ["--models", "bundled", "--rounds", "1", "--tokens", "16", "--streams", "4", "--stream-tokens", "8",
                "--pp-reps", "1"], timeout_s=1800),
-        Bench("spec_decode", "Speculative decoding (prompt lookup): on vs off, and llama.cpp's own lookup",
+        Bench("spec_decode", "offline.spec_decode",
+              "Speculative decoding (prompt lookup): on vs off, and llama.cpp's own lookup",
               ["--concurrency", "1,8,32", "--rounds", "2", "--max-tokens", "96"],
               ["--concurrency", "1,8", "--rounds", "1", "--max-tokens", "32"], timeout_s=1500),
-        Bench("bf16_quality", "The bfloat16 opt-in: logprob drift and decode speed against float32",
+        Bench("bf16_quality", "offline.bf16_quality",
+              "The bfloat16 opt-in: logprob drift and decode speed against float32",
               quick_args=["--tokens", "32"]),
-        Bench("projections", "A decode step's projections: the panel kernel vs oneDNN and torch.mm",
+        Bench("projections", "kernels.projections",
+              "A decode step's projections: the panel kernel vs oneDNN and torch.mm",
               quick_args=["--rows", "1,32", "--rounds", "2"]),
-        Bench("prompt_scoring", "Prompt scoring (prompt logprobs, echo): tiergate vs HF transformers and llama.cpp",
+        Bench("prompt_scoring", "offline.prompt_scoring",
+              "Prompt scoring (prompt logprobs, echo): tiergate vs HF transformers and llama.cpp",
               quick_args=["--prompts", "4", "--prompt-len", "32,64", "--rounds", "1"]),
-        Bench("lora_throughput", "Multi-LoRA throughput", quick_args=[]),
+        Bench("lora_throughput", "offline.lora_throughput", "Multi-LoRA throughput", quick_args=[]),
         # Reads the step-cost model engine_throughput just fitted (when it ran); SLOs scaled to it.
-        Bench("slo_sim", "SLO simulation on this CPU's cost model: tiered vs fcfs on a virtual clock", step_cost),
-        Bench("slo_sim_gpu", "SLO simulation on stated H100 coefficients: tiered vs fcfs on a virtual clock",
-              module="slo_sim"),
+        Bench("slo_sim", "sim.slo",
+              "SLO simulation on this CPU's cost model: tiered vs fcfs on a virtual clock", step_cost),
+        Bench("slo_sim_gpu", "sim.slo",
+              "SLO simulation on stated H100 coefficients: tiered vs fcfs on a virtual clock"),
         # Both the H100 coefficients and this CPU's fitted cost (when engine_throughput wrote it).
-        Bench("slo_long_prompts", "Long prompts beside premium streams: the inter-token latency bound off and on",
+        Bench("slo_long_prompts", "sim.long_prompts",
+              "Long prompts beside premium streams: the inter-token latency bound off and on",
               step_cost, ["--requests", "60", *step_cost]),
-        Bench("long_prompt_gap", "A neighbour's stream beside 1,987-token prompts on the real engine, the bound off and on",
+        Bench("long_prompt_gap", "offline.long_prompts",
+              "A neighbour's stream beside 1,987-token prompts on the real engine, the bound off and on",
               quick_args=["--rounds", "1", "--round-s", "8", "--alone-s", "3"]),
-        Bench("slo_sweep", "SLO sweep through the real gateway: tiered vs fcfs",
+        Bench("slo_sweep", "live.slo", "SLO sweep through the real gateway: tiered vs fcfs",
               quick_args=["--rates", "0.5", "--requests", "8"], timeout_s=900),
         # Like for like with fcfs: no premium KV reserve (it would idle with no premium traffic).
-        Bench("fair_share_sim", "Fair share inside a tier on a virtual clock: a light tenant beside a flood",
+        Bench("fair_share_sim", "sim.fair_share",
+              "Fair share inside a tier on a virtual clock: a light tenant beside a flood",
               ["--premium-reserve", "0"]),
         # Two rounds each, interleaved, so the shared machine's load falls on both policies alike.
-        Bench("fair_share_gateway", "Fair share through the real gateway: a light tenant beside a 30-stream flood",
+        Bench("fair_share_gateway", "live.fair_share",
+              "Fair share through the real gateway: a light tenant beside a 30-stream flood",
               ["--policies", "tiered,tiered-step-end,fcfs", "--flood-max-tokens", "32", "--light-every", "3",
                "--alone-s", "10", "--warmup-s", "40", "--flood-s", "40", "--rounds", "2"],
               ["--flood", "4", "--alone-s", "3", "--warmup-s", "3", "--flood-s", "6"], timeout_s=1200),
         # Issue 32: about 12 minutes on a quiet 2-core box (capacity, two 120-second phases, the batch's tail).
-        Bench("batch_tier", "The batch tier: interactive load at 70% of capacity, alone and beside a 2,000-line batch",
+        Bench("batch_tier", "live.batch_tier",
+              "The batch tier: interactive load at 70% of capacity, alone and beside a 2,000-line batch",
               quick_args=["--phase-s", "10", "--lines", "60", "--capacity-requests", "8", "--capacity-concurrency", "4",
                           "--batch-lead-s", "2", "--settle-s", "1"], timeout_s=1800),
-        Bench("gateway_overhead", "Gateway overhead", json_flag="--out"),
-        Bench("lm_eval_batching", "lm-evaluation-harness local-completions: --batch_size 8 against 1",
+        Bench("gateway_overhead", "live.gateway_overhead", "Gateway overhead", json_flag="--out"),
+        Bench("lm_eval_batching", "live.lm_eval_batching",
+              "lm-evaluation-harness local-completions: --batch_size 8 against 1",
               ["--questions", "40", "--batch-sizes", "1,8", "--rounds", "2"],
               ["--questions", "8", "--rounds", "1"]),
-        Bench("structured", "Structured outputs and n > 1: JSON-schema decoding vs free, compile time, n=4",
+        Bench("structured", "offline.structured",
+              "Structured outputs and n > 1: JSON-schema decoding vs free, compile time, n=4",
               ["--concurrency", "32", "--max-tokens", "32", "--rounds", "5"],
               ["--concurrency", "4", "--max-tokens", "8", "--rounds", "1"]),
-        Bench("report_speed", "Billing report speed", json_flag=""),
-        Bench("chaos", "Chaos: database cut, Redis restart, SIGKILL, dropped streams under load",
+        Bench("report_speed", "offline.report_speed", "Billing report speed", json_flag=""),
+        Bench("chaos", "live.chaos", "Chaos: database cut, Redis restart, SIGKILL, dropped streams under load",
               quick_args=["--phase-s", "4"], timeout_s=600),
-        Bench("hostile", "Hostile tenants (issue #31): a neighbour's stream beside each attack, one at a time",
+        Bench("hostile", "live.hostile",
+              "Hostile tenants (issue #31): a neighbour's stream beside each attack, one at a time",
               quick_args=["--baseline-s", "8", "--window-s", "4", "--attack-timeout-s", "30",
                           "--only", "grammar_flood,tools_900kb,prompt_logprobs_n16,refusals_400"], timeout_s=1800),
     ]

@@ -48,7 +48,7 @@ PACK_HINT_ROWS = 32
 PANEL = 16
 FORMS = ("panels", "onednn", "plain")
 # Rows of a bfloat16 call from which the AMX micro-kernel beat the panel kernel on the CPU it was
-# measured on (bench/projections.py, bench/RESULTS.md).
+# measured on (bench/kernels/projections.py, bench/RESULTS.md).
 AMX_MIN_ROWS = 32
 
 

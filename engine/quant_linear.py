@@ -55,7 +55,7 @@ PACK_ROWS = 16
 # Formats repacked at load into csrc/quant_packed.h's layout for the few-row kernels.
 REPACKED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K})
 # Rows of x from which the panel path beat the int8 tiles on the AMX CPU it was measured on
-# (bench/quant_kernels.py, bench/RESULTS.md).
+# (bench/kernels/quant_kernels.py, bench/RESULTS.md).
 PANEL_MIN_ROWS = 64
 # Output rows the fallback dequantizes at a time: bounds its float copy to a few MB.
 FALLBACK_SLICE_ROWS = 256

@@ -69,7 +69,7 @@ class Settings:
     # cut so that the step is predicted to last at most max_step_s, and at most premium_tpot_slo_s while a
     # premium stream decodes (the tightest decoding tier sets it). None: the device's default (CPU 0.15 s
     # and 0.1 s, prefill chunks of one to two hundred tokens of the bundled model; GPU 0.05 s and
-    # 0.025 s: bench/slo_long_prompts.py weighs them against throughput); 0: no bound.
+    # 0.025 s: bench/sim/long_prompts.py weighs them against throughput); 0: no bound.
     max_step_s: float | None = None
     premium_tpot_slo_s: float | None = None
     host: str = "127.0.0.1"

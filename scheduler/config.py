@@ -37,7 +37,7 @@ def default_tiers(
 class StepCost:
     """Step time as a linear cost: ``base_s + per_prefill_token_s * prefill tokens + per_decode_seq_s *
     decode rows + per_context_token_s * context tokens + per_attention_pair_s * prefill attention pairs``
-    (bench/step_cost.py fits the first four offline; the scheduler's online fit learns all five).
+    (bench/sim/step_cost.py fits the first four offline; the scheduler's online fit learns all five).
 
     The pair term is a prefill chunk's attention: each of its rows attends to every position before it,
     so a chunk deep into a long prompt costs per token in proportion to its depth; without it a chunk

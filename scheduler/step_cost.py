@@ -3,7 +3,7 @@
     step_s = base_s + per_prefill_token_s * prefill_tokens + per_decode_seq_s * decode_rows
                     + per_context_token_s * context_tokens + per_attention_pair_s * attention_pairs
 
-The features are those bench/step_cost.py fits offline and bench/slo_sim.py runs on, taken from a
+The features are those bench/sim/step_cost.py fits offline and bench/sim/slo.py runs on, taken from a
 plan by ``step_features`` (each chunk's share: ``StepFeatures.of`` in scheduler/plan.py, which the
 step builder also keeps a running sum of while it plans). Online, the fit is exponentially weighted least
 squares over the last ``memory_steps`` or so steps, pulled gently toward the prior coefficients

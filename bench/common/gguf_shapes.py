@@ -6,9 +6,9 @@ of ~360M and ~1B parameters from the bundled file's metadata and tokenizer, with
 from a seeded normal(0, 0.02) (norms at 1: each layer's output stays of order one, so logits are
 spread, not degenerate), then quantizes them with llama.cpp's own quantizer
 (``llama_model_quantize``, its default parameters), as a user's Q8_0, Q4_0 or Q4_K_M file is made.
-Files are written once into the bench cache (bench/model_files.py's ``cache_dir``).
+Files are written once into the bench cache (bench/common/model_files.py's ``cache_dir``).
 
-    .venv/bin/python -m bench.gguf_shapes [--models 360m,1b] [--quants q8_0,q4_0,q4_k_m]
+    .venv/bin/python -m bench.common.gguf_shapes [--models 360m,1b] [--quants q8_0,q4_0,q4_k_m]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from bench import model_files
+from bench.common import model_files
 
 WEIGHT_STD = 0.02
 
@@ -168,7 +168,7 @@ def random_gguf(model: str, quant: str, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gguf_shapes", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.common.gguf_shapes", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(SHAPES))
     p.add_argument("--quants", default=",".join(QUANTS))
     args = p.parse_args(sys.argv[1:] if argv is None else argv)

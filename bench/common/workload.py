@@ -12,8 +12,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from bench.common import paths
 
-PASSAGES = Path(__file__).parent / "data" / "passages.txt"
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def build_workload(
     seed: int = 0,
 ) -> list[BenchRequest]:
     """``num_requests`` requests with uniformly drawn prompt and output lengths."""
-    corpus = encode(PASSAGES.read_text())
+    corpus = encode(paths.PASSAGES.read_text())
     longest = prompt_len_range[1]
     if num_requests > len(corpus):
         raise ValueError(f"at most {len(corpus)} requests have distinct prompt offsets")

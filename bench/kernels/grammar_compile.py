@@ -10,7 +10,7 @@ largest per-token grammar work (accept + mask, thread CPU time) of a
 length-bounded JSON string, what the step budget (``grammar_mask_budget_s``) must
 stay above.
 
-    .venv/bin/python -m bench.grammar_compile [--rounds 3] [--json PATH]
+    .venv/bin/python -m bench.kernels.grammar_compile [--rounds 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import time
 import torch
 import xgrammar as xgr
 
-from bench import machine
+from bench.common import machine, report
+from engine.config import default_cache_dir
 from engine.grammar import GrammarSpec, compile_spec, tokenizer_info
 from engine.grammar_compiler import GrammarCompiler
 from engine.grammar_probe import CompileTimeout
-from engine.config import default_cache_dir
 from engine.loader import load_model
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -98,14 +98,11 @@ def main() -> None:
     refused_after_s = time.perf_counter() - started
     step_work = _step_work_ms(compiler, tokenizer)
     compiler.close()
-    report = {"machine": machine.describe(), "budget_s": args.budget_s,
+    result = {"machine": machine.describe(), "budget_s": args.budget_s,
               "cold_compile_median_s": {name: {k: statistics.median(v) for k, v in entry.items()}
                                         for name, entry in times.items()},
               "slow_grammar_refused_after_s": refused_after_s, "largest_token_work_ms": step_work}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    report.finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Measures candidate CPU paths for the batched LoRA update (the choice in lora_pool/ops.py).
 
-    .venv/bin/python -m bench.lora_cpu_ops
+    .venv/bin/python -m bench.kernels.lora_cpu_ops
 
 Shapes are the bundled model's (hidden 576, intermediate 1536), rank 16, float32, one
 thread. Row bookkeeping is done once per step in every candidate, as in LoraBatch:

@@ -12,7 +12,7 @@ above 1 means the kernel is faster. Last, one layer's causal attention of a
 whole prompt of each ``--prefill-lengths`` length, the prefill kernel
 (csrc/prefill_attention.cpp) against SDPA, alternating the same way.
 
-    .venv/bin/python -m bench.paged_attention [--concurrency 1,8,32] [--prompt 250]
+    .venv/bin/python -m bench.kernels.paged_attention [--concurrency 1,8,32] [--prompt 250]
         [--prefill-lengths 64,250,1000] [--steps 30] [--threads N] [--json PATH]
 """
 
@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench import machine
+from bench.common import machine, report
 from engine.attention import AttentionMetadata, LayerAttention, paged_attention
 from engine.cpu_threads import ThreadTuner
 from engine.loader import load_model
@@ -187,10 +187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    print(render(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report.finish(result, args.json, render)
     return 0
 
 

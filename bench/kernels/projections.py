@@ -9,7 +9,7 @@ depend on the values. The forms run in alternating order in one process, so they
 share the machine's state; the medians, the bandwidth and flop rates they reach, and
 the panel kernel's ratio over each other form are printed.
 
-    .venv/bin/python -m bench.projections [--rows 1,8,16,32,64,128] [--rounds 7] [--threads 2] [--json PATH]
+    .venv/bin/python -m bench.kernels.projections [--rows 1,8,16,32,64,128] [--rounds 7] [--threads 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench import machine
+from bench.common import machine, report
 from engine.packed_linear import FORMS, Weight, linear, pack, weight_form
 
 LAYERS = 30
@@ -103,7 +103,7 @@ def render_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.projections", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.kernels.projections", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,16,32,64,128")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
@@ -113,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print("projections: the panel kernel is not available on this machine", file=sys.stderr)
         return 1
     result = run([int(r) for r in args.rows.split(",")], args.rounds, args.threads)
-    print(render_markdown(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report.finish(result, args.json, render_markdown)
     return 0
 
 

@@ -21,7 +21,7 @@ The bandwidth floor: the time to read each form's weight bytes at the read bandw
 here (a sum over a buffer 4x the weights' largest form, same threads), and the fraction of it a
 pass reaches.
 
-    .venv/bin/python -m bench.quant_kernels [--rows 1,8,32,512] [--rounds 5] [--threads 2] [--layers 2]
+    .venv/bin/python -m bench.kernels.quant_kernels [--rows 1,8,32,512] [--rounds 5] [--threads 2] [--layers 2]
         [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K] [--isa auto|avx512|avx2|scalar] [--json PATH]
 """
 
@@ -37,7 +37,8 @@ import time
 import gguf
 import torch
 
-from bench import machine
+from bench.common import machine
+from bench.common.report import write_json
 from engine.packed_linear import PackedWeight, pack, panel_kernel_present
 from engine.quant_linear import REPACKED_TYPES, QuantWeight, kernel_isa, quant_kernels_present
 from engine.quantize import random_blocks
@@ -164,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run([int(r) for r in args.rows.split(",")], args.rounds, args.threads, args.layers, types)
     _print(report)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(report, args.json)
     return 0
 
 

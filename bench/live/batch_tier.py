@@ -10,7 +10,7 @@ One `tiergate serve` (bundled model, this CPU, a throwaway SQLite database) with
 
 The batch goes through OpenAI's Files and Batches API when the server has it (a 404 on ``POST
 /v1/files`` means not yet), else each line is a /v1/completions request of the batch tenant, a
-window of ``--window`` in flight (bench/batch_driver.py); the result says which. Completion tokens
+window of ``--window`` in flight (bench/live/batch_driver.py); the result says which. Completion tokens
 per tier are sampled from /metrics every ``--sample-s`` for the plot.
 
 Goals (issue 32): interactive TTFT p99 beside the batch <= 1.1x alone, premium and standard each;
@@ -18,7 +18,7 @@ the engine's output tokens/s beside the batch >= 1.5x the interactive load's alo
 tail (after the interactive load ends) at the engine's full speed (its tokens/s against the
 capacity run's).
 
-    .venv/bin/python -m bench.batch_tier [--phase-s 120] [--lines 2000] [--json PATH]
+    .venv/bin/python -m bench.live.batch_tier [--phase-s 120] [--lines 2000] [--json PATH]
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import httpx
 
-from bench import machine, model_files
-from bench.batch_driver import (
+from bench.common import machine, model_files, paths, report
+from bench.live.batch_driver import (
     BatchOutcome, has_files_api, line_body, run_via_completions, run_via_files_api, sample_tokens,
 )
+from bench.live.server import free_port, set_up_tenants, start_server, stop_server
+from bench.load.loadgen import LoadSettings, _prompt_texts, run_load
 from bench.load.plan import PromptTexts, Tenant
-from bench.loadgen import LoadSettings, _prompt_texts, run_load
-from bench.slo_sweep import _free_port, set_up_tenants, start_server, stop_server
 
-OUT = Path(__file__).parent / "out" / "batch_tier"
+OUT = paths.OUT / "batch_tier"
 TENANTS = (("acme", "premium"), ("globex", "standard"), ("bulk", "batch"))
 LIMITS = ["--rpm", "1000000", "--tpm", "1000000000", "--max-concurrent", "10000"]
 INTERACTIVE = ("premium", "standard")
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
         env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{tmp}/tiergate.db",
                "TIERGATE_SPOOL_PATH": f"{tmp}/spool.jsonl", "TIERGATE_LOG_LEVEL": "warning"}
         tenants = set_up_tenants(env, TENANTS, LIMITS)
-        port = _free_port()
+        port = free_port()
         server = start_server(env, "tiered", port, args.premium_ttft_slo)
         try:
             result = asyncio.run(measure(args, f"http://127.0.0.1:{port}", tenants))
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict:
     result["machine"] = host
     result["load_average_end"] = os.getloadavg()
     result["ratios"] = ratios(result)
-    result["plots"] = [str(plot(result, OUT / "tokens_by_tier.png").relative_to(Path(__file__).parent.parent))]
+    result["plots"] = [str(plot(result, OUT / "tokens_by_tier.png").relative_to(paths.ROOT))]
     for phase in ("capacity", "alone", "beside"):
         result[phase].pop("requests", None)
     return result
@@ -243,7 +243,7 @@ def render_markdown(result: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.batch_tier", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.live.batch_tier", description=__doc__.split("\n\n")[0])
     p.add_argument("--phase-s", type=float, default=120.0, help="seconds of interactive load per phase")
     p.add_argument("--load", type=float, default=0.7, help="interactive load as a share of the measured capacity")
     p.add_argument("--capacity-concurrency", type=int, default=16)
@@ -267,10 +267,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     result = run(args)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    print(render_markdown(result))
+    report.finish(result, args.json, render_markdown, indent=1)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Chaos: a bounded load of both tiers against a real `tiergate serve` while what it depends on fails.
 
-    .venv/bin/python -m bench.chaos [--json bench/out/chaos.json] [--concurrency 6] [--phase-s 8]
+    .venv/bin/python -m bench.live.chaos [--json bench/out/chaos.json] [--concurrency 6] [--phase-s 8]
 
 All on loopback: PostgreSQL (a fresh schema of the `test` database) reached through a TCP proxy
 that is cut, a private redis-server that is restarted, and the server itself (a subprocess on a
@@ -33,7 +33,8 @@ from pathlib import Path
 import httpx
 from sqlalchemy import create_engine, text
 
-from bench.faults import PrivateRedis, TcpProxy, free_port
+from bench.common import paths, report
+from tests.support.faults import PrivateRedis, TcpProxy, free_port
 
 PG_HOST, PG_PORT = "127.0.0.1", 5432
 PG_ADMIN_URL = f"postgresql://postgres@{PG_HOST}:{PG_PORT}/test"
@@ -43,7 +44,6 @@ TINY_CONFIG = {
     "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu",
 }  # fmt: skip
 GOALS = {"non_503_5xx": 0, "kv_blocks_leaked": 0, "rows_missing": 0, "rows_doubled": 0}
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Server:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--model", f"dummy:{self.model_dir}", "--port",
-             str(self.port)], cwd=REPO, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+             str(self.port)], cwd=paths.ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -270,7 +270,7 @@ async def chaos(concurrency: int, phase_s: float, tmp: Path) -> list[PhaseResult
         model_dir = tmp / "tiny"
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
-        env = {**os.environ, "PYTHONPATH": str(REPO),
+        env = {**os.environ, "PYTHONPATH": str(paths.ROOT),
                "TIERGATE_DATABASE_URL": f"postgresql://postgres@127.0.0.1:{proxy.port}/test{options}",
                "TIERGATE_REDIS_URL": redis.url, "TIERGATE_SPOOL_PATH": str(tmp / "spool.jsonl"),
                "TIERGATE_AUTH_CACHE_TTL_S": "1", "TIERGATE_LEDGER_CHECKPOINT_S": "0.5",
@@ -349,10 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
         phases = asyncio.run(chaos(args.concurrency, args.phase_s, Path(tmp)))
     result = {"concurrency": args.concurrency, "phase_s": args.phase_s, "wall_s": time.monotonic() - started,
               "phases": [asdict(p) for p in phases], "goals": GOALS}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print("\n" + render_markdown(result))
+    report.finish(result, args.json, render_markdown)
     return result
 
 

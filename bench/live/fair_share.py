@@ -15,7 +15,7 @@ window, compared round by round. Both policies run with no
 premium KV reserve (`TIERGATE_PREMIUM_KV_RESERVE=0`), so they have the same
 pool for standard and the comparison is of ordering alone.
 
-    .venv/bin/python -m bench.fair_share_gateway [--policies tiered,tiered-step-end,fcfs] [--flood-s 45] [--rounds 2] [--json PATH]
+    .venv/bin/python -m bench.live.fair_share [--policies tiered,tiered-step-end,fcfs] [--flood-s 45] [--rounds 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -38,13 +38,12 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import machine
-from bench.slo_sweep import _free_port, _tiergate, start_server, stop_server
-from bench.stats import percentile
+from bench.common import machine, paths, report
+from bench.common.stats import percentile
+from bench.live.server import free_port, start_server, stop_server, tiergate_cli
 
-ROOT = Path(__file__).parent.parent
-PLOT = Path(__file__).parent / "out" / "fair_share" / "fair_share_light_ttft.png"
-PASSAGES = (Path(__file__).parent / "data" / "passages.txt").read_text().split("\n\n")
+PLOT = paths.OUT / "fair_share" / "fair_share_light_ttft.png"
+PASSAGES = paths.PASSAGES.read_text().split("\n\n")
 LIMITS = ["--rpm", "100000", "--tpm", "100000000", "--max-concurrent", "1000"]
 WARM_UP_REQUESTS = 5
 # The policies this bench can run: the server's --policy and its extra environment.
@@ -211,11 +210,11 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="tiergate-fair-share-") as tmp:
         env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{tmp}/tiergate.db",
                "TIERGATE_LOG_LEVEL": "warning", "TIERGATE_PREMIUM_KV_RESERVE": "0"}
-        _tiergate(env, "db", "upgrade")
+        tiergate_cli(env, "db", "upgrade")
         keys = {}
         for name in ("flood", "light"):
-            _tiergate(env, "tenants", "create", name, "--tier", "standard", *LIMITS)
-            keys[name] = _tiergate(env, "keys", "create", name).splitlines()[-1]
+            tiergate_cli(env, "tenants", "create", name, "--tier", "standard", *LIMITS)
+            keys[name] = tiergate_cli(env, "keys", "create", name).splitlines()[-1]
         servers = {}
         try:
             for policy in policies:  # each its own copy of the database (same tenants and keys): no shared writer
@@ -223,7 +222,7 @@ def run(args: argparse.Namespace) -> dict:
                 server_policy, extra_env = VARIANTS[policy]
                 own = {**env, "TIERGATE_DATABASE_URL": f"sqlite:///{tmp}/{policy}.db",
                        "TIERGATE_SPOOL_PATH": f"{tmp}/{policy}-spool.jsonl", **extra_env}
-                port = _free_port()
+                port = free_port()
                 servers[policy] = (start_server(own, server_policy, port, premium_slo_s=2.0), port)
             for i in range(args.rounds):
                 rounds.append({})
@@ -241,7 +240,7 @@ def run(args: argparse.Namespace) -> dict:
     by_policy = {policy: _merge([r[policy] for r in rounds]) for policy in policies}
     result = {"machine": host, "settings": {k: v for k, v in vars(args).items() if k != "json"}, "policies": by_policy,
               "rounds": rounds, "goals": goals(by_policy, rounds)}
-    result["plots"] = [str(plot(by_policy).relative_to(ROOT))]
+    result["plots"] = [str(plot(by_policy).relative_to(paths.ROOT))]
     return result
 
 
@@ -322,7 +321,7 @@ def _ratio(v) -> str:
 def render_markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
-        f"Measured {machine.render_markdown(result['machine'])}." if "machine" in result else "",
+        report.measured(result),
         "",
         f"`tiergate serve`, bundled model on this CPU, no premium KV reserve. Flood: {s['flood']} streams, "
         f"prompts of {s['flood_prompt_chars']} characters, {s['flood_max_tokens']} output tokens; light: one "
@@ -352,7 +351,7 @@ def render_markdown(result: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.fair_share_gateway", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.live.fair_share", description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default="tiered,fcfs")
     p.add_argument("--flood", type=int, default=30, help="concurrent flood streams")
     p.add_argument("--flood-prompt-chars", type=int, default=1000, help="about 4 characters a token")
@@ -382,9 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"fair_share_gateway: {exc}", file=sys.stderr)
         return 1
-    print(render_markdown(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report.finish(result, args.json, render_markdown)
     return 0
 
 

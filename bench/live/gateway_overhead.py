@@ -26,7 +26,7 @@ The server logs as ``tiergate serve`` does by default: JSON lines at level info,
 one access-log line per request (here to a file); ``--log-level warning`` drops
 the access log, which is worth about a fifth of the 429 rate on this CPU.
 
-    python -m bench.gateway_overhead [--requests 1000] [--flood-seconds 3] [--client raw|http.client]
+    python -m bench.live.gateway_overhead [--requests 1000] [--flood-seconds 3] [--client raw|http.client]
                                      [--log-level info|warning] [--redis-url URL]
                                      [--out bench/out/gateway_overhead.json]
 """
@@ -46,7 +46,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.stats import percentile
+from bench.common import paths, report
+from bench.common.stats import percentile
 
 GOALS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "rejections_per_s": 2000, "budget_added_p50_ms": 0.2}
 TINY_CONFIG = {
@@ -333,9 +334,9 @@ def main(argv: list[str] | None = None) -> dict:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         child = subprocess.Popen(
-            [sys.executable, "-m", "bench.gateway_overhead", "--log-level", args.log_level, "--redis-url",
+            [sys.executable, "-m", "bench.live.gateway_overhead", "--log-level", args.log_level, "--redis-url",
              args.redis_url, "--child", model_dir, url, str(port), str(tmp / "spool.jsonl"), str(tmp / "server.log")],
-            cwd=Path(__file__).resolve().parent.parent, env={**os.environ},
+            cwd=paths.ROOT, env={**os.environ},
         )
         try:
             wait_ready(port, child)
@@ -397,9 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{result['budget_added_p50_ms']:.3f} ms (goal < {GOALS['budget_added_p50_ms']})")
     print(f"  the budget gate alone (admit + settle, three budgets, {result['budget_store']}): "
           f"p50 {result['budget_gate_p50_ms']:.3f} ms p99 {result['budget_gate_p99_ms']:.3f} ms")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    report.write_json(result, args.out)  # its summary is the lines printed above
     return result
 
 

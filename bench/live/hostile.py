@@ -4,7 +4,7 @@ One `tiergate serve --demo` (the bundled model, `make serve`'s defaults, a throw
 SQLite database) with the demo tenants plus standard tenants of the bench's own: the
 neighbour, which streams a short completion every second, and one attacker per attack
 (limits: 8 concurrent). The neighbour runs alone first (its baseline), then beside each
-attack of bench/hostile_attacks.py in turn; each attack is bounded (``--attack-timeout-s``),
+attack of bench/live/hostile_attacks.py in turn; each attack is bounded (``--attack-timeout-s``),
 and the neighbour keeps sending for at least ``--window-s`` of it. Per attack: the
 neighbour's TTFT p99 and largest inter-token gap against its baseline (goal: within
 2x), the attack's answers by status, 5xx (goal: none), its ledger rows against its
@@ -12,7 +12,7 @@ requests (goal: one each), and, where the attack asks, that no tool call carries
 arguments that are not JSON. The server's RSS is sampled throughout (goal: under 1.5 GB
 at the end); ``--rounds`` repeats the attacks, each round's RSS reported, to show growth.
 
-    .venv/bin/python -m bench.hostile [--rounds 1] [--only grammar_flood,tools_900kb] [--json PATH]
+    .venv/bin/python -m bench.live.hostile [--rounds 1] [--only grammar_flood,tools_900kb] [--json PATH]
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import httpx
 
-from bench import machine
-from bench.hostile_attacks import MODEL, Attack, attacks
-from bench.slo_sweep import _free_port, _tiergate, start_server, stop_server
-from bench.stats import percentile
+from bench.common import machine, report
+from bench.common.stats import percentile
+from bench.live.hostile_attacks import MODEL, Attack, attacks
+from bench.live.server import free_port, start_server, stop_server, tiergate_cli
 from gateway.tool_calls import is_json
 
 RSS_GOAL_MB = 1536
@@ -270,12 +270,12 @@ def run(args: argparse.Namespace) -> dict:
         db = Path(tmp) / "tiergate.db"
         env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{db}", "TIERGATE_LOG_LEVEL": "error",
                "TIERGATE_SPOOL_PATH": f"{tmp}/spool.jsonl"}
-        _tiergate(env, "db", "upgrade")
+        tiergate_cli(env, "db", "upgrade")
         keys = {}
         for name, limits in [("neighbour", NEIGHBOUR_LIMITS)] + [(f"atk-{a.name}", ATTACKER_LIMITS) for a in attacks()]:
-            _tiergate(env, "tenants", "create", name, "--tier", "standard", *limits)
-            keys[name] = _tiergate(env, "keys", "create", name).splitlines()[-1]
-        port = _free_port()
+            tiergate_cli(env, "tenants", "create", name, "--tier", "standard", *limits)
+            keys[name] = tiergate_cli(env, "keys", "create", name).splitlines()[-1]
+        port = free_port()
         server = start_demo_server(env, port)
         rss = RssSampler(server.pid)
         rss.start()
@@ -296,7 +296,7 @@ def _fmt(v, digits: int = 3) -> str:
 
 def render_markdown(result: dict) -> str:
     s, b = result["settings"], result["baseline"]
-    lines = [f"Measured {machine.render_markdown(result['machine'])}.", "",
+    lines = [report.measured(result), "",
              f"`tiergate serve --demo` (bundled model, default settings); the neighbour (a standard tenant) streams "
              f"a 16-token completion every second: alone for {s['baseline_s']:g} s (TTFT p50 / p99 "
              f"{_fmt(b['ttft_p50_s'])} / {_fmt(b['ttft_p99_s'])} s, largest inter-token gap {_fmt(b['max_gap_s'])} s, "
@@ -321,7 +321,7 @@ def render_markdown(result: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.live.hostile", description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline-s", type=float, default=20.0)
     p.add_argument("--window-s", type=float, default=8.0, help="the neighbour sends at least this long per attack")
     p.add_argument("--attack-timeout-s", type=float, default=90.0, help="an attack's requests are given up after")
@@ -344,9 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(args)
     except RuntimeError as exc:  # the server did not start
         sys.exit(f"hostile: {exc}")
-    if args.json:  # written first: the table is rendered from it
-        Path(args.json).write_text(json.dumps(result, indent=2, default=sorted))
-    print(render_markdown(result))
+    report.finish(result, args.json, render_markdown, default=sorted)
     return 0
 
 

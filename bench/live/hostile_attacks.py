@@ -1,4 +1,4 @@
-"""The attacks of issue #31, as request bodies the hostile bench (bench/hostile.py) sends one attack at a time.
+"""The attacks of issue #31, as request bodies the hostile bench (bench/live/hostile.py) sends one attack at a time.
 
 Each attack is a list of requests sent with a concurrency, from a standard tenant of
 its own, so its ledger rows can be counted against what it sent. Sizes are the issue's

@@ -8,7 +8,7 @@ a multiple-choice arithmetic quiz written to a temporary JSONL and read by `data
 Batch sizes run in alternating order each round; the report gives each one's median wall time and
 the largest difference of any choice's loglikelihood from batch size 1's.
 
-    .venv/bin/python -m bench.lm_eval_batching [--questions 40] [--batch-sizes 1,8] [--rounds 2] [--json PATH]
+    .venv/bin/python -m bench.live.lm_eval_batching [--questions 40] [--batch-sizes 1,8] [--rounds 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from bench import machine
-from bench.slo_sweep import _free_port, set_up_tenants, start_server, stop_server
+from bench.common import machine, report
+from bench.live.server import free_port, set_up_tenants, start_server, stop_server
 
 TASK = "tiergate_local_arithmetic"
 # Nothing may reach a hub: `datasets` reads the local JSONL with its packaged json builder.
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
         env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{tmp}/tiergate.db",
                "TIERGATE_SPOOL_PATH": f"{tmp}/spool.jsonl", "TIERGATE_LOG_LEVEL": "warning"}
         key = set_up_tenants(env)[0].key
-        port = _free_port()
+        port = free_port()
         server = start_server(env, "tiered", port, premium_slo_s=600)
         try:
             base_url = f"http://127.0.0.1:{port}"
@@ -132,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     result = run(args)
-    if args.json:  # written before the table, so a failed rendering loses no measurement
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    print(render_markdown(result))
+    report.finish(result, args.json, render_markdown, indent=1)
     return 0
 
 

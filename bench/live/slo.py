@@ -2,20 +2,20 @@
 
 For each policy a fresh server (bundled model, this CPU, a throwaway SQLite
 database with one premium and two standard tenants) takes Poisson load at each
-rate from bench/loadgen.py; results per tier and policy go to JSON and to plots
+rate from bench/load/loadgen.py; results per tier and policy go to JSON and to plots
 of latency and goodput against offered load, one line per tier and policy.
 
-SLOs are scaled to this CPU. On the GPU settings (bench/slo_sim.py's H100
+SLOs are scaled to this CPU. On the GPU settings (bench/sim/slo.py's H100
 coefficients) the premium 0.5 s SLO is about 13x the unloaded TTFT of the mean
 request (6 ms + 830 tokens x 40 us = 39 ms). Here the engine's fitted step cost
 gives an unloaded TTFT of about 48 ms + 70 tokens x 1.6 ms = 0.16 s for the
 sweep's mean prompt, so premium gets 13x that, 2 s, and standard's yardstick
 stays ten times premium's, 20 s. Outputs ignore EOS so both policies do the
 same work. Each tier's p99 inter-token gap (between two streamed chunks, as the
-client sees them) is reported beside its TTFT; bench/slo_long_prompts.py and
-bench/long_prompt_gap.py put long prompts beside premium streams.
+client sees them) is reported beside its TTFT; bench/sim/long_prompts.py and
+bench/offline/long_prompts.py put long prompts beside premium streams.
 
-    .venv/bin/python -m bench.slo_sweep [--rates 1,2,4] [--requests 40] [--json PATH]
+    .venv/bin/python -m bench.live.slo [--rates 1,2,4] [--requests 40] [--json PATH]
 """
 
 from __future__ import annotations
@@ -24,79 +24,16 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
 
-import httpx
-
-from bench import model_files
+from bench.common import model_files, paths, report
+from bench.live.server import free_port, set_up_tenants, start_server, stop_server
 from bench.load.aggregate import Slo
-from bench.load.plan import Tenant
+from bench.load.loadgen import LoadSettings, run_sweep
 from bench.load.plots import plot_sweep
-from bench.loadgen import LoadSettings, run_sweep
 
-ROOT = Path(__file__).parent.parent
-PLOTS_DIR = Path(__file__).parent / "out" / "slo_sweep"
-TENANTS = (("acme-premium", "premium"), ("bulk-a", "standard"), ("bulk-b", "standard"))
-GENEROUS_LIMITS = ["--rpm", "100000", "--tpm", "100000000", "--max-concurrent", "1000"]
-
-
-def _tiergate(env: dict, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"tiergate {' '.join(args)}: {proc.stderr.strip()}")
-    return proc.stdout.strip()
-
-
-def set_up_tenants(env: dict, named: tuple[tuple[str, str], ...] = TENANTS,
-                   limits: list[str] = GENEROUS_LIMITS) -> list[Tenant]:
-    """Migrate the database and create each (name, tier) tenant with ``limits`` and a key."""
-    _tiergate(env, "db", "upgrade")
-    tenants = []
-    for name, tier in named:
-        _tiergate(env, "tenants", "create", name, "--tier", tier, *limits)
-        tenants.append(Tenant(name, tier, _tiergate(env, "keys", "create", name).splitlines()[-1]))
-    return tenants
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(env: dict, policy: str, port: int, premium_slo_s: float, timeout_s: float = 600,
-                 extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--policy", policy,
-                             "--premium-ttft-slo", str(premium_slo_s), *extra_args],
-                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tiergate serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError(f"tiergate serve was not ready within {timeout_s:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+PLOTS_DIR = paths.OUT / "slo_sweep"
 
 
 def _without_rows(point: dict) -> dict:
@@ -112,7 +49,7 @@ def run(args: argparse.Namespace) -> dict:
                "TIERGATE_SPOOL_PATH": f"{tmp}/spool.jsonl", "TIERGATE_LOG_LEVEL": "warning"}
         tenants = set_up_tenants(env)
         for policy in args.policies.split(","):
-            port = _free_port()
+            port = free_port()
             print(f"slo_sweep: {policy} on port {port}", file=sys.stderr, flush=True)
             server = start_server(env, policy, port, args.premium_ttft_slo)
             try:
@@ -136,7 +73,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "policies": by_policy,
-        "plots": [str(p.relative_to(ROOT)) for p in plots],
+        "plots": [str(p.relative_to(paths.ROOT)) for p in plots],
     }
 
 
@@ -196,7 +133,7 @@ def _observations(result: dict) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.slo_sweep", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.live.slo", description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="2,4,8", help="offered loads, requests/s (about 1x, 2x, 4x this CPU)")
     p.add_argument("--requests", type=int, default=60, help="requests per rate (more than the 32 batch slots)")
     p.add_argument("--policies", default="tiered,fcfs")
@@ -217,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"slo_sweep: {exc}", file=sys.stderr)
         return 1
-    print(render_markdown(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    report.finish(result, args.json, render_markdown)
     return 0
 
 

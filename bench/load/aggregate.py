@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.stats import summarize
+from bench.common.stats import summarize
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ tier; adapters are drawn Zipf-popular; lengths are seeded or from the trace.
 Writes JSON (per tier TTFT/TPOT/end-to-end percentiles, goodput, throughput,
 429s by reason, preemptions from /metrics) and PNG plots against offered load.
 
-    .venv/bin/python -m bench.loadgen --url http://127.0.0.1:8000 \\
+    .venv/bin/python -m bench.load.loadgen --url http://127.0.0.1:8000 \\
         --key premium=sk-... --key standard=sk-... --share premium=0.2,standard=0.8 \\
         --slo premium=ttft:0.5,tpot:0.2 --rate 0.5,1,2 --requests 60 --json out.json
 """
@@ -24,13 +24,13 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from bench.common import paths, report
 from bench.load.aggregate import RequestResult, Slo, tier_report
 from bench.load.arrivals import poisson_arrivals
 from bench.load.client import scrape_counter, send
 from bench.load.plan import PlannedRequest, PromptTexts, Tenant, synthetic_plan, trace_plan
 from bench.load.plots import plot_sweep
 from bench.load.trace import read_trace
-from bench.workload import PASSAGES
 
 
 @dataclass
@@ -56,7 +56,7 @@ class LoadSettings:
 
 
 def _prompt_texts(settings: LoadSettings) -> PromptTexts:
-    corpus = PASSAGES.read_text()
+    corpus = paths.PASSAGES.read_text()
     if settings.tokenizer_dir is None:
         return PromptTexts(corpus)
     from tokenizers import Tokenizer
@@ -205,7 +205,7 @@ def _tenants(args) -> list[Tenant]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.load.loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL")
     p.add_argument("--key", action="append", default=[], help="TIER=API_KEY (repeat for more tenants)")
     p.add_argument("--tenants-file", help='JSON: {"tenants": [{"name", "tier", "key"}, ...]}')
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in points:
         print(_summary_line(p))
     if args.json:
-        Path(args.json).write_text(json.dumps({"points": points}, indent=2))
+        report.write_json({"points": points}, args.json)
     if args.plots_dir:
         by_mode: dict[str, list[dict]] = {}
         for p in points:

@@ -9,7 +9,7 @@ of that read are timed too, the two dtypes alternating so both see the same load
 bfloat16 is refused on CPUs without native bf16 (AVX-512 BF16 or AMX); there the
 bench says so and exits 0.
 
-    .venv/bin/python -m bench.bf16_quality [--tokens 256] [--threads N] [--json PATH]
+    .venv/bin/python -m bench.offline.bf16_quality [--tokens 256] [--threads N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from bench import machine, model_files
-from bench.workload import PASSAGES, load_encoder
+from bench.common import machine, model_files, paths, report
+from bench.common.workload import load_encoder
 from engine.config import cpu_has_native_bf16
 from engine.loader import load_model
 from engine.runner import ModelRunner
@@ -54,7 +54,7 @@ def read_teacher_forced(runner: ModelRunner, tokens: list[int]) -> tuple[list[to
 
 def measure(num_tokens: int, threads: int) -> dict:
     encode = load_encoder(model_files.hf_dir())
-    tokens = encode(PASSAGES.read_text())[:num_tokens]
+    tokens = encode(paths.PASSAGES.read_text())[:num_tokens]
     blocks = -(-num_tokens // BLOCK_SIZE)
     runners = {name: ModelRunner(load_model("bundled", dtype=dtype), num_blocks=blocks, block_size=BLOCK_SIZE)
                for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
@@ -85,7 +85,7 @@ def measure(num_tokens: int, threads: int) -> dict:
 
 
 def render_markdown(result: dict) -> str:
-    head = f"Measured {machine.render_markdown(result['machine'])}." if "machine" in result else ""
+    head = report.measured(result)
     if not result.get("native_bf16", True):
         return head + "\n\nThis CPU has no native bf16 (AVX-512 BF16 or AMX): `--dtype bfloat16` is refused here.\n"
     step = result["decode_step_ms"]
@@ -120,10 +120,7 @@ def main() -> None:
     result: dict = {"machine": machine.describe(), "native_bf16": cpu_has_native_bf16()}
     if result["native_bf16"]:
         result.update(measure(args.tokens, args.threads))
-    print(render_markdown(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    report.finish(result, args.json, render_markdown)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ the gateway's CPU defaults (premium TPOT 0.1 s, every step 0.15 s). Each round a
 neighbour alone first, its baseline. Reported: the neighbour's TTFT and each gap between two of its
 deltas, the long prompts' TTFT, and the engine's tokens per second.
 
-    .venv/bin/python -m bench.long_prompt_gap [--rounds 2] [--round-s 20] [--json PATH]
+    .venv/bin/python -m bench.offline.long_prompts [--rounds 2] [--round-s 20] [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,15 +23,13 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-from bench import machine
-from bench.stats import percentile
+from bench.common import machine, paths, report
+from bench.common.stats import percentile
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import EngineRequest, SamplingParams
 
-PASSAGES = Path(__file__).parent / "data" / "passages.txt"
 LONG_PROMPT = 1987  # issue 31's
 ON = dict(max_step_s=0.15, premium_tpot_slo_s=0.1)  # gateway/settings.py's CPU defaults
 _ids = itertools.count()
@@ -96,7 +94,7 @@ def _prompts(engine: Engine) -> dict:
 def _long_prompts(engine: Engine) -> Iterator[list[int]]:
     """A new prompt for every request of the run, each its own from its first block: the prefix cache serves
     none of them (a prompt repeated in a later phase would be served from it, and skip the prefill measured)."""
-    words = engine.tokenizer.encode(" ".join([PASSAGES.read_text()] * 20))
+    words = engine.tokenizer.encode(" ".join([paths.PASSAGES.read_text()] * 20))
     for i in itertools.count():
         head = engine.tokenizer.encode(f"Request {i}: summarise. ")
         yield head + words[:LONG_PROMPT - len(head)]
@@ -162,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or min(args.round_s, args.alone_s, args.long_every_s) <= 0:
         p.error("--rounds must be at least 1 and the durations positive")
     result = asyncio.run(_run(args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print(render_markdown(result))
+    report.finish(result, args.json, render_markdown)
     return 0
 
 

@@ -17,7 +17,7 @@ from tiergate's, so a ratio is one of like work. Each engine runs in its own sub
   pp512 time as llama-bench measures it (one 512-token batch, the last token's logits only) is
   printed beside it.
 
-    .venv/bin/python -m bench.prompt_scoring [--prompts 32] [--prompt-len 64,512] [--rounds 3] [--json PATH]
+    .venv/bin/python -m bench.offline.prompt_scoring [--prompts 32] [--prompt-len 64,512] [--rounds 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench import machine, model_files
-from bench.workload import BenchRequest, build_workload, load_encoder
+from bench.common import machine, model_files, report
+from bench.common.workload import BenchRequest, build_workload, load_encoder
 
 ENGINES = ("tiergate", "hf-transformers", "llama.cpp-F32")
 BATCH_TOKENS = 512
@@ -175,7 +175,7 @@ def _prompts(args: argparse.Namespace) -> list[list[int]]:
 
 
 def _worker(engine: str, args: argparse.Namespace) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.prompt_scoring", "--worker", engine,
+    out = subprocess.run([sys.executable, "-m", "bench.offline.prompt_scoring", "--worker", engine,
                           "--prompts", str(args.prompts), "--prompt-len", args.prompt_len,
                           "--threads", str(args.threads)], capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -239,10 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_worker(args.worker, _prompts(args), args.threads)))
         return 0
     result = run(args)
-    print(render_markdown(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    report.finish(result, args.json, render_markdown)
     return 0
 
 

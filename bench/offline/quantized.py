@@ -1,7 +1,7 @@
 """Quantized GGUF serving: tiergate against llama.cpp on the very same files, this CPU (issue 30).
 
 Files: the bundled SmolLM2-135M (Q4_1, or its F32 copy as ``bundled-f32``) and random-weight ~360M
-and ~1B Llama shapes in Q8_0, Q4_0 and Q4_K_M (bench/gguf_shapes.py builds them with llama.cpp's
+and ~1B Llama shapes in Q8_0, Q4_0 and Q4_K_M (bench/common/gguf_shapes.py builds them with llama.cpp's
 own quantizer). On each file, tiergate (the engine, serving the file as its loader does; the report
 names the weight forms it got) and llama.cpp (llama-cpp-python's ``llama_decode``) each run in a
 subprocess of their own, so peak RSS is each engine's own:
@@ -16,7 +16,7 @@ bandwidth drifts on a shared machine); the report reads each engine's median. Be
 the bandwidth floor: the file's bytes a decode step reads over the read bandwidth measured here.
 llama.cpp's own check: pp512 and tg128 timed through its API as llama-bench runs them.
 
-    .venv/bin/python -m bench.quantized [--models bundled,360m] [--quants q4_k_m] [--full]
+    .venv/bin/python -m bench.offline.quantized [--models bundled,360m] [--quants q4_k_m] [--full]
         [--rounds 3] [--threads 2] [--json PATH]
 """
 
@@ -35,10 +35,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench import gguf_shapes, machine, model_files
-from bench.quantized_report import decode_window, gguf_weight_summary, render_markdown
-from bench.stats import percentile
-from bench.workload import BenchRequest, build_workload, load_encoder
+from bench.common import gguf_shapes, machine, model_files, paths, report
+from bench.common.stats import percentile
+from bench.common.workload import BenchRequest, build_workload, load_encoder
+from bench.offline.quantized_report import decode_window, gguf_weight_summary, render_markdown
 
 MODELS = ("bundled", "bundled-f32", *gguf_shapes.SHAPES)
 ENGINES = ("tiergate", "llama.cpp")
@@ -267,8 +267,8 @@ _SETTINGS = ("threads", "tokens", "single_prompt", "streams", "stream_prompt", "
 
 
 def _spawn(engine: str, path: str, args: argparse.Namespace, tasks: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "bench.quantized", "--worker", engine, "--file", path, "--tasks", ",".join(tasks),
-           "--workload", args.workload]
+    cmd = [sys.executable, "-m", "bench.offline.quantized", "--worker", engine, "--file", path,
+           "--tasks", ",".join(tasks), "--workload", args.workload]
     for name in _SETTINGS:
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if not args.pin_threads:
@@ -276,7 +276,7 @@ def _spawn(engine: str, path: str, args: argparse.Namespace, tasks: list[str]) -
     print(f"quantized: {engine} on {Path(path).name}: {','.join(tasks)}", file=sys.stderr, flush=True)
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.worker_timeout,
-                              cwd=Path(__file__).parent.parent)
+                              cwd=paths.ROOT)
     except subprocess.TimeoutExpired:
         return {"engine": engine, "error": f"timed out after {args.worker_timeout} s"}
     if proc.returncode != 0 or not proc.stdout.strip():
@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> dict:
 def _commit() -> str | None:
     """The checkout's commit, and whether its engine or bench differ from it: the weight forms
     tiergate serves change from commit to commit."""
-    root = Path(__file__).parent.parent
+    root = paths.ROOT
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -316,7 +316,7 @@ def _commit() -> str | None:
 
 
 def _run_files(args: argparse.Namespace, files: list[dict], engines: list[str]) -> dict:
-    from bench.engine_throughput import read_bandwidth_gbs
+    from bench.offline.engine_throughput import read_bandwidth_gbs
 
     result = {"machine": machine.describe(), "threads": args.threads, "commit": _commit(),
               "settings": {**{n: getattr(args, n) for n in _SETTINGS}, "rounds": args.rounds,
@@ -330,17 +330,17 @@ def _run_files(args: argparse.Namespace, files: list[dict], engines: list[str]) 
             tasks = [t for t in (TASKS if round_no == 0 else ("single", "pp512")) if t in args.tasks.split(",")]
             for engine in engines if round_no % 2 == 0 else engines[::-1]:
                 entry["engines"][engine].append(_spawn(engine, file["path"], args, tasks))
-            if args.json:
-                Path(args.json).write_text(json.dumps(result, indent=2))
+            if args.json:  # after every round, so a bench cut short keeps what it measured
+                report.write_json(result, args.json)
     result["bandwidth_gbs"]["end"] = read_bandwidth_gbs(args.threads)
     result["complete"] = True
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        report.write_json(result, args.json)
     return result
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.quantized", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.offline.quantized", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="bundled,360m", help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--quants", default="q4_k_m", help=f"for the random shapes, of {', '.join(gguf_shapes.QUANTS)}")
     p.add_argument("--full", action="store_true", help="bundled, 360m and 1b in every quantization")

@@ -1,7 +1,7 @@
 """The quantized-serving bench's arithmetic and report: bytes a decode step reads, bandwidth floors,
 the all-streams decode window, tiergate/llama.cpp ratios against the issue's goals, markdown.
 
-Pure functions of the bench's JSON (bench/quantized.py runs the engines), so the report can be
+Pure functions of the bench's JSON (bench/offline/quantized.py runs the engines), so the report can be
 re-rendered and tested without running anything.
 """
 
@@ -11,7 +11,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from bench import machine
+from bench.common import machine
 
 # (metric, least tiergate/llama.cpp ratio) from issue 30's "Must show".
 GOALS = (("single", 1.2), ("streams_decode", 1.5), ("streams_e2e", 1.5), ("pp512", 1.0))

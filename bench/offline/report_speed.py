@@ -1,6 +1,6 @@
 """Report speed: a month of synthetic ledger rows (1M) in PostgreSQL, then the per-tier daily report, timed.
 
-    .venv/bin/python -m bench.report_speed [--rows N] [--keep]
+    .venv/bin/python -m bench.offline.report_speed [--rows N] [--keep]
 
 Loads into a dedicated database (dropped afterwards unless --keep) through COPY, and prints
 the report's time; the goal is under 2 s for 1M rows.

@@ -10,7 +10,7 @@ prompts at concurrency 1 through llama-cpp-python (on the bundled weights dequan
 its Q4_1 path crashes on AMX CPUs), plain and with
 ``LlamaPromptLookupDecoding`` (its prompt lookup), interleaved the same way.
 
-    .venv/bin/python -m bench.spec_decode [--concurrency 1,8,32] [--rounds 2] [--max-tokens 128] [--json OUT]
+    .venv/bin/python -m bench.offline.spec_decode [--concurrency 1,8,32] [--rounds 2] [--max-tokens 128] [--json OUT]
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import machine
+from bench.common import machine
+from bench.common.report import write_json
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import StepEvent
@@ -120,7 +121,7 @@ def llama_cpp_models(num_pred_tokens: int):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         return None
-    from bench.model_files import f32_gguf
+    from bench.common.model_files import f32_gguf
 
     threads = os.cpu_count() or 1
     # The F32 file (the bundled weights dequantized, as the engine bench runs llama.cpp): llama.cpp
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         "open": ([engine.tokenizer.apply_chat_template(m) for m in open_messages()],
                  SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0)),
     }
-    command = "python -m bench.spec_decode " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.offline.spec_decode " + " ".join(argv if argv is not None else sys.argv[1:])
     result: dict = {"machine": machine.describe(), "command": command.strip(),
                     "loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "tiergate": {}, "llama_cpp": {}}
     try:
@@ -181,8 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
             print("llama.cpp", name, result["llama_cpp"][f"{name}@1"], flush=True)
     result["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(result, args.json)
     return result
 
 

@@ -15,7 +15,7 @@ each pair's ratio, so load that drifts on a shared machine hits both halves of
 a pair alike; tokens per engine-busy second (the sum of step times) and per
 CPU-second are reported beside wall-clock tokens/s.
 
-    .venv/bin/python -m bench.structured [--concurrency 32] [--max-tokens 32] [--rounds 5] [--json PATH]
+    .venv/bin/python -m bench.offline.structured [--concurrency 32] [--max-tokens 32] [--rounds 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import xgrammar as xgr
 
 import engine.step_loop as engine_module
-from bench import machine
+from bench.common import machine, report
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import StepEvent
@@ -231,7 +231,7 @@ def _paired(runs: dict[str, list[dict]], a: str, b: str, metric: str) -> float:
 def render_markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
-        f"Measured {machine.render_markdown(result['machine'])}.",
+        report.measured(result),
         "",
         f"{s['model']} (vocab {s['vocab_size']}), {s['concurrency']} concurrent requests of up to "
         f"{s['max_tokens']} tokens, temperature 0.7, a prompt each; schema runs end where the JSON closes or at "
@@ -269,17 +269,14 @@ def render_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.structured", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.offline.structured", description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     result = run(args.concurrency, args.max_tokens, args.rounds)
-    print(render_markdown(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    report.finish(result, args.json, render_markdown)
     return 0
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
+from bench.common.workload import BenchRequest
 from bench.peers.timing import RequestTiming, RunResult
-from bench.workload import BenchRequest
 
 
 class _StepClock(StoppingCriteria):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import llama_cpp
 
-from bench import model_files
+from bench.common import model_files
 from bench.peers.llama_cpp_runner import BATCH_TOKENS, context_params
 
 # name -> (context settings over the runner's, sequence order within a step)

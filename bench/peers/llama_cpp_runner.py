@@ -22,8 +22,8 @@ from pathlib import Path
 
 import llama_cpp
 
+from bench.common.workload import BenchRequest
 from bench.peers.timing import RequestTiming, RunResult
-from bench.workload import BenchRequest
 
 BATCH_TOKENS = 512  # tokens per llama_decode call (llama.cpp's default n_ubatch)
 

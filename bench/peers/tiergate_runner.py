@@ -13,14 +13,13 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from bench.common.workload import BenchRequest
+from bench.peers.timing import RequestTiming, RunResult
+from bench.sim.step_cost import StepSample
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import FinishEvent, StepEvent
 from engine.request import EngineRequest, SamplingParams
-
-from bench.peers.timing import RequestTiming, RunResult
-from bench.step_cost import StepSample
-from bench.workload import BenchRequest
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from bench.stats import percentile
+from bench.common.stats import percentile
 
 
 @dataclass

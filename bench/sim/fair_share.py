@@ -1,6 +1,6 @@
 """Fair share on a virtual clock: a light standard tenant beside a flooding one, with and without fair share.
 
-The real scheduler and bench/slo_sim.py's step-cost model (its stated H100
+The real scheduler and bench/sim/slo.py's step-cost model (its stated H100
 coefficients unless ``--cost-model`` names a fitted one). Tenant "flood" keeps
 30 long requests outstanding (a new one as each finishes); tenant "light"
 sends a short request every second. For each policy the light tenant's TTFT
@@ -15,7 +15,7 @@ boundaries), ``tiered-nofair`` (FCFS inside the tier, as before fair share) and
 ``fcfs``. The KV pool is sized so the flood alone overfills the
 standard tier's share: that backlog is what a light tenant waits behind.
 
-    .venv/bin/python -m bench.fair_share_sim [--cost-model PATH] [--json PATH]
+    .venv/bin/python -m bench.sim.fair_share [--cost-model PATH] [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
-from bench.slo_sim import CostModel, SimSettings, scheduler_config
-from bench.stats import percentile
+from bench.common import report
+from bench.common.stats import percentile
+from bench.sim.slo import CostModel, SimSettings, scheduler_config
 from scheduler import Scheduler, Sequence
 
 # (name, scheduler policy, fair share, express steps between layers)
@@ -206,7 +207,7 @@ def render_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fair_share_sim", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.sim.fair_share", description=__doc__.split("\n\n")[0])
     p.add_argument("--cost-model", help="JSON of fitted step-cost coefficients (default: stated H100 ones)")
     p.add_argument("--duration", type=float, default=Scenario.duration_s, help="virtual seconds per run")
     p.add_argument("--premium-reserve", type=float, default=Scenario.premium_kv_reserve,
@@ -227,10 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--cost-model {args.cost_model}: {exc}")
     result = run(Scenario(duration_s=args.duration, premium_kv_reserve=args.premium_reserve,
                           max_num_batched_tokens=args.step_tokens), cost)
-    print(render_markdown(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report.finish(result, args.json, render_markdown)
     return 0
 
 

@@ -1,6 +1,6 @@
 """SLO simulation with long prompts beside premium streams: the inter-token latency bound off and on.
 
-The real scheduler on a virtual clock (bench/slo_sim.py's loop and cost model). Premium tenants
+The real scheduler on a virtual clock (bench/sim/slo.py's loop and cost model). Premium tenants
 stream: short prompts (32-256 tokens), long outputs (128-384). Standard tenants send long prompts
 (1,500-3,500 tokens, the size of issue 31's 1,987-token one) with short outputs (16-64). Each load runs twice on the same requests: as before the bound existed, and with
 the bound at the gateway's defaults for the machine the cost model describes (gateway/settings.py:
@@ -12,7 +12,7 @@ computed per second with every request queued at t=0. Goals, at each load: premi
 SLO (0.5 s on the GPU coefficients, 2 s on a CPU's, the gateway's defaults), capacity at least 90%
 of the unbounded run's.
 
-    .venv/bin/python -m bench.slo_long_prompts [--cost-model bench/out/step_cost.json] [--json PATH]
+    .venv/bin/python -m bench.sim.long_prompts [--cost-model bench/out/step_cost.json] [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import random
 import sys
 from dataclasses import asdict, replace
 
-from bench.slo_sim import CostModel, Request, SimSettings, simulate
-from bench.stats import percentile
+from bench.common import report
+from bench.common.stats import percentile
+from bench.sim.slo import CostModel, Request, SimSettings, simulate
 
 LOADS = (0.5, 0.8)
 # The bound (premium TPOT SLO, every step's) and premium's TTFT SLO: gateway/settings.py's defaults.
 # A CPU's steps also take the engine's default batch (512 tokens, 32 sequences; engine/config.py):
-# bench/slo_sim.py's 2,048-token steps would last over a second on one.
+# bench/sim/slo.py's 2,048-token steps would last over a second on one.
 CPU = dict(premium_tpot_slo_s=0.1, max_step_s=0.15, premium_slo_s=2.0, max_num_batched_tokens=512, max_num_seqs=32)
 GPU = dict(premium_tpot_slo_s=0.025, max_step_s=0.05, premium_slo_s=0.5)
 
@@ -137,24 +138,21 @@ def render_markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cost-model", help="JSON of step-cost coefficients fitted to this CPU (bench/step_cost.py)")
+    p.add_argument("--cost-model", help="JSON of step-cost coefficients fitted to this CPU (bench/sim/step_cost.py)")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     if args.requests < 10:
         p.error("--requests must be at least 10")
-    runs = {"GPU coefficients (bench/slo_sim.py's H100 figures)": (CostModel(), GPU)}
+    runs = {"GPU coefficients (bench/sim/slo.py's H100 figures)": (CostModel(), GPU)}
     if args.cost_model:
         try:
             runs[f"this CPU's fitted cost ({args.cost_model})"] = (CostModel.load(args.cost_model), CPU)
         except (OSError, ValueError, TypeError) as exc:
             p.error(f"--cost-model {args.cost_model}: {exc}")
     result = {"runs": {name: run(cost, machine, args.requests, args.seed) for name, (cost, machine) in runs.items()}}
-    print(render_markdown(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report.finish(result, args.json, render_markdown)
     return 0 if all(g["met"] for r in result["runs"].values() for g in r["goals"]) else 1
 
 

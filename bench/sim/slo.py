@@ -22,7 +22,7 @@ machine is: the GPU coefficients' capacity over the fitted model's capacity on
 the same workload (``--slo-scale auto``, the default), so "2x load" and "within
 SLO" mean the same queueing on both machines. ``--slo-scale 1`` keeps them as is.
 
-    .venv/bin/python -m bench.slo_sim [--json out.json] [--cost-model fit.json] [--slo-scale auto|X]
+    .venv/bin/python -m bench.sim.slo [--json out.json] [--cost-model fit.json] [--slo-scale auto|X]
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import random
 import sys
 from dataclasses import asdict, dataclass, replace
 
-from bench.stats import percentile
+from bench.common import report
+from bench.common.stats import percentile
 from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
 from scheduler.config import StepCost, default_tiers
 from scheduler.step_cost import predict, step_features
@@ -47,7 +48,7 @@ class CostModel:
     per_prefill_token_s: float = 40e-6
     per_decode_seq_s: float = 20e-6
     per_context_token_s: float = 44e-9
-    # Layer boundaries, where an express step may run inside a step (bench/fair_share_sim.py).
+    # Layer boundaries, where an express step may run inside a step (bench/sim/fair_share.py).
     num_layers: int = 32
 
     @classmethod
@@ -314,8 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                            "reference_standard_slo_s": settings.standard_slo_s}
     print_table(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        report.write_json(result, args.json)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Fit the step-time cost model bench/slo_sim.py runs on, from the engine's measured steps.
+"""Fit the step-time cost model bench/sim/slo.py runs on, from the engine's measured steps.
 
     step_s = base_s + per_prefill_token_s * prefill_tokens
                     + per_decode_seq_s * decode_rows + per_context_token_s * context_tokens

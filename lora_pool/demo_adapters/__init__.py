@@ -1,4 +1,4 @@
-"""Demo adapters trained on the bundled SmolLM2-135M-Instruct (bench/train_demo_adapters.py): `french` answers
+"""Demo adapters trained on the bundled SmolLM2-135M-Instruct (lora_pool/demo_adapters/train.py): `french` answers
 in French, `uppercase` answers in upper case. `make serve` registers and grants them."""
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Trains the demo adapters of lora_pool/demo_adapters/ (`french`, `uppercase`) on the bundled SmolLM2-135M-Instruct.
 
-    .venv/bin/python -m bench.train_demo_adapters [french] [uppercase] [--steps N] [--threads N]
+    .venv/bin/python -m lora_pool.demo_adapters.train [french] [uppercase] [--steps N] [--threads N]
+
+It writes the folders `make serve` registers (gateway/demo.py reads them through `demo_adapters()`),
+so it lives beside them. An offline tool, never imported by the server: it reads the bundled file's
+name from engine.loader, the one import above lora_pool that pyproject's contracts allow it.
 
 Runs on a CPU in a few minutes per adapter. The data comes from templates
 in lora_pool/demo_adapters/data.py. Weights are saved in float16 so that each

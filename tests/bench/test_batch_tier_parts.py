@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from bench.batch_driver import has_files_api, line_body, run_via_completions
-from bench.batch_tier import ratios, tokens_between
+from bench.live.batch_driver import has_files_api, line_body, run_via_completions
+from bench.live.batch_tier import ratios, tokens_between
 
 
 def gateway_without_files_api(seen: list[dict], busy_first: int) -> Starlette:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from bench.model_files import write_f32_gguf
+from bench.common.model_files import write_f32_gguf
 
 
 def _tiny_quantized_gguf(path):

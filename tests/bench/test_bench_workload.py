@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.workload import PASSAGES, build_workload
+from bench.common import paths
+from bench.common.workload import build_workload
 
 
 def encode(text: str) -> list[int]:
@@ -26,7 +27,7 @@ def test_prompts_start_at_distinct_offsets_so_no_two_share_a_first_block():
 
 
 def test_prompts_longer_than_the_corpus_repeat_it():
-    corpus_len = len(encode(PASSAGES.read_text()))
+    corpus_len = len(encode(paths.PASSAGES.read_text()))
     requests = build_workload(encode, 4, (corpus_len + 50, corpus_len + 60), (16, 16), seed=0)
     assert all(r.prompt_len >= corpus_len + 50 for r in requests)
 

@@ -1,10 +1,10 @@
-"""bench/chaos.py's report: one table row per fault, and totals held against the goals."""
+"""bench/live/chaos.py's report: one table row per fault, and totals held against the goals."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from bench.chaos import GOALS, PhaseResult, render_markdown
+from bench.live.chaos import GOALS, PhaseResult, render_markdown
 
 
 def test_the_report_has_a_row_per_fault_and_totals_the_goal_columns():

@@ -7,7 +7,7 @@ import pytest
 from billing.db import create_engine_for, upgrade
 from billing.ledger import Ledger
 from billing.usage_record import UsageRecord
-from bench.fair_share_gateway import Light, _merge, server_ttfts, summarise
+from bench.live.fair_share import Light, _merge, server_ttfts, summarise
 
 
 @pytest.fixture

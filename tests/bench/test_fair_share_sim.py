@@ -1,7 +1,7 @@
 """The fair-share simulation: a light tenant beside a flood on the virtual clock, per policy."""
 
-from bench.fair_share_sim import Scenario, render_markdown, run
-from bench.slo_sim import CostModel
+from bench.sim.fair_share import Scenario, render_markdown, run
+from bench.sim.slo import CostModel
 
 SHORT = Scenario(duration_s=20.0, flood_concurrency=12, flood_prompt=512, flood_max_tokens=64, num_blocks=256,
                  light_every_s=0.5, premium_kv_reserve=0.0)

@@ -1,8 +1,8 @@
-"""bench/hostile.py's report arithmetic: ratios to the baseline, 5xx, rows per request, and the goals over attacks."""
+"""bench/live/hostile.py's report arithmetic: ratios to the baseline, 5xx, rows per request, the goals over attacks."""
 
 from __future__ import annotations
 
-from bench.hostile import Sample, neighbour_stats, phase_report, render_markdown, summarise
+from bench.live.hostile import Sample, neighbour_stats, phase_report, render_markdown, summarise
 
 
 def _baseline() -> dict:

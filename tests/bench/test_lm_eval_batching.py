@@ -7,8 +7,8 @@ from sqlalchemy import func, select
 
 from billing.models import UsageEntry
 
-from bench import machine
-from bench.lm_eval_batching import evaluate, largest_difference, render_markdown, write_task
+from bench.common import machine
+from bench.live.lm_eval_batching import evaluate, largest_difference, render_markdown, write_task
 from tests.gateway.conftest import database_url, make_engine, serve, tiny_model_dir  # noqa: F401 (fixtures)
 
 

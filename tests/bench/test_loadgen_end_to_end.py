@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from bench import loadgen
+from bench.load import loadgen
 from bench.load.plan import Tenant
 from bench.load.trace import TraceRecord, write_trace
 

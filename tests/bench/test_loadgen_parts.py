@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
+from bench.common.stats import percentile
 from bench.load.aggregate import RequestResult, Slo, tier_report
 from bench.load.arrivals import poisson_arrivals
 from bench.load.plan import PromptTexts, Tenant, synthetic_plan, trace_plan
 from bench.load.popularity import ZipfSampler, zipf_weights
 from bench.load.trace import TraceRecord, read_trace, write_trace
-from bench.stats import percentile
 
 TENANTS = [Tenant("acme", "premium", "k1"), Tenant("bob", "standard", "k2"), Tenant("cid", "standard", "k3")]
 

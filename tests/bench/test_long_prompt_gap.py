@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
-from bench import long_prompt_gap
+from bench.offline import long_prompts
 from scheduler import Scheduler, SchedulerConfig, Sequence
 from scheduler.step_budget import step_target_s
 
@@ -14,10 +14,10 @@ def test_switching_the_bound_sets_and_clears_every_target():
     engine = SimpleNamespace(scheduler=Scheduler(SchedulerConfig(num_blocks=64)))
     premium, standard = (Sequence(f"{tier}-0", [1, 2, 3], tier=tier) for tier in ("premium", "standard"))
 
-    long_prompt_gap._bound(engine, True)
-    assert step_target_s(engine.scheduler.config, [standard]) == long_prompt_gap.ON["max_step_s"]
-    assert step_target_s(engine.scheduler.config, [premium, standard]) == long_prompt_gap.ON["premium_tpot_slo_s"]
-    long_prompt_gap._bound(engine, False)
+    long_prompts._bound(engine, True)
+    assert step_target_s(engine.scheduler.config, [standard]) == long_prompts.ON["max_step_s"]
+    assert step_target_s(engine.scheduler.config, [premium, standard]) == long_prompts.ON["premium_tpot_slo_s"]
+    long_prompts._bound(engine, False)
     assert step_target_s(engine.scheduler.config, [premium, standard]) is None
 
 
@@ -25,12 +25,12 @@ def test_the_report_has_a_row_per_mode_from_the_gaps_and_ttfts_measured():
     phase = {"neighbour_ttft_s": [0.2, 0.4], "neighbour_gaps_s": [0.05, 0.1, 0.3], "long_ttft_s": [2.0],
              "wall_s": 10.0, "busy_s": 9.0}
     result = {"settings": {"rounds": 1, "alone_s": 6.0, "round_s": 20.0, "long_every_s": 4.0,
-                           "long_prompt_tokens": 1987, "bound": long_prompt_gap.ON},
-              "step_cost_fit": {}, "summary": {m: long_prompt_gap._summary([phase]) for m in ("alone", "off", "on")}}
+                           "long_prompt_tokens": 1987, "bound": long_prompts.ON},
+              "step_cost_fit": {}, "summary": {m: long_prompts._summary([phase]) for m in ("alone", "off", "on")}}
 
     summary = result["summary"]["on"]
     assert summary["neighbour_gap_max_s"] == 0.3 and summary["gaps"] == 3 and summary["busy_share"] == 0.9
-    lines = long_prompt_gap.render_markdown(result).splitlines()
+    lines = long_prompts.render_markdown(result).splitlines()
     assert [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "mode" not in line] == \
         ["alone", "off", "on"]
     assert "| 300 |" not in lines[-1] and "/ 300 |" in lines[-1]
@@ -39,6 +39,6 @@ def test_the_report_has_a_row_per_mode_from_the_gaps_and_ttfts_measured():
 def test_every_long_prompt_of_a_run_is_new_to_the_prefix_cache():
     """Phases send long prompts in turn; one repeated from an earlier phase would be served from the cache."""
     engine = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda text: [ord(c) for c in text]))
-    prompts = list(itertools.islice(long_prompt_gap._long_prompts(engine), 40))
-    assert all(len(p) == long_prompt_gap.LONG_PROMPT for p in prompts)
+    prompts = list(itertools.islice(long_prompts._long_prompts(engine), 40))
+    assert all(len(p) == long_prompts.LONG_PROMPT for p in prompts)
     assert len({tuple(p[:16]) for p in prompts}) == 40  # each its own from its first block

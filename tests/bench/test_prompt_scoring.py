@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from bench import prompt_scoring
+from bench.offline import prompt_scoring
 
 
 def test_tiergate_and_hf_give_each_prompt_the_same_summed_logprob(tiny_llama_dir):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench import model_files
-from bench.gguf_shapes import LlamaShape, quantize, write_random_gguf
-from bench.quantized_report import decode_window, engine_summary, gguf_weight_summary, ratios, render_markdown
+from bench.common import model_files
+from bench.common.gguf_shapes import LlamaShape, quantize, write_random_gguf
+from bench.offline.quantized_report import decode_window, engine_summary, gguf_weight_summary, ratios, render_markdown
 
 TINY = LlamaShape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, ffn=96)
 
@@ -161,7 +161,7 @@ def test_a_failed_engine_is_reported_and_gets_no_ratio():
 def test_describe_weights_counts_packed_forms_and_shared_storage_once():
     from engine.packed_linear import PackedWeight
 
-    from bench.quantized import describe_weights
+    from bench.offline.quantized import describe_weights
 
     class FakeQuant(PackedWeight):
         form = "quant"
@@ -191,7 +191,7 @@ def test_describe_weights_counts_packed_forms_and_shared_storage_once():
 
 
 def test_llama_cpp_log_keeps_its_buffer_lines_and_counts_repacked_tensors_per_layout():
-    from bench.quantized import LlamaLog
+    from bench.offline.quantized import LlamaLog
 
     log = LlamaLog.__new__(LlamaLog)  # without installing the callback: the parsing alone
     log.pieces = ["load_tensors: CPU_REPACK model buffer size = 21.09 MiB\n", "print_info: n_head = 15\n",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from bench import run_all
 
 
 def test_a_bench_with_a_renderer_gets_its_tables_and_plots():
-    bench = run_all.Bench("slo_sweep", "SLO sweep")
+    bench = run_all.Bench("slo_sweep", "live.slo", "SLO sweep")
     result = {"settings": {"requests": 2, "premium_share": 0.5, "max_prompt": 20, "max_output": 16,
                            "premium_ttft_slo": 0.5, "standard_ttft_slo": 5.0},
               "policies": {"tiered": [{"offered": 1.0, "preemptions": {}, "tiers": {"premium": {
@@ -14,7 +16,7 @@ def test_a_bench_with_a_renderer_gets_its_tables_and_plots():
                   "tpot_s": {"p50": 0.05}, "inter_token_s": {"p99": 0.08}, "e2e_s": {"p99": 1.0},
                   "goodput_fraction": 1.0}}}]},
               "plots": ["bench/out/slo_sweep/slo_sweep_latency.png"]}
-    text = run_all.render_section(bench, {"command": "python -m bench.slo_sweep", "status": 0, "wall_s": 12.0,
+    text = run_all.render_section(bench, {"command": "python -m bench.live.slo", "status": 0, "wall_s": 12.0,
                                           "stdout": "", "result": result})
     assert text.startswith("## SLO sweep")
     assert "| tiered | 1 | premium | 1 / 1 | - | 0.20 / 0.30 | 50.00 | 80.00 | 1.00 | 100% | 0 |" in text
@@ -22,7 +24,7 @@ def test_a_bench_with_a_renderer_gets_its_tables_and_plots():
 
 
 def test_a_failed_bench_without_a_renderer_shows_its_output_and_status():
-    bench = run_all.Bench("report_speed", "Report speed", json_flag="")
+    bench = run_all.Bench("report_speed", "offline.report_speed", "Report speed", json_flag="")
     text = run_all.render_section(bench, {"command": "x", "status": "timeout", "wall_s": 900.0,
                                           "stdout": "line one\nline two\n", "result": None})
     assert "**status timeout**" in text
@@ -38,3 +40,8 @@ def test_a_run_replaces_its_own_sections_and_keeps_the_sections_written_by_hand(
     assert "old sweep" not in merged and "Machine: old." not in merged
     assert merged.index("## Gateway overhead\n\nold numbers") < merged.index("kept numbers") \
         < merged.index("new sweep") < merged.index("new bench")
+
+
+def test_every_bench_run_all_runs_names_a_module_of_this_checkout():
+    missing = [b.module_name for b in run_all.benches() if importlib.util.find_spec(b.module_name) is None]
+    assert missing == []

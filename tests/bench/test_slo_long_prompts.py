@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from bench import slo_long_prompts
-from bench.slo_sim import CostModel
+from bench.sim import long_prompts
+from bench.sim.slo import CostModel
 
 
 def test_with_the_bound_premium_gaps_fall_under_the_target_and_without_it_they_do_not():
-    result = slo_long_prompts.run(CostModel(), slo_long_prompts.GPU, num_requests=60, seed=0)
+    result = long_prompts.run(CostModel(), long_prompts.GPU, num_requests=60, seed=0)
 
     for row in result["rows"]:
         off, on = row["off"]["premium"], row["on"]["premium"]
@@ -22,7 +22,7 @@ def test_with_the_bound_premium_gaps_fall_under_the_target_and_without_it_they_d
 
 def test_the_cli_reports_every_goal_and_writes_its_json(tmp_path, capsys):
     out = tmp_path / "slp.json"
-    status = slo_long_prompts.main(["--requests", "30", "--json", str(out)])
+    status = long_prompts.main(["--requests", "30", "--json", str(out)])
 
     result = json.loads(out.read_text())
     goals = [g for r in result["runs"].values() for g in r["goals"]]

@@ -2,7 +2,7 @@
 
 from dataclasses import replace
 
-from bench.slo_sim import CostModel, SimSettings, run, slo_scale
+from bench.sim.slo import CostModel, SimSettings, run, slo_scale
 
 SMALL = SimSettings(num_requests=60, num_blocks=2048)
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench.step_cost import StepSample, fit_step_cost
+from bench.sim.step_cost import StepSample, fit_step_cost
 
 
 def _samples(base, prefill, decode, context, noise=0.0, n=200):

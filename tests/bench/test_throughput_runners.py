@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from bench.engine_throughput import decode_weight_bytes, ratios, render_markdown
-from bench.workload import BenchRequest
+from bench.common.workload import BenchRequest
+from bench.offline.engine_throughput import decode_weight_bytes, ratios, render_markdown
 
 REQUESTS = [BenchRequest(0, [5, 6, 7, 8, 9, 10, 11], 5), BenchRequest(1, [12, 13, 14], 9),
             BenchRequest(2, list(range(20, 60)), 3), BenchRequest(3, [7, 8], 1)]
@@ -95,7 +95,7 @@ def test_llama_cpp_runner_feeds_ascending_sequence_ids_and_counts_exact_tokens(m
     must hand out the lowest free id and send tokens in id order, or llama.cpp runs below itself."""
     import llama_cpp
 
-    from bench import model_files
+    from bench.common import model_files
     from bench.peers.llama_cpp_runner import LlamaCppRunner
 
     calls: list[list[int]] = []

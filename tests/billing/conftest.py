@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 
 from billing.db import create_engine_for, upgrade
-from bench.faults import TcpProxy
+from tests.support.faults import TcpProxy
 
 PG_HOST, PG_PORT = "127.0.0.1", 5432
 PG_ADMIN_URL = f"postgresql://postgres@{PG_HOST}:{PG_PORT}/test"

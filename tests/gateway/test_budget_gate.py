@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 import redis
-from bench.faults import PrivateRedis
+from tests.support.faults import PrivateRedis
 
 from billing.budgets import set_budget
 from billing.db import create_engine_for, upgrade

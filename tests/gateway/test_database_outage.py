@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from bench.faults import TcpProxy, free_port
+from tests.support.faults import TcpProxy, free_port
 from sqlalchemy import create_engine, select, text
 
 from billing.db import create_engine_for, upgrade

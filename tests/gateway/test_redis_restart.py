@@ -6,7 +6,7 @@ import asyncio
 import uuid
 
 import pytest
-from bench.faults import PrivateRedis
+from tests.support.faults import PrivateRedis
 
 from gateway.ratelimit import Limits
 from gateway.ratelimit.redis_budget import RedisLimiter

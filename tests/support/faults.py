@@ -1,4 +1,4 @@
-"""Faults to cause on purpose, for bench/chaos.py and the tests: a TCP proxy to cut, a private redis-server to restart."""
+"""Faults to cause on purpose, for the tests and bench/live/chaos.py: a TCP proxy to cut, a redis-server to restart."""
 
 from __future__ import annotations
 

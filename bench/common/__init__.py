@@ -1,0 +1,1 @@
+"""What every bench shares: the machine it ran on, percentiles, the report tail, paths, model files and workloads."""

@@ -1,0 +1,1 @@
+"""Benches of the engine (and billing's report) in this process: no HTTP, peers run on the same weights."""
