@@ -47,6 +47,7 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 
+from engine import packed_linear, quant_linear
 from engine.config import EngineConfig
 from engine.engine import Engine
 from scheduler.plan import ScheduledChunk, StepPlan
@@ -327,3 +328,25 @@ def hf_greedy(model_dir: Path):
 def make_engine(model_dir: Path, engine_cache_dir: Path):
     yield from engines_on(dict(model=str(model_dir), block_size=4, num_kv_blocks=256, max_num_seqs=16,
                                max_num_batched_tokens=64, max_loras=0, cache_dir=str(engine_cache_dir)))
+
+
+@pytest.fixture
+def amx_microkernel() -> None:
+    """Skips the test where oneDNN's bfloat16 micro-kernel does not run (no AMX), for the tests of the
+    AMX ops themselves (the bfloat16 panels' and the quantized panels'): both ops ask the same question
+    (``cpublas::could_pack(bfloat16)``), so one answer serves both. The dispatch never picks them there."""
+    if not (packed_linear.panel_kernel_present() and torch.ops.tiergate.panel_amx_supported()):
+        pytest.skip("this CPU does not run oneDNN's bfloat16 micro-kernel (no AMX)")
+
+
+@pytest.fixture
+def fresh_row_thresholds() -> Iterator[None]:
+    """The AMX paths' row thresholds (bfloat16 panels, quantized panels) read afresh before and after the test:
+    each is cached per value of its variable, and a test that stands in for the CPU's support or sets the
+    variable must neither see an earlier test's answer nor leave its own."""
+    caches = (packed_linear._amx_rows, quant_linear._panel_rows)
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()

@@ -24,19 +24,6 @@ def kernels_built():
     assert panel_kernel_present(), "the CPU kernels did not build on this machine (see the log)"
 
 
-@pytest.fixture
-def amx():
-    if not torch.ops.tiergate.panel_amx_supported():
-        pytest.skip("this CPU does not run oneDNN's bfloat16 micro-kernel (no AMX)")
-
-
-@pytest.fixture
-def fresh_amx_rows():
-    packed_linear._amx_rows.cache_clear()
-    yield
-    packed_linear._amx_rows.cache_clear()
-
-
 def check(x: torch.Tensor, weight_in_out: torch.Tensor, y: torch.Tensor) -> None:
     x64, w64 = x.double(), weight_in_out.double()
     exact = x64 @ w64
@@ -48,7 +35,7 @@ def check(x: torch.Tensor, weight_in_out: torch.Tensor, y: torch.Tensor) -> None
 
 @pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 1), (16, 96, 17), (17, 576, 64), (33, 64, 65),
                                                            (129, 128, 130), (300, 32, 200)])
-def test_amx_product_matches_float64_within_output_rounding(rows, in_features, out_features, amx):
+def test_amx_product_matches_float64_within_output_rounding(rows, in_features, out_features, amx_microkernel):
     gen = torch.Generator().manual_seed(rows)
     w = (torch.randn(in_features, out_features, generator=gen) * 0.05).bfloat16()
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
@@ -56,7 +43,7 @@ def test_amx_product_matches_float64_within_output_rounding(rows, in_features, o
     check(x, w, torch.ops.tiergate.panel_linear_amx(x, panels.panels, out_features))
 
 
-def test_amx_reads_strided_x_and_gives_empty_for_no_rows(amx):
+def test_amx_reads_strided_x_and_gives_empty_for_no_rows(amx_microkernel):
     w = (torch.randn(128, 40) * 0.05).bfloat16()
     panels = pack(w, "panels")
     x = torch.randn(50, 300).bfloat16()[:, 7:135]
@@ -65,7 +52,7 @@ def test_amx_reads_strided_x_and_gives_empty_for_no_rows(amx):
     assert torch.ops.tiergate.panel_linear_amx(torch.empty(0, 128, dtype=torch.bfloat16), panels.panels, 40).shape == (0, 40)
 
 
-def test_amx_refuses_float32_x_and_mismatched_panels(amx):
+def test_amx_refuses_float32_x_and_mismatched_panels(amx_microkernel):
     panels = pack((torch.randn(64, 40) * 0.05).bfloat16(), "panels").panels
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.tiergate.panel_linear_amx(torch.randn(20, 64), panels, 40)
@@ -73,7 +60,7 @@ def test_amx_refuses_float32_x_and_mismatched_panels(amx):
         torch.ops.tiergate.panel_linear_amx(torch.randn(20, 64).bfloat16(), panels, 70)
 
 
-def test_many_bfloat16_rows_take_amx_and_few_the_panel_kernel(amx, monkeypatch, fresh_amx_rows):
+def test_many_bfloat16_rows_take_amx_and_few_the_panel_kernel(amx_microkernel, monkeypatch, fresh_row_thresholds):
     monkeypatch.setenv("TIERGATE_BF16_AMX_ROWS", "auto")
     w = (torch.randn(256, 48) * 0.05).bfloat16()
     weight = pack(w, "panels")
@@ -93,7 +80,7 @@ class _Spy:
 
 
 @pytest.fixture
-def spies(monkeypatch, fresh_amx_rows):
+def spies(monkeypatch, fresh_row_thresholds):
     amx_op, panel_op = _Spy(), _Spy()
     monkeypatch.setattr(torch.ops.tiergate, "panel_amx_supported", lambda: True)
     monkeypatch.setattr(torch.ops.tiergate, "panel_linear_amx", amx_op)
@@ -115,7 +102,7 @@ def test_dispatch_by_rows_and_dtype_float32_never_takes_amx(spies, monkeypatch):
     assert panel_op.rows == [3, 500, 500]
 
 
-def test_dispatch_never_picks_amx_where_the_cpu_lacks_it(monkeypatch, fresh_amx_rows):
+def test_dispatch_never_picks_amx_where_the_cpu_lacks_it(monkeypatch, fresh_row_thresholds):
     monkeypatch.setattr(torch.ops.tiergate, "panel_amx_supported", lambda: False)
     monkeypatch.setenv("TIERGATE_BF16_AMX_ROWS", "auto")
     assert amx_min_rows() is None
@@ -125,7 +112,7 @@ def test_dispatch_never_picks_amx_where_the_cpu_lacks_it(monkeypatch, fresh_amx_
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "lots"])
-def test_bad_amx_row_counts_are_refused(value, monkeypatch, fresh_amx_rows):
+def test_bad_amx_row_counts_are_refused(value, monkeypatch, fresh_row_thresholds):
     monkeypatch.setattr(torch.ops.tiergate, "panel_amx_supported", lambda: True)
     monkeypatch.setenv("TIERGATE_BF16_AMX_ROWS", value)
     with pytest.raises(ValueError, match="TIERGATE_BF16_AMX_ROWS"):

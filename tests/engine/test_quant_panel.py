@@ -33,20 +33,6 @@ def kernels_built():
     assert quant_kernels_present(), "the quantized kernels did not build on this machine (see the log)"
 
 
-@pytest.fixture
-def panels():
-    """The op on this CPU; skipped where oneDNN's bfloat16 micro-kernel does not run (the dispatch never picks it there)."""
-    if not torch.ops.tiergate.quant_panel_supported():
-        pytest.skip("this CPU does not run oneDNN's bfloat16 micro-kernel (no AMX)")
-
-
-@pytest.fixture
-def fresh_panel_rows():
-    quant_linear._panel_rows.cache_clear()
-    yield
-    quant_linear._panel_rows.cache_clear()
-
-
 def weight(ggml_type: T, in_features: int, out_features: int, seed: int = 0) -> QuantWeight:
     blocks = torch.from_numpy(random_blocks(ggml_type, out_features, in_features, seed=seed))
     return QuantWeight(blocks, ggml_type, in_features, out_features)
@@ -94,7 +80,7 @@ def shapes_for(ggml_type: T) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-def test_decoded_panel_is_the_float64_reference_rounded_once_to_bfloat16(ggml_type, panels):
+def test_decoded_panel_is_the_float64_reference_rounded_once_to_bfloat16(ggml_type, amx_microkernel):
     for i, (_, in_features, out_features) in enumerate(shapes_for(ggml_type)):
         w = weight(ggml_type, in_features, out_features, seed=i)
         ref = reference_rows(w)
@@ -105,14 +91,14 @@ def test_decoded_panel_is_the_float64_reference_rounded_once_to_bfloat16(ggml_ty
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-def test_panel_product_matches_float64_reference_within_bfloat16_rounding(ggml_type, panels):
+def test_panel_product_matches_float64_reference_within_bfloat16_rounding(ggml_type, amx_microkernel):
     for i, (rows, in_features, out_features) in enumerate(shapes_for(ggml_type)):
         w = weight(ggml_type, in_features, out_features, seed=i)
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(i))
         check_product(reference_rows(w), x, panel_product(x, [w]))
 
 
-def test_panel_product_of_stacked_mixed_types_gives_each_part_side_by_side(panels):
+def test_panel_product_of_stacked_mixed_types_gives_each_part_side_by_side(amx_microkernel):
     parts = [weight(T.Q4_K, 512, 70, seed=1), weight(T.Q6_K, 512, 13, seed=2), weight(T.Q8_0, 512, 64, seed=3),
              weight(T.Q5_K, 512, 3, seed=4), weight(T.Q4_0, 512, 9, seed=5), weight(T.Q5_1, 512, 6, seed=6)]
     x = torch.randn(37, 512)
@@ -120,7 +106,7 @@ def test_panel_product_of_stacked_mixed_types_gives_each_part_side_by_side(panel
 
 
 @pytest.mark.parametrize("ggml_type", sorted(quant_linear.REPACKED_TYPES), ids=lambda t: t.name)
-def test_panel_product_of_a_repacked_weight_equals_its_file_layouts(ggml_type, panels):
+def test_panel_product_of_a_repacked_weight_equals_its_file_layouts(ggml_type, amx_microkernel):
     """A weight repacked at load (csrc/quant_packed.h's 16-row groups) decodes to the same panel values."""
     block = gguf.GGML_QUANT_SIZES[ggml_type][0]
     w = weight(ggml_type, 2 * block if block == 256 else 5 * block, 83, seed=7)
@@ -130,7 +116,7 @@ def test_panel_product_of_a_repacked_weight_equals_its_file_layouts(ggml_type, p
     assert torch.equal(panel_product(x, [w]), from_file)
 
 
-def test_panel_product_reads_strided_x_and_gives_empty_for_no_rows(panels):
+def test_panel_product_reads_strided_x_and_gives_empty_for_no_rows(amx_microkernel):
     w = weight(T.Q4_0, 256, 19)
     wide = torch.randn(40, 512)
     x = wide[:, 100:356]
@@ -139,13 +125,13 @@ def test_panel_product_reads_strided_x_and_gives_empty_for_no_rows(panels):
     assert panel_product(torch.empty(0, 256), [w]).shape == (0, 19)
 
 
-def test_panel_product_refuses_mismatched_blocks(panels):
+def test_panel_product_refuses_mismatched_blocks(amx_microkernel):
     w = weight(T.Q4_K, 256, 5)
     with pytest.raises(RuntimeError, match="do not match"):
         torch.ops.tiergate.quant_panel_linear(torch.randn(20, 512), [w.blocks], [int(T.Q4_K)], [5])
 
 
-def test_many_rows_take_the_panel_path_and_few_rows_the_int8_tiles(panels, monkeypatch, fresh_panel_rows):
+def test_many_rows_take_the_panel_path_and_few_rows_the_int8_tiles(amx_microkernel, monkeypatch, fresh_row_thresholds):
     monkeypatch.setenv("TIERGATE_QUANT_PANEL_ROWS", "8")
     w = weight(T.Q4_1, 256, 33)
     many, few = torch.randn(8, 256), torch.randn(7, 256)
@@ -166,7 +152,7 @@ class _Spy:
 
 
 @pytest.fixture
-def spies(monkeypatch, fresh_panel_rows):
+def spies(monkeypatch, fresh_row_thresholds):
     """Both ops spied on, the panel path made available: the dispatch tested on any CPU."""
     panel, tiles = _Spy(), _Spy()
     monkeypatch.setattr(torch.ops.tiergate, "quant_panel_supported", lambda: True)
@@ -196,7 +182,7 @@ def test_dispatch_threshold_is_set_by_the_variable_and_off_keeps_the_int8_tiles(
     assert panel.rows == [3] and tiles.rows == [2, 600]
 
 
-def test_dispatch_never_picks_the_panels_where_the_cpu_lacks_them(monkeypatch, fresh_panel_rows):
+def test_dispatch_never_picks_the_panels_where_the_cpu_lacks_them(monkeypatch, fresh_row_thresholds):
     monkeypatch.setattr(torch.ops.tiergate, "quant_panel_supported", lambda: False)
     monkeypatch.setenv("TIERGATE_QUANT_PANEL_ROWS", "auto")
     assert panel_min_rows() is None
@@ -209,7 +195,7 @@ def test_dispatch_never_picks_the_panels_where_the_cpu_lacks_them(monkeypatch, f
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "many", "1.5"])
-def test_bad_threshold_values_are_refused(value, monkeypatch, fresh_panel_rows):
+def test_bad_threshold_values_are_refused(value, monkeypatch, fresh_row_thresholds):
     monkeypatch.setattr(torch.ops.tiergate, "quant_panel_supported", lambda: True)
     monkeypatch.setenv("TIERGATE_QUANT_PANEL_ROWS", value)
     with pytest.raises(ValueError, match="TIERGATE_QUANT_PANEL_ROWS"):
