@@ -47,14 +47,15 @@ class StepCost:
 
     The scored-row term is prompt logprobs: each scored row goes through the LM head and a softmax over
     the vocabulary, a large share of a small model's per-token work that a plain prefill row skips.
-    Its prior is half a prefill token's: a step that scores is planned smaller from the first one."""
+    Its prior is a sixth of a prefill token's (the bundled model's LM head and softmax beside its layers);
+    the online fit finds the rest."""
 
     base_s: float = 0.012
     per_prefill_token_s: float = 6e-4
     per_decode_seq_s: float = 1.5e-4
     per_context_token_s: float = 3e-6
     per_attention_pair_s: float = 0.0
-    per_scored_row_s: float = 3e-4
+    per_scored_row_s: float = 1e-4
 
     def as_tuple(self) -> tuple[float, float, float, float, float, float]:
         return (self.base_s, self.per_prefill_token_s, self.per_decode_seq_s, self.per_context_token_s,
