@@ -61,8 +61,13 @@ def rows_to_score(chunks: Sequence[ScheduledChunk],
 
 @torch.inference_mode()
 def score_prompts(hidden: torch.Tensor, wanted: Sequence[PromptRows],
-                  head_logits: Callable[[torch.Tensor], torch.Tensor], tokenizer: TextTokenizer) -> None:
-    """Append each request's scores for ``wanted`` rows (``hidden``: their final hidden states, in order)."""
+                  head_logits: Callable[[torch.Tensor], torch.Tensor], tokenizer: TextTokenizer,
+                  between_slices: Callable[[], None] | None = None) -> None:
+    """Append each request's scores for ``wanted`` rows (``hidden``: their final hidden states, in order).
+
+    ``between_slices`` is called between two slices, as the forward calls the step loop between two
+    layers: a long prompt's scores are a large part of its step, and a neighbour's short request
+    that arrives meanwhile need not wait for all of them."""
     targets = torch.tensor([t for w in wanted for t in w.state.seq.prompt_token_ids[w.first + 1:w.first + 1 + w.count]],
                            dtype=torch.long, device=hidden.device)
     top_k = max(w.state.request.params.prompt_logprobs or 0 for w in wanted)
@@ -70,6 +75,8 @@ def score_prompts(hidden: torch.Tensor, wanted: Sequence[PromptRows],
     ranks: list[int] = []
     top: list[list[tuple[int, float]]] = []
     for lo in range(0, targets.shape[0], SLICE_ROWS):
+        if lo and between_slices is not None:
+            between_slices()
         logprobs = torch.log_softmax(head_logits(hidden[lo:lo + SLICE_ROWS]), dim=-1)
         picked = logprobs.gather(1, targets[lo:lo + SLICE_ROWS, None])
         chosen += picked.squeeze(1).tolist()

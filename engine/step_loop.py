@@ -192,7 +192,7 @@ class StepLoop:
             scoring, hidden_rows = rows_to_score(plan.chunks, self.requests.get)
             logits, hidden = self.runner.execute_with_hidden(plan, hidden_rows, lora_batch, between, nested)
             if scoring:
-                score_prompts(hidden, scoring, self.runner.head_logits, self.tokenizer)
+                score_prompts(hidden, scoring, self.runner.head_logits, self.tokenizer, between)
             states = [self.requests.get(c.seq.seq_id) for c in sampling]
             runs = self._sample(logits, sampling, states)
         except Exception as exc:  # a bad step must not take the loop down

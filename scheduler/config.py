@@ -36,23 +36,30 @@ def default_tiers(
 @dataclass(frozen=True)
 class StepCost:
     """Step time as a linear cost: ``base_s + per_prefill_token_s * prefill tokens + per_decode_seq_s *
-    decode rows + per_context_token_s * context tokens + per_attention_pair_s * prefill attention pairs``
-    (bench/sim/step_cost.py fits the first four offline; the scheduler's online fit learns all five).
+    decode rows + per_context_token_s * context tokens + per_attention_pair_s * prefill attention pairs
+    + per_scored_row_s * scored prompt rows`` (bench/sim/step_cost.py fits the first four offline; the
+    scheduler's online fit learns all six).
 
     The pair term is a prefill chunk's attention: each of its rows attends to every position before it,
     so a chunk deep into a long prompt costs per token in proportion to its depth; without it a chunk
     at position 1,900 is predicted as cheap as one at 0. Zero by default: a GPU's flash attention
-    barely shows it, and the online fit finds it where it shows (a CPU)."""
+    barely shows it, and the online fit finds it where it shows (a CPU).
+
+    The scored-row term is prompt logprobs: each scored row goes through the LM head and a softmax over
+    the vocabulary, a large share of a small model's per-token work that a plain prefill row skips.
+    Its prior is a sixth of a prefill token's (the bundled model's LM head and softmax beside its layers);
+    the online fit finds the rest."""
 
     base_s: float = 0.012
     per_prefill_token_s: float = 6e-4
     per_decode_seq_s: float = 1.5e-4
     per_context_token_s: float = 3e-6
     per_attention_pair_s: float = 0.0
+    per_scored_row_s: float = 1e-4
 
-    def as_tuple(self) -> tuple[float, float, float, float, float]:
+    def as_tuple(self) -> tuple[float, float, float, float, float, float]:
         return (self.base_s, self.per_prefill_token_s, self.per_decode_seq_s, self.per_context_token_s,
-                self.per_attention_pair_s)
+                self.per_attention_pair_s, self.per_scored_row_s)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class StepFeatures:
     decode_rows: int = 0
     context_tokens: int = 0  # KV positions the chunks reach, summed over chunks (each chunk's end)
     attention_pairs: int = 0  # (row, position) pairs a prefill chunk's rows attend over, summed over chunks
+    scored_rows: int = 0  # prompt rows whose logits the step computes for prompt logprobs (``scored_rows``)
 
     @staticmethod
     def of(chunk: ScheduledChunk, sign: int = 1) -> StepFeatures:
@@ -73,20 +74,39 @@ class StepFeatures:
             return StepFeatures(sign * drafts, sign, sign * chunk.end,
                                 sign * attention_pairs(chunk.end - drafts, drafts) if drafts else 0)
         return StepFeatures(sign * chunk.num_tokens, 0, sign * chunk.end,
-                            sign * attention_pairs(chunk.start, chunk.num_tokens))
+                            sign * attention_pairs(chunk.start, chunk.num_tokens),
+                            sign * scored_rows(chunk.seq, chunk.start, chunk.num_tokens))
 
     def __add__(self, other: StepFeatures) -> StepFeatures:
         return StepFeatures(self.prefill_tokens + other.prefill_tokens, self.decode_rows + other.decode_rows,
-                            self.context_tokens + other.context_tokens, self.attention_pairs + other.attention_pairs)
+                            self.context_tokens + other.context_tokens, self.attention_pairs + other.attention_pairs,
+                            self.scored_rows + other.scored_rows)
 
-    def row(self) -> tuple[float, float, float, float, float]:
+    def row(self) -> tuple[float, float, float, float, float, float]:
         return (1.0, float(self.prefill_tokens), float(self.decode_rows), float(self.context_tokens),
-                float(self.attention_pairs))
+                float(self.attention_pairs), float(self.scored_rows))
 
 
 def attention_pairs(start: int, num_tokens: int) -> int:
     """Causal attention of positions ``[start, start + num_tokens)``: row i attends to positions 0..i."""
     return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
+def scores_prompt(seq: Sequence) -> bool:
+    """Whether ``seq``'s prefill rows are scored (prompt logprobs): it reads no prefix cache until they all are."""
+    return not seq.reads_prefix_cache
+
+
+def scored_rows(seq: Sequence, start: int, num_tokens: int) -> int:
+    """Rows of positions ``[start, start + num_tokens)`` that engine/prompt_scoring.py puts through the LM head.
+
+    Row ``p`` predicts prompt token ``p + 1``, so the last prompt row scores nothing; rows recomputed after
+    a preemption (below ``recompute_until``) were scored before and are not scored again.
+    """
+    if not scores_prompt(seq):
+        return 0
+    first = max(start, seq.recompute_until)
+    return max(0, min(start + num_tokens, seq.num_prompt_tokens - 1) - first)
 
 
 @dataclass
@@ -130,11 +150,11 @@ class StepBuilder:
             return self.tokens_left
         return min(self.tokens_left, self.time.room(self.features))
 
-    def room(self, start: int, keep: int = 0) -> int:
-        """Tokens a chunk computing from position ``start`` may take, ``keep`` left for worse queues."""
+    def room(self, seq: Sequence, start: int, keep: int = 0) -> int:
+        """Tokens a chunk of ``seq`` computing from position ``start`` may take, ``keep`` left for worse queues."""
         if self.time is None:
             return self.tokens_left - keep
-        return min(self.tokens_left, self.time.room(self.features, start)) - keep
+        return min(self.tokens_left, self.time.room(self.features, start, scores_prompt(seq))) - keep
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         chunk = self.chunks.get(seq.seq_id)

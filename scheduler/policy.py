@@ -79,8 +79,11 @@ class Policy(ABC):
         """Whether ``waiting`` is admitted before ``running`` (same queue) continues its prefill."""
         return False
 
-    def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int) -> list[Sequence]:
-        """Waiting sequences of ``queue`` to prefill whole in a step that carries no other prefill of the queue."""
+    def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int,
+                outlasts: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+        """Waiting sequences of ``queue`` to prefill whole in a step that carries no other prefill of the queue
+        (``outlasts(seq)``: whether a running prefill's next chunk makes a long step; None: more than a step's
+        token budget is left)."""
         return []
 
     # Fair-share bookkeeping; only the tiered policy with fair_share keeps any.
@@ -171,10 +174,11 @@ class TieredPolicy(Policy):
     def goes_before(self, waiting: Sequence, running: Sequence) -> bool:
         return self.fair is not None and self.fair.counter(waiting) < self.fair.counter(running)
 
-    def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int) -> list[Sequence]:
+    def express(self, queue: Iterable[Sequence], running: list[Sequence], budget: int,
+                outlasts: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
         """The first request of each tenant that has no other prefill work in its tier, if its prompt
         fits, when another tenant of the tier runs two more sequences than it or is prefilling a
-        prompt with more than a whole step's token budget left.
+        prompt whose next chunk ``outlasts`` a step (by default: more than a whole step's token budget left).
 
         A step lasts as long as its longest work, and every prefill that ends in it waits for
         all of it: beside a flood's prefill chunks, or one long prompt's step-sized chunk, a
@@ -193,9 +197,9 @@ class TieredPolicy(Policy):
         for (tier, _), n in runs.items():
             most[tier] = max(most[tier], n)
         busy = {(s.tier, s.tenant) for s in running if s.is_prefilling}
-        step_tokens = self.config.max_num_batched_tokens
-        long_prefills = {(s.tier, s.tenant) for s in running
-                         if s.is_prefilling and s.num_tokens - s.num_computed_tokens > step_tokens}
+        if outlasts is None:
+            outlasts = lambda s: s.num_tokens - s.num_computed_tokens > self.config.max_num_batched_tokens  # noqa: E731
+        long_prefills = {(s.tier, s.tenant) for s in running if s.is_prefilling and outlasts(s)}
         waiting = Counter((s.tier, s.tenant) for s in queue)
         picked = []
         for seq in queue:

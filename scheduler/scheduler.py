@@ -22,7 +22,8 @@ from scheduler.plan import ScheduledChunk, StepBuilder, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.spare import decode_features, interactive_waits_for_first_token, spare_bound
-from scheduler.step_budget import StepTimeBound, first_token_target_s, scaled_share, step_target_s
+from scheduler.step_budget import (StepTimeBound, first_token_target_s, outlasts_a_step, scaled_share,
+                                   step_target_s)
 from scheduler.step_cost import StepCostModel, step_features
 from scheduler.step_update import apply_step
 
@@ -211,12 +212,15 @@ class Scheduler:
         for queue in self.policy.queue_names():
             if self.policy.is_spare(queue):
                 continue
-            for seq in self.policy.express(self.waiting[queue], self.running, step.budget):
+            for seq in self.policy.express(self.waiting[queue], self.running, step.budget, self._outlasts()):
                 if seq.adapter is not None and step_adapters is not None and seq.adapter not in step_adapters:
                     continue
                 if self._admit(seq, step, 0, may_preempt=False) in (NO_SLOT, NO_BLOCKS):
                     return step.plan
         return step.plan
+
+    def _outlasts(self) -> Callable[[Sequence], bool]:
+        return outlasts_a_step(self.config, self.step_cost.coefficients())
 
     def _bound(self, step: StepBuilder, target: float | None) -> None:
         """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any."""
@@ -241,7 +245,7 @@ class Scheduler:
     def _admit_express(self, queue: str, step: StepBuilder, keep: int) -> None:
         """Admit the policy's express requests of ``queue``; if any, hold its other prefill this step."""
         tenants = set()
-        for seq in self.policy.express(self.waiting[queue], self.running, step.budget - keep):
+        for seq in self.policy.express(self.waiting[queue], self.running, step.budget - keep, self._outlasts()):
             if step.admission_closed:
                 break
             if seq.seq_id not in step.preempted and self._admit(seq, step, keep, True) is None:
@@ -274,7 +278,7 @@ class Scheduler:
                     continue
             chunk = step.chunks.get(seq.seq_id)
             start = chunk.end if chunk else seq.num_computed_tokens
-            n = min(seq.num_tokens - start, step.room(start, keep))
+            n = min(seq.num_tokens - start, step.room(seq, start, keep))
             if n <= 0:
                 continue
             if may_preempt:
@@ -331,7 +335,7 @@ class Scheduler:
         just its first chunk's), or None; its cached prefix blocks; its chunk)."""
         cached = self.block_manager.match_prefix(seq)
         start = len(cached) * self.config.block_size
-        n = min(seq.num_tokens - start, step.room(start, keep))
+        n = min(seq.num_tokens - start, step.room(seq, start, keep))
         if whole:
             spare += self.block_manager.blocks_for(seq.num_tokens) - self.block_manager.blocks_for(start + n)
         if len(self.running) >= self.config.max_num_seqs:

@@ -6,26 +6,31 @@ tokens makes every stream's gap that long. Once a step's decodes are planned, it
 so that the step's predicted time (scheduler/step_cost.py) stays under a target (planned to
 ``PLAN_TO`` of it): the tightest of
 ``SchedulerConfig.max_step_s`` and the ``tpot_slo_s`` of every tier with a sequence decoding in
-it. The first ``min_chunk`` prefill tokens of a step are granted whatever the prediction, so the
-prompt at the head of the line advances every step and always finishes. A step with nobody
-decoding has no bound (its chunks are as large as the token budget allows) unless it makes the first
-token of a request whose tier has a TPOT SLO: that client waits for the step as a stream does.
+it. The first ``min_chunk`` prefill tokens of a step are granted whatever the prediction (fewer, down to
+one, where their attention deep into a long prompt would make them dearer than at its start:
+``StepTimeBound.granted``), so the prompt at the head of the line advances every step and always
+finishes. A step with nobody decoding has no bound (its chunks are as large as the token budget allows)
+unless it makes the first token of an interactive request: that client waits for the step as a stream
+does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig, StepCost
-from scheduler.plan import StepFeatures
+from scheduler.plan import StepFeatures, attention_pairs
 from scheduler.sequence import Sequence
 from scheduler.step_cost import predict
 
 # A step is planned to this share of its target: the rest is for the fit's error (a few percent
 # on a steady machine) and for what a step does beside the work the cost model counts.
 PLAN_TO = 0.95
+# The guaranteed chunk is shrunk only where it would cost more than this share of the target on its own:
+# beside decodes that take the rest, such a step stays within about the target.
+GRANTED_SHARE = 0.5
 
 
 def step_target_s(config: SchedulerConfig, decoding: Iterable[Sequence]) -> float | None:
@@ -38,13 +43,34 @@ def step_target_s(config: SchedulerConfig, decoding: Iterable[Sequence]) -> floa
 
 
 def first_token_target_s(config: SchedulerConfig, seq: Sequence) -> float | None:
-    """The longest a step that makes ``seq``'s first token may last: its tier's TPOT SLO (None: unbounded).
+    """The longest a step that makes ``seq``'s first token may last: the tighter of its tier's TPOT SLO and
+    ``max_step_s``, as for a stream of its tier (None: unbounded; a spare-capacity tier's never is).
 
-    Its client waits for the whole step as a stream's does, so with nobody decoding a premium request's
-    first step is not made to carry a long prompt's largest chunk; a tier without a TPOT SLO keeps
-    today's chunks (``max_step_s`` bounds only the gaps of streams already decoding).
+    Its client waits for the whole step as a stream's does, so with nobody decoding a neighbour's short
+    request is not made to share its step with another tenant's long prompt's largest chunk: its first
+    token is the first of its gaps.
     """
-    return next((t.tpot_slo_s for t in config.tiers if t.name == seq.tier), None)
+    tier = next((t for t in config.tiers if t.name == seq.tier), None)
+    if tier is None or tier.spare_only:
+        return None
+    bounds = [b for b in (tier.tpot_slo_s, config.max_step_s) if b is not None]
+    return min(bounds) if bounds else None
+
+
+def outlasts_a_step(config: SchedulerConfig, cost: StepCost) -> Callable[[Sequence], bool]:
+    """Whether a running prefill's next chunk, with nobody decoding, makes a long step: more than a step's
+    token budget is left, or what is left is predicted to take longer than ``max_step_s``.
+
+    Beside such a chunk a neighbour's short request would wait for all of it (the policy's ``express``).
+    Its last chunk is often the dearest: up to a whole step's tokens at the prompt's greatest depth.
+    """
+    def outlasts(seq: Sequence) -> bool:
+        left = seq.num_tokens - seq.num_computed_tokens
+        if left > config.max_num_batched_tokens:
+            return True
+        return config.max_step_s is not None and _chunk_cost(cost, seq.num_computed_tokens, left) > config.max_step_s
+
+    return outlasts
 
 
 @dataclass(frozen=True)
@@ -59,25 +85,46 @@ class StepTimeBound:
         """Whether a step computing ``features`` is predicted within the target (as planned, ``PLAN_TO`` of it)."""
         return predict(self.cost, features) <= PLAN_TO * self.target_s + 1e-12
 
-    def room(self, features: StepFeatures, start: int | None = None) -> int:
+    def room(self, features: StepFeatures, start: int | None = None, scores: bool = False) -> int:
         """Prefill tokens a step computing ``features`` so far may still take in a new chunk beginning at
-        position ``start`` (None: leave out the chunk's fixed context cost, for an estimate of what is left)."""
+        position ``start`` (None: leave out the chunk's fixed context cost, for an estimate of what is left),
+        each of its rows ``scores``-ed for prompt logprobs or not."""
         start = start or 0
         left = PLAN_TO * self.target_s - predict(self.cost, features) - self.cost.per_context_token_s * start
-        fits = _largest_chunk(left, self.cost, start)
-        granted = self.min_chunk - features.prefill_tokens  # the step's guaranteed progress
+        fits = _largest_chunk(left, self.cost, start, scores)
+        granted = self.granted(start, scores) - features.prefill_tokens  # the step's guaranteed progress
         return int(min(max(fits, granted, 0), 1 << 30))
 
+    def granted(self, start: int, scores: bool = False) -> int:
+        """The prefill a step takes from position ``start`` whatever the prediction: ``min_chunk`` tokens, fewer
+        where, deep into a long prompt, their attention would make them cost more than ``min_chunk`` tokens
+        at a prompt's start and more than ``GRANTED_SHARE`` of the target (or, for a prompt whose rows are
+        scored, than that many plain rows); never less than one token, so the prompt always finishes. The
+        guarantee is a time, not a count of tokens: a block of rows at position 1,900 reads 1,900 positions
+        each, and would make every stream's gap that much longer."""
+        shallow = _chunk_cost(self.cost, 0, self.min_chunk)  # plain rows: a scoring prompt's are dearer
+        own = max(GRANTED_SHARE * PLAN_TO * self.target_s - self.cost.per_context_token_s * start, shallow)
+        return int(min(self.min_chunk, max(1, _largest_chunk(own, self.cost, start, scores))))
 
-def _largest_chunk(left_s: float, cost: StepCost, start: int) -> float:
+
+def _chunk_cost(cost: StepCost, start: int, num_tokens: int) -> float:
+    """What a plain prefill chunk adds to a step's predicted time (its context positions included)."""
+    chunk = StepFeatures(num_tokens, 0, start + num_tokens, attention_pairs(start, num_tokens))
+    return predict(cost, chunk) - cost.base_s
+
+
+def _largest_chunk(left_s: float, cost: StepCost, start: int, scores: bool = False) -> float:
     """The most prefill tokens from position ``start`` whose predicted cost fits in ``left_s`` (inf: any).
 
-    n tokens cost ``(per_prefill + per_context) * n + per_pair * (n * start + n * (n + 1) / 2)``
-    (scheduler/plan.py's attention pairs): the positive root of that quadratic, floored.
+    n tokens cost ``(per_prefill + per_context [+ per_scored_row]) * n + per_pair * (n * start + n * (n + 1) / 2)``
+    (scheduler/plan.py's attention pairs; a scored row for each token of a chunk that ``scores``, which
+    over-counts its last prompt row by one): the positive root of that quadratic, floored.
     """
     if left_s < 0:
         return -1
     linear = cost.per_prefill_token_s + cost.per_context_token_s + cost.per_attention_pair_s * (start + 0.5)
+    if scores:
+        linear += cost.per_scored_row_s
     half_pair = cost.per_attention_pair_s / 2
     if half_pair > 0:
         root = (-linear + math.sqrt(linear * linear + 4 * half_pair * left_s)) / (2 * half_pair)

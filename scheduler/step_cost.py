@@ -2,6 +2,7 @@
 
     step_s = base_s + per_prefill_token_s * prefill_tokens + per_decode_seq_s * decode_rows
                     + per_context_token_s * context_tokens + per_attention_pair_s * attention_pairs
+                    + per_scored_row_s * scored_rows
 
 The features are those bench/sim/step_cost.py fits offline and bench/sim/slo.py runs on, taken from a
 plan by ``step_features`` (each chunk's share: ``StepFeatures.of`` in scheduler/plan.py, which the
@@ -20,7 +21,7 @@ from scheduler.plan import StepFeatures, StepPlan
 
 # Typical feature sizes, so that the prior's pull weighs about as much as PRIOR_STEPS steps of
 # that size on each coefficient, whatever its units.
-_SCALES = np.array([1.0, 64.0, 8.0, 4096.0, 65536.0])
+_SCALES = np.array([1.0, 64.0, 8.0, 4096.0, 65536.0, 64.0])
 _N = len(_SCALES)
 PRIOR_STEPS = 2.0
 # Past its first WARMUP_STEPS steps (which correct a prior however far off), an observed step
@@ -80,8 +81,8 @@ class StepCostModel:
 
     def _solve(self) -> StepCost:
         # Ridge toward the prior: minimise |y - Xc|^2 + sum(ridge * (c - prior)^2). A negative
-        # coefficient is fixed at zero and the rest refitted (active set; five features, at most
-        # five rounds). Written here because scipy's nnls has no ridge term and scipy is no dependency.
+        # coefficient is fixed at zero and the rest refitted (active set; six features, at most
+        # six rounds). Written here because scipy's nnls has no ridge term and scipy is no dependency.
         a = self._xtx + np.diag(self._ridge)
         b = self._xty + self._ridge * self._prior
         active = list(range(_N))

@@ -65,9 +65,11 @@ def test_a_long_prompt_beside_a_decoding_neighbour_takes_only_the_bounded_chunk_
         assert tokens[request.request_id] == hf_greedy(request.prompt_token_ids, request.params.max_tokens)
     beside = [e for e in events if isinstance(e, StepEvent) and {i.request_id for i in e.items} == {"neighbour", "long"}]
     long_tokens = [next(i.tokens for i in e.items if i.request_id == "long") for e in beside]
-    # Without the bound the long prompt would take the step's whole budget, 63 tokens beside one decode.
+    # Without the bound the long prompt would take the step's whole budget, 63 tokens beside one decode; with
+    # it, a block a step, fewer rows where deep into the prompt a block's attention would cost more than at
+    # its start (scheduler/step_budget.py's StepTimeBound.granted), never none.
     assert len(long_tokens) >= 150 // BLOCK
-    assert all(n == BLOCK for n in long_tokens[: 150 // BLOCK])
+    assert long_tokens[0] == BLOCK and all(1 <= n <= BLOCK for n in long_tokens)
     assert all(next(i.tokens for i in e.items if i.request_id == "neighbour") == 1 for e in beside[: 150 // BLOCK])
 
 

@@ -156,3 +156,24 @@ def test_rows_scored_before_a_preemption_are_not_scored_again():
     scores += [TokenLogprob(t, "a", -1.0) for t in range(18, 23)]
     wanted, step_rows = rows_to_score([ScheduledChunk(seq, 12, 8)], {"s": state}.get)
     assert [(w.first, w.count) for w in wanted] == [(12, 7)] and step_rows == list(range(0, 7))
+
+
+def test_a_long_prompts_scores_let_a_neighbour_in_between_their_slices():
+    """Scores come after the forward, outside its between-layers calls: 512 rows of them were a stretch in which
+    a neighbour's short request waited for all of the step (the hostile bench's prompt_logprobs attack)."""
+    from engine.prompt_scoring import SLICE_ROWS, PromptRows, score_prompts
+
+    prompt = list(range(1, 2 * SLICE_ROWS + 12))
+    seq = Sequence("s", prompt)
+    state = SimpleNamespace(prompt_scores=[TokenLogprob(prompt[0], "a", None)], seq=seq,
+                            request=SimpleNamespace(params=SamplingParams(prompt_logprobs=2)))
+    rows = len(prompt) - 1
+    head = torch.randn(8, 600)
+    calls = []
+    tokenizer = SimpleNamespace(id_to_token_text=str)
+
+    score_prompts(torch.randn(rows, 8), [PromptRows(state, 0, rows)], lambda h: h @ head, tokenizer,
+                  between_slices=lambda: calls.append(len(state.prompt_scores)))
+
+    assert len(calls) == 2  # three slices of rows, a call between each two
+    assert len(state.prompt_scores) == len(prompt) and seq.reads_prefix_cache
