@@ -169,15 +169,14 @@ ENGINE_ERROR = {"message": "The engine failed while generating; the request was 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_failing_step_answers_an_engine_error_and_writes_one_error_row(server, monkeypatch, stream):
     real_execute = server.engine.runner.execute_with_hidden
-    calls = {"n": 0}
+    failures = [RuntimeError("injected kernel failure")]  # the first step fails, the ones after it run
 
-    def flaky_execute(plan, *args):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected kernel failure")
+    def failing_once(plan, *args):
+        if failures:
+            raise failures.pop()
         return real_execute(plan, *args)
 
-    monkeypatch.setattr(server.engine.runner, "execute_with_hidden", flaky_execute)
+    monkeypatch.setattr(server.engine.runner, "execute_with_hidden", failing_once)
     tenant = f"failed-{stream}"
     server.add_tenant(tenant, "standard", rpm=1000, tpm=10**9, max_concurrent=100)
     r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": stream}, tenant=tenant)
