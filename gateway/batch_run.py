@@ -49,7 +49,7 @@ class BatchGeneration(Generation):
     record: UsageRecord | None = None
 
     async def _final_row(self, fallback: UsageRecord, status: str | None) -> UsageRecord:
-        self.record = await self.gw.usage.take_final(self.request.request_id, fallback, status)
+        self.record = await self.gw.usage.take_final(self.admitted.request_id, fallback, status)
         return self.record
 
     async def _release(self) -> None:
@@ -102,13 +102,13 @@ async def run_line(gw: Gateway, line: ClaimedLine, tenant, on_start=None) -> Lin
             raise LineInterrupted(request_id) from None
         # The line was valid at creation: a grant revoked since, an adapter unloaded. That is its answer.
         return failed_line(gw, line, tenant.tenant, e)
-    admitted = admitted_request(gw, endpoint, prepared, tenant.tenant, queued_at, arrived)
+    admitted = admitted_request(gw, endpoint, prepared, queued_at, arrived)
     req = prepared.req
     trace = gw.tracing.start_request(
         request_id=request_id, operation=endpoint.operation, model=req.model, tenant=tenant.tenant, tier=BATCH_TIER,
         adapter=adapter, max_tokens=prepared.max_tokens, temperature=req.sampling.temperature,
         top_p=req.sampling.top_p, top_k=req.sampling.top_k or None, seed=req.sampling.seed, stream=False, headers={})
-    gw.usage.meter.begin(request_id, tenant.tenant, BATCH_TIER, adapter, queued_at)
+    gw.usage.begin(admitted)
     trace.mark_submitted()
     try:
         stream = gw.engine.submit(request)

@@ -3,14 +3,15 @@
 Every endpoint that generates takes this one path (``generate`` with its ``Endpoint``); the Responses
 API (gateway/responses_api.py) is a chat request on it with a framing of its own.
 
-Order matters: cheap checks that touch nothing come first (draining, key,
-body, model, context length), then admission control (it reserves nothing),
-then the rate limiter (it reserves budget), then the grammar's compile (paid
-from that budget, gateway/grammar_budget.py), and only then the engine. A
-request refused for its prompt (gateway/prompts.py) is the exception: it is
-counted against its tenant's RPM, so refusals are not free to send. Every
-refusal after the key is known (400, 404, 413, 429, 503) writes the request's
-one ledger row, status ``rejected``, through one ``Refusal``.
+A request goes parse, build, admit, respond (``_serve``). Order matters: cheap
+checks that touch nothing come first (draining, key, body, model, context
+length: ``prepare``), then admission (gateway/admission.py: the load shedder,
+which reserves nothing, then the rate limits and budgets, which reserve), then
+the grammar's compile (paid from that budget, gateway/grammar_budget.py), and
+only then the engine. A request refused for its prompt (gateway/prompts.py) is
+the exception: it is counted against its tenant's RPM, so refusals are not
+free to send. Every refusal after the key is known (400, 404, 413, 429, 503)
+writes the request's one ledger row, status ``rejected``, through one ``Refusal``.
 """
 
 from __future__ import annotations
@@ -29,27 +30,21 @@ from starlette.responses import Response
 
 from engine.request import Delta, EngineRequest, SamplingParams
 from engine.validation import InvalidRequest
+from gateway.admission import count_refusal, release, reserve
 from gateway.errors import APIError, model_not_found, service_unavailable
 from gateway.generation import AdmittedRequest, Generation, GenerationStream
+from gateway.grammar_budget import compile_grammar
 from gateway.http_protocol import ON_DISCONNECT
 from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
 from gateway.prompt_lists import list_token_ids
-from gateway.ratelimit import Decision, LimiterUnavailable, Limits
 from gateway.ratelimit.base import retry_headers
-from gateway.grammar_budget import compile_grammar
 from gateway.response_size import check_prompt_scores
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_body
 from gateway.services import EngineFront, Gateway
-from gateway.usage_recorder import Refusal
+from gateway.usage_recorder import Refusal, RequestIdentity
 
 log = logging.getLogger(__name__)
-
-# Metrics labels for the limiter's reasons.
-REJECTION_REASON = {"requests": "rpm", "tokens": "tpm", "concurrency": "concurrency"}
-# Retry-After when the shared rate limiter cannot be reached.
-LIMITER_RETRY_S = 1.0
-
 
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
@@ -144,7 +139,7 @@ async def completions(request: Request) -> Response:
 
 
 async def generate(request: Request, endpoint: Endpoint) -> Response:
-    """The one admission path of every endpoint that generates."""
+    """The one admission path of every endpoint that generates: the key, then ``_serve``."""
     gw: Gateway = request.app.state.gateway
     arrived, queued_at = time.monotonic(), time.time()
     if gw.lifecycle.draining:
@@ -153,9 +148,9 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
     tenant = await gw.auth.authenticate(request)
     request_id = f"{endpoint.id_prefix}{gw.ids.getrandbits(128):032x}"
     # From here every refusal, whichever check makes it, leaves the request's one ledger row.
-    refusal = Refusal(gw.usage, request_id, tenant.tenant, tenant.tier, queued_at)
+    refusal = Refusal(gw.usage, RequestIdentity(request_id, tenant.tenant, tenant.tier, None, queued_at))
     try:
-        return await _serve(request, endpoint, gw, tenant, request_id, refusal, arrived, queued_at)
+        return await _serve(request, endpoint, gw, tenant, refusal, arrived)
     except APIError:
         refusal.record()
         raise
@@ -203,14 +198,14 @@ async def prepare(gw: Gateway, req: GenerationRequest, tenant, tier: str, adapte
     return Prepared(req, prompts, max_tokens, engine_request)
 
 
-def admitted_request(gw: Gateway, endpoint: Endpoint, prepared: Prepared, tenant: str, queued_at: float,
+def admitted_request(gw: Gateway, endpoint: Endpoint, prepared: Prepared, queued_at: float,
                      arrived: float) -> AdmittedRequest:
     """What the generation of a prepared request needs to frame its answer as the endpoint does."""
     req, request = prepared.req, prepared.engine_request
     return AdmittedRequest(
-        request_id=request.request_id, kind=endpoint.kind, model=req.model, tenant=tenant, tier=request.tier,
-        adapter=request.adapter, queued_at=queued_at, arrived=arrived, prompt_tokens=prepared.prompt_tokens,
-        reserved_tokens=prepared.reserved_tokens, prompts=len(prepared.prompts),
+        request_id=request.request_id, tenant=request.tenant, tier=request.tier, adapter=request.adapter,
+        queued_at=queued_at, kind=endpoint.kind, model=req.model, arrived=arrived,
+        prompt_tokens=prepared.prompt_tokens, reserved_tokens=prepared.reserved_tokens, prompts=len(prepared.prompts),
         want_logprobs=req.logprobs is not None, include_usage=req.include_usage,
         parse_tool_calls=req.tools is not None and req.tools.choice != "none", n=req.n,
         top_logprobs=req.logprobs or 0, prompt_logprobs=req.prompt_logprobs,
@@ -219,40 +214,62 @@ def admitted_request(gw: Gateway, endpoint: Endpoint, prepared: Prepared, tenant
     )
 
 
-async def _serve(request: Request, endpoint: Endpoint, gw: Gateway, tenant, request_id: str, refusal: Refusal,
-                 arrived: float, queued_at: float) -> Response:
-    body = parse_json_body(await read_body(request, gw.settings.max_body_bytes))
-    req = endpoint.parse(body)
-    adapter = refusal.adapter = resolve_adapter(req.model, tenant, gw.engine)
+async def _serve(request: Request, endpoint: Endpoint, gw: Gateway, tenant, refusal: Refusal,
+                 arrived: float) -> Response:
+    """Parse, build, admit, respond; a refusal at any of them is raised (its row: ``generate``'s ``Refusal``)."""
+    # Parse: the body, and the model it names (the base model, or an adapter the tenant may use).
+    req = endpoint.parse(parse_json_body(await read_body(request, gw.settings.max_body_bytes)))
+    refusal.who = who = dataclasses.replace(refusal.who, adapter=resolve_adapter(req.model, tenant, gw.engine))
+    # Build: the engine request, checked as the engine will check it.
     try:
-        prepared = await prepare(gw, req, tenant, tenant.tier, adapter, request_id)
+        prepared = await prepare(gw, req, tenant, who.tier, who.adapter, who.request_id)
     except APIError:
-        await count_refusal(gw, tenant, request_id)
+        await count_refusal(gw, tenant, who.request_id)
         raise
-    engine_request, max_tokens, prompt_tokens = prepared.engine_request, prepared.max_tokens, prepared.prompt_tokens
-    admitted = admitted_request(gw, endpoint, prepared, tenant.tenant, queued_at, arrived)
-    # Refusals are counted (metrics) and billed (ledger) but not traced: a span costs about as much
-    # as the rest of a 429, and a flood of 429s must stay cheap to answer.
-    decision = await _admit(gw, admitted, tenant)
-    if req.grammar is not None:  # a compile is paid from the tenant's budget, as its tokens are: after its limits
-        engine_request = await _with_grammar(gw, tenant, admitted, engine_request, req)
-    sampling = req.sampling
+    admitted = admitted_request(gw, endpoint, prepared, who.queued_at, arrived)
+    # Admit: load, rate limits, budgets; then the grammar's compile, paid from them as the tokens are.
+    decision = await reserve(gw, admitted, tenant)
+    if req.grammar is not None:
+        prepared = await _with_grammar(gw, tenant, admitted, prepared)
+    # Respond. The headers are built before the engine has the request: from then on this thread holds
+    # the GIL the engine thread needs for its step, until it awaits the first delta.
+    headers = {"x-request-id": who.request_id, **decision.headers()}
+    return await _respond(request, endpoint, gw, prepared, admitted, refusal, headers)
+
+
+async def _with_grammar(gw: Gateway, tenant, admitted: AdmittedRequest, prepared: Prepared) -> Prepared:
+    """The request with its grammar compiled (gateway/grammar_budget.py); a refusal gives its limits back."""
+    req = prepared.req
+    try:
+        compiled = await compile_grammar(gw, tenant, admitted.request_id, req.grammar, req.grammar_param)
+    except BaseException:  # refused, or the client left: either way the slot and tokens go back
+        with anyio.CancelScope(shield=True):
+            try:
+                await release(gw, admitted)
+            except Exception:  # an outage must not turn the 400 into a 500; leases and holds expire by themselves
+                log.exception("rate limiter or budget release failed for %s", admitted.request_id)
+        raise
+    request = dataclasses.replace(prepared.engine_request, compiled_grammar=compiled)
+    return dataclasses.replace(prepared, engine_request=request)
+
+
+async def _respond(request: Request, endpoint: Endpoint, gw: Gateway, prepared: Prepared, admitted: AdmittedRequest,
+                   refusal: Refusal, headers: dict[str, str]) -> Response:
+    """Hand the request to the engine and answer it: a stream of SSE chunks, or one JSON body at its end."""
+    req, sampling = prepared.req, prepared.req.sampling
     trace = gw.tracing.start_request(
-        request_id=request_id, operation=endpoint.operation, model=req.model,
-        tenant=tenant.tenant, tier=tenant.tier, adapter=adapter, max_tokens=max_tokens,
+        request_id=admitted.request_id, operation=endpoint.operation, model=req.model,
+        tenant=admitted.tenant, tier=admitted.tier, adapter=admitted.adapter, max_tokens=prepared.max_tokens,
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
         presence_penalty=sampling.presence_penalty or None, frequency_penalty=sampling.frequency_penalty or None,
         seed=sampling.seed, stream=req.stream, headers=request.headers,
     )
-    with request_context(request_id, tenant=tenant.tenant, tier=tenant.tier, trace_id=trace.trace_id):
-        # Built before the engine has the request: from then on this thread holds the GIL the
-        # engine thread needs for its step, until it awaits the first delta.
-        headers = {"x-request-id": request_id, **decision.headers()}
-        stream = await _submit(gw, admitted, engine_request, trace)
+    with request_context(admitted.request_id, tenant=admitted.tenant, tier=admitted.tier, trace_id=trace.trace_id):
+        stream = await _submit(gw, admitted, prepared.engine_request, trace)
         generation = endpoint.generation(admitted, stream, gw, trace, req)
         refusal.admitted()  # from now on the generation owns the row
-        generation.row_opened = gw.usage.open(request_id, tenant.tenant, tenant.tier, adapter, queued_at,
-                                              prompt_tokens, lambda: generation.completion_tokens, now=req.stream)
+        generation.row_opened = gw.usage.open(admitted, admitted.prompt_tokens, lambda: generation.completion_tokens,
+                                              now=req.stream)
         if req.stream:
             return GenerationStream(generation, headers)
         # Starlette notices a client that leaves only on streams; the server's disconnect hook
@@ -261,91 +278,12 @@ async def _serve(request: Request, endpoint: Endpoint, gw: Gateway, tenant, requ
         # Under a server without the hook the request runs to its end.
         on_disconnect = request.scope.get("extensions", {}).get(ON_DISCONNECT)
         if on_disconnect is not None:
-            on_disconnect.append(functools.partial(gw.engine.abort, request_id))
+            on_disconnect.append(functools.partial(gw.engine.abort, admitted.request_id))
         return await generation.collect(headers)
 
 
-async def _admit(gw: Gateway, admitted: AdmittedRequest, tenant) -> Decision:
-    """Admission control, then the tenant's rate limits; a refusal is counted and raised (its row: the caller's
-    ``Refusal``)."""
-    refusal = gw.shedder.check(admitted.tier, gw.engine.load(), admitted.tenant)
-    if refusal is not None:
-        gw.metrics.count_rejection(admitted.tier, refusal.reason)
-        raise APIError(429, refusal.message, type="overloaded", code="overloaded",
-                       headers=retry_headers(refusal.retry_after_s))
-    limits = Limits(tenant.rpm, tenant.tpm, tenant.max_concurrent)
-    try:
-        # Every sequence (n choices of each prompt) takes a batch slot: the concurrency limit counts them.
-        decision = await gw.limiter.acquire(admitted.tenant, limits, admitted.request_id, admitted.reserved_tokens,
-                                            admitted.prompts * admitted.n)
-    except LimiterUnavailable:
-        log.warning("rate limiter unavailable; refusing %s", admitted.request_id, exc_info=True)
-        raise service_unavailable("The rate limiter is unavailable; retry shortly.",
-                                  headers=retry_headers(LIMITER_RETRY_S)) from None
-    if not decision.allowed:
-        gw.metrics.count_rejection(admitted.tier, REJECTION_REASON[decision.reason])
-        raise APIError(429, _limit_message(decision, admitted.reserved_tokens), type=decision.reason,
-                       code="rate_limit_exceeded", headers=decision.headers())
-    if gw.budgets is not None:
-        await _admit_budget(gw, admitted)
-    return decision
-
-
-async def _admit_budget(gw: Gateway, admitted: AdmittedRequest) -> None:
-    """Reserve against the tenant's budgets (gateway/budget_gate.py); a refusal gives the rate limits back."""
-    try:
-        await gw.budgets.admit(admitted.request_id, admitted.tenant, admitted.tier, admitted.queued_at,
-                               admitted.prompt_tokens, admitted.reserved_tokens - admitted.prompt_tokens)
-    except BaseException as e:
-        with anyio.CancelScope(shield=True):  # a caller gone meanwhile must not keep its rate-limit slot
-            await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
-        if isinstance(e, APIError):
-            gw.metrics.count_rejection(admitted.tier, "budget")
-        elif isinstance(e, LimiterUnavailable):
-            log.warning("budget store unavailable; refusing %s", admitted.request_id, exc_info=True)
-            raise service_unavailable("The budget store is unavailable; retry shortly.",
-                                      headers=retry_headers(LIMITER_RETRY_S)) from None
-        raise
-
-
-async def _with_grammar(gw: Gateway, tenant, admitted: AdmittedRequest, request: EngineRequest,
-                        req: GenerationRequest) -> EngineRequest:
-    """The request with its grammar compiled (gateway/grammar_budget.py); a refusal gives its limits back."""
-    try:
-        compiled = await compile_grammar(gw, tenant, admitted.request_id, req.grammar, req.grammar_param)
-    except BaseException:  # refused, or the client left: either way the slot and tokens go back
-        with anyio.CancelScope(shield=True):
-            try:
-                await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
-                if gw.budgets is not None:
-                    await gw.budgets.release(admitted.request_id)
-            except Exception:  # an outage must not turn the 400 into a 500; leases and holds expire by themselves
-                log.exception("rate limiter or budget release failed for %s", admitted.request_id)
-        raise
-    return dataclasses.replace(request, compiled_grammar=compiled)
-
-
-async def count_refusal(gw: Gateway, tenant, request_id: str) -> None:
-    """A request refused for its prompt counts against its tenant's RPM (a 429 once over it).
-
-    Reading and measuring a prompt we then refuse is work: were it free, a tenant could
-    send megabyte prompts without limit.
-    """
-    limits = Limits(tenant.rpm, tenant.tpm, tenant.max_concurrent)
-    try:
-        decision = await gw.limiter.acquire(tenant.tenant, limits, request_id, 0)
-        if decision.allowed:
-            await gw.limiter.release(tenant.tenant, request_id, 0, 0)
-            return
-    except LimiterUnavailable:
-        return  # the refusal stands as it is: a limiter that is down must not turn a 400 into a 503
-    gw.metrics.count_rejection(tenant.tier, REJECTION_REASON[decision.reason])
-    raise APIError(429, _limit_message(decision, 0), type=decision.reason, code="rate_limit_exceeded",
-                   headers=decision.headers())
-
-
 async def _submit(gw: Gateway, admitted: AdmittedRequest, request: EngineRequest, trace) -> AsyncIterator[Delta]:
-    gw.usage.meter.begin(admitted.request_id, admitted.tenant, admitted.tier, admitted.adapter, admitted.queued_at)
+    gw.usage.begin(admitted)
     trace.mark_submitted()
     try:
         return gw.engine.submit(request)
@@ -354,25 +292,9 @@ async def _submit(gw: Gateway, admitted: AdmittedRequest, request: EngineRequest
         # instant) or a bug. Give everything back and bill nothing.
         gw.usage.meter.forget(admitted.request_id)
         trace.finish(error=str(e))
-        await gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, 0)
-        if gw.budgets is not None:
-            await gw.budgets.release(admitted.request_id)
+        await release(gw, admitted)
         if admitted.adapter is not None and admitted.adapter not in gw.engine.list_adapters():
             raise model_not_found(admitted.model) from None
         if isinstance(e, InvalidRequest):
             raise APIError(400, str(e), param=e.param, code=e.code) from None
         raise
-
-
-def _limit_message(decision, reserved: int) -> str:
-    limits = decision.limits
-    if decision.reason == "concurrency":
-        return (f"Rate limit reached for concurrent sequences: limit {limits.max_concurrent} (each of n choices of "
-                "each prompt counts one). Retry when one ends.")
-    if decision.reason == "requests":
-        return f"Rate limit reached for requests per minute (RPM): limit {limits.rpm}, used {limits.rpm}."
-    if reserved > limits.tpm:
-        return (f"Request too large for tokens per minute (TPM): limit {limits.tpm}, requested {reserved} "
-                "(prompt plus max_tokens). Lower max_tokens or the prompt.")
-    return (f"Rate limit reached for tokens per minute (TPM): limit {limits.tpm}, remaining "
-            f"{max(0, decision.remaining_tokens)}, requested {reserved} (prompt plus max_tokens).")

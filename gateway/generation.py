@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.to_thread
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from billing.usage_record import UsageRecord
@@ -30,23 +30,18 @@ from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
 from gateway.ratelimit.base import retry_headers
 from gateway.response_size import OFF_LOOP_ENTRIES, json_response
-from gateway.tool_calls import ToolCallParser, split_tool_calls
-from gateway.usage_recorder import gateway_record
+from gateway.tool_calls import ToolCallParser, finish_reason_with_calls, split_tool_calls
+from gateway.usage_recorder import RequestIdentity, gateway_record
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class AdmittedRequest:
-    """What the admission path knows of a request it let through."""
+@dataclass(frozen=True)
+class AdmittedRequest(RequestIdentity):
+    """What the admission path knows of a request it let through: whose it is, and how to frame its answer."""
 
-    request_id: str
     kind: str  # "chat" or "completion"
     model: str
-    tenant: str
-    tier: str
-    adapter: str | None
-    queued_at: float  # time.time() at arrival
     arrived: float  # time.monotonic() at arrival, for TTFT
     prompt_tokens: int
     reserved_tokens: int
@@ -73,7 +68,7 @@ class Generation:
     """The engine stream of one admitted request, answered as SSE (`sse`) or one JSON body (`collect`)."""
 
     def __init__(self, admitted: AdmittedRequest, stream: AsyncIterator[Delta], gateway, trace) -> None:
-        self.request = admitted
+        self.admitted = admitted
         self.stream = stream
         self.gw = gateway
         self.trace = trace  # gateway.tracing.RequestTrace
@@ -91,7 +86,7 @@ class Generation:
     def interrupt(self) -> None:
         """The server is stopping: end the request now; its response says so and its row is ``interrupted``."""
         self.interrupted = True
-        self.gw.engine.abort(self.request.request_id)
+        self.gw.engine.abort(self.admitted.request_id)
 
     # -- consuming deltas -------------------------------------------------
 
@@ -99,12 +94,12 @@ class Generation:
         if delta.token_ids and self._first_token_mono is None:
             self._first_token_mono = time.monotonic()
             self.first_token_at = time.time()
-            self.gw.metrics.observe_ttft(self.request.tier, self._first_token_mono - self.request.arrived)
+            self.gw.metrics.observe_ttft(self.admitted.tier, self._first_token_mono - self.admitted.arrived)
             self.trace.mark_first_token()
         if delta.token_ids:
             now, last = time.monotonic(), self._last_delta_mono.get(delta.index)
             if last is not None:  # the gap this choice's client waited (scheduler/step_budget.py bounds it)
-                self.gw.metrics.observe_inter_token(self.request.tier, now - last)
+                self.gw.metrics.observe_inter_token(self.admitted.tier, now - last)
             self._last_delta_mono[delta.index] = now
         self.completion_tokens += len(delta.token_ids)
 
@@ -113,8 +108,8 @@ class Generation:
 
     async def _record(self, status: str, last: Delta | None = None) -> str:
         """Write the ledger row (before the response's last byte) and account the finish; returns the status."""
-        fallback = gateway_record(self.request.request_id, self.request.tenant, self.request.tier, self.request.adapter, status,
-                                  self.request.queued_at, self.request.prompt_tokens, self.completion_tokens, self.first_token_at)
+        fallback = gateway_record(self.admitted, status, self.admitted.prompt_tokens, self.completion_tokens,
+                                  self.first_token_at)
         # The engine saw an abort; the row says why: the server stopped, not the client.
         override = "interrupted" if status == "interrupted" else None
         record = await self._final_row(fallback, override)
@@ -125,43 +120,44 @@ class Generation:
         usage = Usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens)
         self.trace.finish(usage=usage, finish_reason=last.finish_reason if last else "abort",
                           error=last.error if last else None)
-        self.gw.metrics.count_request(self.request.tier, record.status)
+        self.gw.metrics.count_request(self.admitted.tier, record.status)
         if self._first_token_mono is not None and self.completion_tokens > 1:
             tpot = (time.monotonic() - self._first_token_mono) / (self.completion_tokens - 1)
-            self.gw.metrics.observe_tpot(self.request.tier, tpot)
+            self.gw.metrics.observe_tpot(self.admitted.tier, tpot)
         return record.status
 
     async def _final_row(self, fallback: UsageRecord, status: str | None) -> UsageRecord:
         """The request's final ledger row, durable when this returns."""
-        return await self.gw.usage.finish(self.request.request_id, fallback, status=status)
+        return await self.gw.usage.finish(self.admitted.request_id, fallback, status=status)
 
     async def sse(self) -> AsyncIterator[bytes]:
-        request = self.request
-        writer = fmt.ChunkWriter(request.kind, request.request_id, self.created, request.model, request.include_usage)
+        admitted = self.admitted
+        writer = fmt.ChunkWriter(admitted.kind, admitted.request_id, self.created, admitted.model,
+                                 admitted.include_usage)
         parsers: dict[int, ToolCallParser] = {}
         if self.row_opened is not None:
             # Once a client has seen a request's id, a crash must leave a row for it: the open row is
             # durable (committed or spooled) before the first chunk.
             await asyncio.wrap_future(self.row_opened)
-        yield b"".join(writer.first(index) for index in range(request.choices))
+        yield b"".join(writer.first(index) for index in range(admitted.choices))
         echoed: set[int] = set()
         prompt_scores: dict[int, tuple[TokenLogprob, ...]] = {}  # by prompt
         async for delta in self.stream:
             self._on_delta(delta)
             text, reason, index = delta.text, delta.finish_reason, delta.index
             if delta.prompt_logprobs is not None:  # on a prompt's first choice's first delta, before its siblings'
-                prompt_scores[index // request.n] = delta.prompt_logprobs
-            echo = request.echo_of(index)
+                prompt_scores[index // admitted.n] = delta.prompt_logprobs
+            echo = admitted.echo_of(index)
             if echo is not None and index not in echoed:
                 echoed.add(index)
-                items = fmt.echo_items(prompt_scores.get(index // request.n, ()), request.top_logprobs) \
-                    if request.want_logprobs else ()
-                echo_delta = functools.partial(writer.delta, echo, items, request.want_logprobs, index=index)
-                if len(items) * (request.top_logprobs + 1) > OFF_LOOP_ENTRIES:  # a long prompt's scores
+                items = fmt.echo_items(prompt_scores.get(index // admitted.n, ()), admitted.top_logprobs) \
+                    if admitted.want_logprobs else ()
+                echo_delta = functools.partial(writer.delta, echo, items, admitted.want_logprobs, index=index)
+                if len(items) * (admitted.top_logprobs + 1) > OFF_LOOP_ENTRIES:  # a long prompt's scores
                     yield await anyio.to_thread.run_sync(echo_delta)
                 else:
                     yield echo_delta()
-            if request.parse_tool_calls:
+            if admitted.parse_tool_calls:
                 parser = parsers.setdefault(index, ToolCallParser())
                 pieces = parser.feed(text) + (parser.finish() if reason is not None else [])
                 for piece in pieces:  # content and calls in the order they were written
@@ -171,9 +167,9 @@ class Generation:
                         yield writer.delta(piece, (), False, index=index)
                 text = ""
                 if reason is not None:
-                    reason = "tool_calls" if reason == "stop" and parser.calls else reason
+                    reason = finish_reason_with_calls(reason, parser.calls)
             if not delta.is_last:
-                chunk = writer.delta(text, delta.logprobs, request.want_logprobs, reason, index)
+                chunk = writer.delta(text, delta.logprobs, admitted.want_logprobs, reason, index)
                 if chunk:
                     yield chunk
                 continue
@@ -183,19 +179,16 @@ class Generation:
                 yield fmt.sse(shutdown_error(self.completion_tokens).body())
                 return
             await self._record("error" if delta.error else "ok", delta)
-            if delta.error == MASK_OVER_BUDGET:
-                yield fmt.sse(grammar_too_slow(request.grammar_param).body())
-            elif delta.error:
-                yield fmt.sse({"error": {"message": "The engine failed while generating; the request was "
-                                         "stopped.", "type": "server_error", "param": None, "code": "engine_error"}})
+            if delta.error:
+                yield fmt.sse(self._failure(delta).body())
             else:
-                yield writer.delta(text, delta.logprobs, request.want_logprobs, reason, index)
+                yield writer.delta(text, delta.logprobs, admitted.want_logprobs, reason, index)
                 yield writer.usage(delta.usage or self._usage())
             yield fmt.DONE
             return
 
     async def collect(self, headers: dict[str, str] | None = None) -> Response:
-        request = self.request
+        admitted = self.admitted
         texts: dict[int, list[str]] = defaultdict(list)  # by choice index
         logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
         reasons: dict[int, str] = {}
@@ -207,7 +200,7 @@ class Generation:
                 texts[last.index].append(last.text)
                 logprobs[last.index].extend(last.logprobs)
                 if last.prompt_logprobs is not None:
-                    prompt_scores[last.index // request.n] = last.prompt_logprobs
+                    prompt_scores[last.index // admitted.n] = last.prompt_logprobs
                 if last.finish_reason is not None:
                     reasons[last.index] = last.finish_reason
                 if last.is_last:
@@ -219,57 +212,59 @@ class Generation:
         finally:
             await self.close()
         delta = last
-        if delta is not None and delta.error == MASK_OVER_BUDGET:
-            return grammar_too_slow(request.grammar_param).response()
         if delta is None or delta.error:
-            return JSONResponse({"error": {"message": "The engine failed while generating; the request was stopped.",
-                                           "type": "server_error", "param": None, "code": "engine_error"}},
-                                status_code=500)
+            return self._failure(delta).response()
         usage = delta.usage or self._usage()
 
         def body() -> dict:
             choices = [self._choice(i, "".join(texts[i]), reasons.get(i, delta.finish_reason), logprobs[i],
-                                    prompt_scores.get(i // request.n, ())) for i in range(request.choices)]
+                                    prompt_scores.get(i // admitted.n, ())) for i in range(admitted.choices)]
             shown = None  # vLLM's prompt_logprobs, by prompt: the response's on chat, each choice's on completions
-            if request.prompt_logprobs is not None:
-                shown = [fmt.prompt_logprobs(prompt_scores.get(p, ()), request.prompt_logprobs)
-                         for p in range(request.prompts)]
-            if request.kind == "chat":
-                out = fmt.chat_response(request.request_id, self.created, request.model, choices, usage)
+            if admitted.prompt_logprobs is not None:
+                shown = [fmt.prompt_logprobs(prompt_scores.get(p, ()), admitted.prompt_logprobs)
+                         for p in range(admitted.prompts)]
+            if admitted.kind == "chat":
+                out = fmt.chat_response(admitted.request_id, self.created, admitted.model, choices, usage)
                 if shown is not None:
                     out["prompt_logprobs"] = shown[0]
                 return out
             if shown is not None:
                 for choice in choices:
-                    choice["prompt_logprobs"] = shown[choice["index"] // request.n]
-            return fmt.completion_response(request.request_id, self.created, request.model, choices, usage)
+                    choice["prompt_logprobs"] = shown[choice["index"] // admitted.n]
+            return fmt.completion_response(admitted.request_id, self.created, admitted.model, choices, usage)
 
         # An upper bound of the scores and alternatives the body holds (gateway/response_size.py).
-        alternatives = max(request.top_logprobs, request.prompt_logprobs or 0) + 1
+        alternatives = max(admitted.top_logprobs, admitted.prompt_logprobs or 0) + 1
         scored = sum(map(len, prompt_scores.values()))
-        entries = (sum(map(len, logprobs.values())) + scored * request.n) * alternatives
+        entries = (sum(map(len, logprobs.values())) + scored * admitted.n) * alternatives
         return await json_response(body, entries, headers)
 
     def _choice(self, index: int, text: str, reason: str | None, logprobs: list[TokenLogprob],
                 prompt_scores: tuple[TokenLogprob, ...]) -> dict:
-        request = self.request
-        if request.kind != "chat":
+        admitted = self.admitted
+        if admitted.kind != "chat":
             lp = None
-            echo = request.echo_of(index)
-            if request.want_logprobs and echo is not None:
-                lp = fmt.echoed_completion_logprobs(prompt_scores, request.top_logprobs, len(echo), logprobs)
-            elif request.want_logprobs:
+            echo = admitted.echo_of(index)
+            if admitted.want_logprobs and echo is not None:
+                lp = fmt.echoed_completion_logprobs(prompt_scores, admitted.top_logprobs, len(echo), logprobs)
+            elif admitted.want_logprobs:
                 lp = fmt.completion_logprobs(logprobs, 0)
             return fmt.completion_choice(index, (echo or "") + text, reason, lp)
-        lp = fmt.chat_logprobs(logprobs) if request.want_logprobs else None
+        lp = fmt.chat_logprobs(logprobs) if admitted.want_logprobs else None
         content, calls = text, None
-        if request.parse_tool_calls:
+        if admitted.parse_tool_calls:
             content, calls = split_tool_calls(text)
-            reason = "tool_calls" if reason == "stop" and calls else reason
+            reason = finish_reason_with_calls(reason, calls)
         return fmt.chat_choice(index, content, reason, lp, calls)
 
+    def _failure(self, last: Delta | None) -> APIError:
+        """The error of a request that ended without its answer (``last``: its last delta, if one came)."""
+        if last is not None and last.error == MASK_OVER_BUDGET:
+            return grammar_too_slow(self.admitted.grammar_param)
+        return engine_error()
+
     def _usage(self) -> Usage:
-        return Usage(prompt_tokens=self.request.prompt_tokens, completion_tokens=self.completion_tokens)
+        return Usage(prompt_tokens=self.admitted.prompt_tokens, completion_tokens=self.completion_tokens)
 
     # -- the end, however it comes -----------------------------------------
 
@@ -293,18 +288,20 @@ class Generation:
                 self.gw.lifecycle.exit(self)
 
     async def _finish_cancelled(self) -> None:
-        with request_context(self.request.request_id, tenant=self.request.tenant, tier=self.request.tier, trace_id=self.trace.trace_id):
+        admitted = self.admitted
+        with request_context(admitted.request_id, tenant=admitted.tenant, tier=admitted.tier,
+                             trace_id=self.trace.trace_id):
             try:
                 await self._record("cancelled")
             finally:
                 await self._release()
 
     async def _release(self) -> None:
-        used = self.request.prompt_tokens + self.completion_tokens
+        admitted, used = self.admitted, self.admitted.prompt_tokens + self.completion_tokens
         try:
-            await self.gw.limiter.release(self.request.tenant, self.request.request_id, self.request.reserved_tokens, used)
+            await self.gw.limiter.release(admitted.tenant, admitted.request_id, admitted.reserved_tokens, used)
         except Exception:  # a limiter outage must not fail a finished response; the lease expires by itself
-            log.exception("rate limiter release failed for %s", self.request.request_id)
+            log.exception("rate limiter release failed for %s", admitted.request_id)
 
 
 def grammar_too_slow(param: str | None) -> APIError:
@@ -313,9 +310,14 @@ def grammar_too_slow(param: str | None) -> APIError:
                          "request was stopped. Use a less ambiguous grammar.", "grammar_too_slow")
 
 
+def engine_error() -> APIError:
+    return APIError(500, "The engine failed while generating; the request was stopped.", type="server_error",
+                    code="engine_error")
+
+
 def shutdown_error(tokens_sent: int) -> APIError:
     return APIError(503, f"The server is shutting down; the response was cut short after {tokens_sent} "
-                    "token(s). Retry the request.", type="server_shutdown", code="server_shutdown",
+                    "token(s). Retry the admitted.", type="server_shutdown", code="server_shutdown",
                     headers=retry_headers(DRAIN_RETRY_S))
 
 

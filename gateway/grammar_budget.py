@@ -18,6 +18,7 @@ from concurrent.futures import Future
 
 from engine.grammar import GrammarError, GrammarSpec
 from engine.grammar_probe import CompileTimeout
+from gateway.admission import refuse
 from gateway.compile_slots import CompileSlots
 from gateway.errors import APIError, invalid_param
 from gateway.ratelimit.base import retry_headers
@@ -35,10 +36,10 @@ async def compile_grammar(gw, tenant, request_id: str, spec: GrammarSpec, param:
     limit = max(1, min(gw.settings.grammar_compiles_per_tenant, tenant.max_concurrent))
     slots: CompileSlots = gw.grammar_slots
     if not slots.take(tenant.tenant, limit):
-        gw.metrics.count_rejection(tenant.tier, "concurrency")
-        raise APIError(429, f"Too many grammars compiling for this key at once: limit {limit}. Retry when one "
-                       "is compiled (a compiled grammar is reused at no cost).", type="requests", param=param,
-                       code="rate_limit_exceeded", headers=retry_headers(COMPILING_RETRY_S))
+        raise refuse(gw, tenant.tier, "concurrency", APIError(
+            429, f"Too many grammars compiling for this key at once: limit {limit}. Retry when one is compiled (a "
+            "compiled grammar is reused at no cost).", type="requests", param=param, code="rate_limit_exceeded",
+            headers=retry_headers(COMPILING_RETRY_S)))
     future = grammars.submit(spec, tenant.tenant)
     # The slot is the compile's, not the caller's: a client that leaves does not free it before
     # the compile ends, so disconnecting cannot queue more compiles than the limit.

@@ -282,7 +282,7 @@ class ResponseGeneration(Generation):
         return JSONResponse(rf.from_chat(self.shape, json.loads(answer.body)), headers=headers)
 
     async def sse(self) -> AsyncIterator[bytes]:
-        events = rf.ResponseEvents(self.shape, self.request.request_id, self.created)
+        events = rf.ResponseEvents(self.shape, self.admitted.request_id, self.created)
         async for data in super().sse():
             for payload in rf.split_frames(data):
                 chunk = rf.parse_frame(payload)

@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.completions import count_refusal, read_body, resolve_adapter
+from gateway.admission import count_refusal
+from gateway.completions import read_body, resolve_adapter
 from gateway.errors import invalid_param, service_unavailable
 from gateway.json_fields import bool_field, is_int, optional
 from gateway.lifecycle import DRAIN_RETRY_S

@@ -186,3 +186,8 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     if parser.calls:
         content = content.strip()
     return (content if content or not parser.calls else None), parser.calls
+
+
+def finish_reason_with_calls(reason: str | None, calls: list) -> str | None:
+    """A choice that stopped after making tool calls finishes with ``tool_calls``, as OpenAI's do."""
+    return "tool_calls" if reason == "stop" and calls else reason

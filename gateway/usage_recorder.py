@@ -63,8 +63,8 @@ class UsageRecorder:
 
     # -- open rows --------------------------------------------------------
 
-    def open(self, request_id: str, tenant: str, tier: str, adapter: str | None, queued_at: float,
-             prompt_tokens: int, completion_tokens: Callable[[], int], now: bool = True) -> Future[bool] | None:
+    def open(self, who: RequestIdentity, prompt_tokens: int, completion_tokens: Callable[[], int],
+             now: bool = True) -> Future[bool] | None:
         """Open the admitted request's row and save its progress until finish().
 
         With ``now`` (a stream, whose first byte shows the client the request id) the row is written at
@@ -72,12 +72,12 @@ class UsageRecorder:
         save, so a request that ends within one checkpoint costs one row write, not an open and a close;
         a crash before that save loses no more than the progress saves already leave unsaved.
         """
-        record = UsageRecord(request_id=request_id, tenant=tenant, tier=tier, adapter=adapter, status="open",
-                             queued_at=queued_at, finished_at=time.time(), prompt_tokens=prompt_tokens,
-                             owner=PROCESS_OWNER)
-        self._running[request_id] = completion_tokens
+        record = UsageRecord(request_id=who.request_id, tenant=who.tenant, tier=who.tier, adapter=who.adapter,
+                             status="open", queued_at=who.queued_at, finished_at=time.time(),
+                             prompt_tokens=prompt_tokens, owner=PROCESS_OWNER)
+        self._running[who.request_id] = completion_tokens
         if not now:
-            self._unopened[request_id] = record
+            self._unopened[who.request_id] = record
             return None
         opened = self.ledger.submit([record])
         opened.add_done_callback(_log_failure)
@@ -119,6 +119,10 @@ class UsageRecorder:
         await asyncio.wrap_future(self.ledger.save_progress(progress))
 
     # -- admitted requests ------------------------------------------------
+
+    def begin(self, who: RequestIdentity) -> None:
+        """Meter the request from now on (billing/meter.py): the engine's events for it are its."""
+        self.meter.begin(who.request_id, who.tenant, who.tier, who.adapter, who.queued_at)
 
     def on_engine_event(self, event: EngineEvent) -> None:
         """Engine listener: meters the event, and parks a finished request's record for finish().
@@ -196,11 +200,23 @@ class UsageRecorder:
 
     # -- rejected requests ------------------------------------------------
 
-    def reject(self, request_id: str, tenant: str, tier: str, adapter: str | None, queued_at: float,
-               status: str = "rejected") -> None:
-        record = replace(self.meter.record_rejected(request_id, tenant, tier, adapter, queued_at), status=status)
+    def reject(self, who: RequestIdentity, status: str = "rejected") -> None:
+        record = replace(self.meter.record_rejected(who.request_id, who.tenant, who.tier, who.adapter, who.queued_at),
+                         status=status)
         # Without a running writer (a bare app in a test) submit() writes before returning.
         self.ledger.submit([record]).add_done_callback(_log_failure)
+
+
+@dataclass(frozen=True)
+class RequestIdentity:
+    """Whose request it is and since when: what its ledger row and the meter's account of it are keyed and
+    labelled with. ``AdmittedRequest`` (gateway/generation.py) is one with what admission learnt of it."""
+
+    request_id: str
+    tenant: str
+    tier: str
+    adapter: str | None  # None: the base model
+    queued_at: float  # time.time() at arrival
 
 
 @dataclass
@@ -213,18 +229,14 @@ class Refusal:
     """
 
     usage: UsageRecorder
-    request_id: str
-    tenant: str
-    tier: str
-    queued_at: float
-    adapter: str | None = None
+    who: RequestIdentity  # its adapter set once the body names one
     _settled: bool = False
 
     def record(self, status: str = "rejected") -> None:
         if self._settled:
             return
         self._settled = True
-        self.usage.reject(self.request_id, self.tenant, self.tier, self.adapter, self.queued_at, status)
+        self.usage.reject(self.who, status)
 
     def admitted(self) -> None:
         self._settled = True
@@ -236,11 +248,11 @@ def _log_failure(future: Future) -> None:
         log.error("ledger row of a rejected request not written", exc_info=exc)
 
 
-def gateway_record(request_id: str, tenant: str, tier: str, adapter: str | None, status: str, queued_at: float,
-                   prompt_tokens: int, completion_tokens: int, first_token_at: float | None) -> UsageRecord:
+def gateway_record(who: RequestIdentity, status: str, prompt_tokens: int, completion_tokens: int,
+                   first_token_at: float | None) -> UsageRecord:
     """The gateway's own account of a request, used only when the engine's finish event never came."""
     return UsageRecord(
-        request_id=request_id, tenant=tenant, tier=tier, adapter=adapter, status=status, queued_at=queued_at,
-        finished_at=time.time(), first_token_at=first_token_at, prompt_tokens=prompt_tokens,
+        request_id=who.request_id, tenant=who.tenant, tier=who.tier, adapter=who.adapter, status=status,
+        queued_at=who.queued_at, finished_at=time.time(), first_token_at=first_token_at, prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
     )

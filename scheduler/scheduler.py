@@ -5,6 +5,11 @@ token each), then prefill chunks queue by queue under the token budget. Blocks
 for every chunk are allocated before the plan is returned; when a sequence
 needs a block and none is left, the policy names a sequence to preempt by
 recompute. ``update()`` applies the step's sampled tokens afterwards.
+
+Parts of the planning live beside it: whether a waiting sequence can start
+(scheduler/admission.py), express admissions (scheduler/express.py), the
+spare-capacity tiers' work (scheduler/spare.py), speculative drafts
+(scheduler/drafts.py) and the step's update (scheduler/step_update.py).
 """
 
 from __future__ import annotations
@@ -14,16 +19,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from scheduler.admission import frees_enough, start_need
 from scheduler.block_manager import BlockManager
 from scheduler.checks import check_config, check_new_sequence, check_scheduler_invariants
 from scheduler.config import SchedulerConfig
+from scheduler.drafts import fit_drafts
+from scheduler.express import plan_express_step, start_express
 from scheduler.load import LoadEstimator, TierLoad, tier_loads
 from scheduler.plan import ScheduledChunk, StepBuilder, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.spare import decode_features, interactive_waits_for_first_token, spare_bound
-from scheduler.step_budget import (StepTimeBound, first_token_target_s, outlasts_a_step, scaled_share,
-                                   step_target_s)
+from scheduler.spare import plan_spare
+from scheduler.step_budget import StepTimeBound, first_token_target_s, scaled_share, step_target_s
 from scheduler.step_cost import StepCostModel, step_features
 from scheduler.step_update import apply_step
 
@@ -155,7 +162,7 @@ class Scheduler:
             keep = self._kept_for_worse(queues[i + 1 :], prefilling, step)
             kept += keep
             if not self._express_last:
-                self._admit_express(queue, step, keep)
+                start_express(self, queue, step, keep)
             self._schedule_prefills(queue, prefilling[queue], step, keep, True)
         self._express_last = bool(step.held)
         if kept and step.budget > 0:
@@ -163,7 +170,7 @@ class Scheduler:
             prefilling = self._prefilling()
             for queue in queues:
                 self._schedule_prefills(queue, prefilling[queue], step, 0, False)
-        self._plan_spare(step, spare_decodes)
+        plan_spare(self, step, spare_decodes)
         return step.plan
 
     def _prefilling(self) -> dict[str, list[Sequence]]:
@@ -174,53 +181,10 @@ class Scheduler:
                 prefilling[self.policy.queue_of(seq)].append(seq)
         return prefilling
 
-    def _plan_spare(self, step: StepBuilder, decodes: list[Sequence]) -> None:
-        """The spare-capacity queues' work, into what the step's interactive work left (scheduler/spare.py)."""
-        spare = [q for q in self.policy.queue_names() if self.policy.is_spare(q)]
-        if not spare or interactive_waits_for_first_token(self.waiting, step, self.running, self.policy.is_spare,
-                                                          self.policy.queue_of):
-            return  # spare rows would lengthen a step some interactive request waits for
-        beside = bool(step.plan.chunks)  # interactive decodes, whose step spare rows may grow only so much
-        step.time = spare_bound(self.config, step, self.step_cost.coefficients())
-        for seq in decodes:
-            if (
-                step.tokens_left > 0  # a row may fit the time bound where no prefill token does
-                and seq.seq_id not in step.preempted
-                and len(seq.output_token_ids) < seq.max_tokens
-                and (not beside or step.time is None or step.time.fits(step.features + decode_features(seq)))
-                and self._grow_running(seq, seq.num_computed_tokens + 1, step)
-            ):
-                step.add(seq, 1)
-        prefilling = self._prefilling()
-        headroom = self.policy.spare_headroom_blocks()
-        for queue in spare:
-            self._schedule_prefills(queue, prefilling[queue], step, 0, True, headroom)
-
     def schedule_express(self, step_adapters: frozenset[str] | None = None) -> StepPlan:
-        """A step of the policy's express requests alone, each whole; empty when nobody qualifies.
-
-        A light tenant's short request does not wait for a long step: the engine runs this step
-        between two layers of the step under way (``step_adapters``: the adapters that step
-        holds), or, with no step under way (None), before the next one. Nothing that a step
-        under way reads may change: no running sequence gets a chunk, nobody is preempted, and
-        a request with an adapter that step does not hold waits (loading it into a slot could
-        evict one it is reading).
-        """
-        step = StepBuilder(StepPlan(), self.config.max_num_batched_tokens, self.policy.charge_prefill)
-        # The running decodes wait for this step too, inside the step under way or before the next one.
-        self._bound(step, step_target_s(self.config, [s for s in self.running if not s.is_prefilling]))
-        for queue in self.policy.queue_names():
-            if self.policy.is_spare(queue):
-                continue
-            for seq in self.policy.express(self.waiting[queue], self.running, step.budget, self._outlasts()):
-                if seq.adapter is not None and step_adapters is not None and seq.adapter not in step_adapters:
-                    continue
-                if self._admit(seq, step, 0, may_preempt=False) in (NO_SLOT, NO_BLOCKS):
-                    return step.plan
-        return step.plan
-
-    def _outlasts(self) -> Callable[[Sequence], bool]:
-        return outlasts_a_step(self.config, self.step_cost.coefficients())
+        """A step of the policy's express requests alone, each whole (scheduler/express.py); empty when nobody
+        qualifies. ``step_adapters``: the adapters of the step under way, or None when none is."""
+        return plan_express_step(self, step_adapters)
 
     def _bound(self, step: StepBuilder, target: float | None) -> None:
         """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any."""
@@ -241,17 +205,6 @@ class Scheduler:
         if step.time is not None:
             share = scaled_share(share, step.room_at_bound, self.config.max_num_batched_tokens)
         return max(0, share - given)
-
-    def _admit_express(self, queue: str, step: StepBuilder, keep: int) -> None:
-        """Admit the policy's express requests of ``queue``; if any, hold its other prefill this step."""
-        tenants = set()
-        for seq in self.policy.express(self.waiting[queue], self.running, step.budget - keep, self._outlasts()):
-            if step.admission_closed:
-                break
-            if seq.seq_id not in step.preempted and self._admit(seq, step, keep, True) is None:
-                tenants.add(seq.tenant)
-        if tenants:
-            step.held[queue] = tenants
 
     def _schedule_prefills(
         self, queue: str, prefilling: list[Sequence], step: StepBuilder, keep: int, may_preempt: bool,
@@ -320,7 +273,7 @@ class Scheduler:
             spare = self.config.express_spare_blocks if self.running else 0
             if headroom is not None:
                 spare = max(spare, headroom)
-            reason = self._admit(seq, step, keep, may_preempt, spare, whole=headroom is not None)
+            reason = self._start(seq, step, keep, may_preempt, spare, whole=headroom is not None)
             if reason is None:
                 self._first_token(step, seq)
             elif reason in (NO_SLOT, NO_BLOCKS):
@@ -328,37 +281,19 @@ class Scheduler:
             elif reason == NO_ADAPTER:
                 skipped.add(seq.seq_id)  # it waits for a slot; later requests with resident adapters may go
 
-    def _admission_need(
-        self, seq: Sequence, step: StepBuilder, keep: int, spare: int, whole: bool = False
-    ) -> tuple[str | None, list[int], int]:
-        """(why ``seq`` cannot start now, leaving ``spare`` blocks free (``whole``: beside its whole prompt's, not
-        just its first chunk's), or None; its cached prefix blocks; its chunk)."""
-        cached = self.block_manager.match_prefix(seq)
-        start = len(cached) * self.config.block_size
-        n = min(seq.num_tokens - start, step.room(seq, start, keep))
-        if whole:
-            spare += self.block_manager.blocks_for(seq.num_tokens) - self.block_manager.blocks_for(start + n)
-        if len(self.running) >= self.config.max_num_seqs:
-            return NO_SLOT, cached, n
-        adapters = {s.adapter for s in self.running if s.adapter is not None}
-        if seq.adapter is not None and seq.adapter not in adapters and len(adapters) >= self.config.max_loras:
-            return NO_ADAPTER, cached, n
-        if not self.block_manager.can_allocate(seq, start + n, cached, spare):
-            return NO_BLOCKS, cached, n
-        return None, cached, n
-
-    def _admit(self, seq: Sequence, step: StepBuilder, keep: int, may_preempt: bool, spare: int = 0,
+    def _start(self, seq: Sequence, step: StepBuilder, keep: int, may_preempt: bool, spare: int = 0,
                whole: bool = False) -> str | None:
         """Start ``seq`` (preempting as the policy says if ``may_preempt``) with ``spare`` blocks left free
         (``whole``: once its whole prompt has its blocks); None, or why it cannot start."""
         while True:
-            reason, cached, n = self._admission_need(seq, step, keep, spare, whole)
+            reason, cached, n = start_need(self.config, self.block_manager, self.running, seq, step, keep, spare,
+                                           whole)
             if reason is None:
                 break
             if not may_preempt:
                 return reason
             victim = self.policy.victim_for_waiting(
-                seq, reason, self.running, lambda seqs: self._frees_enough(seq, step, keep, seqs, spare, whole)
+                seq, reason, self.running, lambda seqs: frees_enough(self.config, self.block_manager, seq, step, keep, seqs, spare, whole)
             )
             if victim is None:
                 return reason
@@ -374,17 +309,6 @@ class Scheduler:
         self.running.append(seq)
         step.add(seq, n)
         return None
-
-    def _frees_enough(self, seq: Sequence, step: StepBuilder, keep: int, victims: list[Sequence], spare: int,
-                      whole: bool = False) -> bool:
-        bm = self.block_manager
-        cached = bm.match_prefix(seq)
-        tokens = seq.num_tokens if whole else len(cached) * self.config.block_size + min(
-            seq.num_tokens - len(cached) * self.config.block_size,
-            step.budget + sum(step.chunks[v.seq_id].num_tokens for v in victims if v.seq_id in step.chunks) - keep,
-        )
-        need = bm.blocks_for(tokens) - len(cached) + sum(1 for b in cached if bm.ref_count(b) == 0)
-        return need + spare <= bm.num_free_blocks + bm.reclaimable(victims)
 
     def _grow_running(self, seq: Sequence, num_tokens: int, step: StepBuilder) -> bool:
         """Blocks for ``seq`` up to ``num_tokens`` positions, preempting as the policy says."""
@@ -421,23 +345,9 @@ class Scheduler:
             step.plan.preempted.append(seq)
 
     def add_drafts(self, plan: StepPlan, chunk: ScheduledChunk, drafts: list[int]) -> int:
-        """Speculative decoding: ``chunk``, a decode of ``plan``, also computes the leading ``drafts`` that
-        fit without preempting anybody (free KV blocks, the step's token budget, the sequence's
-        ``max_tokens`` and the model's context, counting the token sampled after them); how many."""
-        seq = chunk.seq
-        if not chunk.is_decode or chunk.draft_token_ids or not chunk.samples:
-            raise ValueError(f"only a plain decode can carry drafts (sequence {seq.seq_id})")
-        n = min(len(drafts), seq.max_tokens - len(seq.output_token_ids) - 1,
-                self.config.max_model_len - seq.num_tokens - 1,
-                self.config.max_num_batched_tokens - plan.num_tokens)
-        while n > 0 and not self.block_manager.can_allocate(seq, chunk.end + n):
-            n -= 1
-        if n <= 0:
-            return 0
-        self.block_manager.allocate(seq, chunk.end + n)
-        chunk.draft_token_ids = list(drafts[:n])
-        chunk.num_tokens += n
-        return n
+        """Speculative decoding: ``chunk``, a decode of ``plan``, also computes the leading ``drafts`` that fit
+        without preempting anybody (scheduler/drafts.py); how many."""
+        return fit_drafts(self.config, self.block_manager, plan, chunk, drafts)
 
     def update(self, plan: StepPlan, sampled: dict[str, int], accepted: dict[str, list[int]] | None = None) -> None:
         """Apply a step: advance every chunk, append the tokens of chunks that sample (after the

@@ -9,18 +9,25 @@ inter-token bound it has (scheduler/step_budget.py). A step of spare work alone 
 stream, and its prefill is bounded as a step of streams is, by the tightest interactive bound
 (``max_step_s``, the tiers' TPOT SLOs), one block always going in: a request that arrives while it
 runs waits for it about as long as for a step of streams.
+
+``plan_spare`` is that last part of ``Scheduler.schedule()``, kept here beside its rules: it runs the
+scheduler's private step operations (``_grow_running``, ``_schedule_prefills``) on its state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from collections import deque
+from typing import TYPE_CHECKING
 
 from scheduler.config import SchedulerConfig, StepCost
 from scheduler.plan import StepBuilder, StepFeatures
 from scheduler.sequence import Sequence
 from scheduler.step_budget import PLAN_TO, StepTimeBound
 from scheduler.step_cost import predict
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
 
 
 def interactive_waits_for_first_token(
@@ -64,3 +71,28 @@ def spare_bound(config: SchedulerConfig, step: StepBuilder, cost: StepCost) -> S
 def decode_features(seq: Sequence) -> StepFeatures:
     """What one decode row of ``seq`` adds to a step."""
     return StepFeatures(0, 1, seq.num_computed_tokens + 1)
+
+
+def plan_spare(sched: Scheduler, step: StepBuilder, decodes: list[Sequence]) -> None:
+    """The spare-capacity queues' work (their running ``decodes``, then their prefill), into what the step's
+    interactive work left."""
+    policy = sched.policy
+    spare = [q for q in policy.queue_names() if policy.is_spare(q)]
+    if not spare or interactive_waits_for_first_token(sched.waiting, step, sched.running, policy.is_spare,
+                                                      policy.queue_of):
+        return  # spare rows would lengthen a step some interactive request waits for
+    beside = bool(step.plan.chunks)  # interactive decodes, whose step spare rows may grow only so much
+    step.time = spare_bound(sched.config, step, sched.step_cost.coefficients())
+    for seq in decodes:
+        if (
+            step.tokens_left > 0  # a row may fit the time bound where no prefill token does
+            and seq.seq_id not in step.preempted
+            and len(seq.output_token_ids) < seq.max_tokens
+            and (not beside or step.time is None or step.time.fits(step.features + decode_features(seq)))
+            and sched._grow_running(seq, seq.num_computed_tokens + 1, step)
+        ):
+            step.add(seq, 1)
+    prefilling = sched._prefilling()
+    headroom = policy.spare_headroom_blocks()
+    for queue in spare:
+        sched._schedule_prefills(queue, prefilling[queue], step, 0, True, headroom)

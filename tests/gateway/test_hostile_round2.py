@@ -160,3 +160,29 @@ def test_a_failure_after_the_key_is_known_still_writes_one_row(server, monkeypat
     r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, tenant=tenant)
     assert r.status_code == 500
     assert _wait_for_rows(server, tenant, 1) == [("error",)]
+
+
+ENGINE_ERROR = {"message": "The engine failed while generating; the request was stopped.", "type": "server_error",
+                "param": None, "code": "engine_error"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failing_step_answers_an_engine_error_and_writes_one_error_row(server, monkeypatch, stream):
+    real_execute = server.engine.runner.execute_with_hidden
+    failures = [RuntimeError("injected kernel failure")]  # the first step fails, the ones after it run
+
+    def failing_once(plan, *args):
+        if failures:
+            raise failures.pop()
+        return real_execute(plan, *args)
+
+    monkeypatch.setattr(server.engine.runner, "execute_with_hidden", failing_once)
+    tenant = f"failed-{stream}"
+    server.add_tenant(tenant, "standard", rpm=1000, tpm=10**9, max_concurrent=100)
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": stream}, tenant=tenant)
+    if stream:
+        events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events[-1] == {"error": ENGINE_ERROR}
+    else:
+        assert (r.status_code, r.json()) == (500, {"error": ENGINE_ERROR})
+    assert _wait_for_rows(server, tenant, 1) == [("error",)]

@@ -11,6 +11,7 @@ from sqlalchemy import select
 from billing.keys import revoke_key
 from billing.models import UsageEntry
 from engine.request import EngineRequest, SamplingParams
+from gateway.usage_recorder import RequestIdentity
 
 
 def _wait_for(condition, timeout_s: float) -> bool:
@@ -54,7 +55,8 @@ def test_a_finish_that_comes_after_its_request_gave_up_waiting_leaves_one_row(se
     monkeypatch.setattr(usage, "FINISH_WAIT_S", 0.0)
     live = serve(ledger_checkpoint_s=0.1)
     recorder = live.gateway.usage
-    fallback = usage.gateway_record("late-1", "acme", "premium", None, "cancelled", time.time(), 3, 1, None)
+    late = RequestIdentity("late-1", "acme", "premium", None, time.time())
+    fallback = usage.gateway_record(late, "cancelled", 3, 1, None)
     live.gateway.usage.meter.begin("late-1", "acme", "premium")
     anyio.run(recorder.finish, "late-1", fallback)  # gives up at once: the gateway's own account is written
     # The engine's finish event for it comes afterwards: nobody claims it; it must not make a second row.
@@ -75,7 +77,7 @@ def _ledger_rows(live, request_id: str) -> list[tuple]:
 def test_a_non_streamed_request_gets_its_open_row_at_the_first_progress_save(serve):
     live = serve(ledger_checkpoint_s=600, ledger_orphan_after_s=1800)  # the test runs the save itself
     recorder = live.gateway.usage
-    assert recorder.open("slow-1", "acme", "premium", None, time.time(), 3, lambda: 2, now=False) is None
+    assert recorder.open(RequestIdentity("slow-1", "acme", "premium", None, time.time()), 3, lambda: 2, now=False) is None
     assert _ledger_rows(live, "slow-1") == []
     anyio.run(recorder._save_progress)
     assert _ledger_rows(live, "slow-1") == [("open", 2)]
@@ -91,8 +93,9 @@ def test_a_non_streamed_request_that_ends_before_a_save_writes_only_its_final_ro
     real_submit = recorder.ledger.submit
     monkeypatch.setattr(recorder.ledger, "submit", lambda records: submitted.extend(r.status for r in records)
                         or real_submit(records))
-    recorder.open("quick-1", "acme", "premium", None, time.time(), 3, lambda: 1, now=False)
-    fallback = usage.gateway_record("quick-1", "acme", "premium", None, "ok", time.time(), 3, 1, None)
+    quick = RequestIdentity("quick-1", "acme", "premium", None, time.time())
+    recorder.open(quick, 3, lambda: 1, now=False)
+    fallback = usage.gateway_record(quick, "ok", 3, 1, None)
     anyio.run(recorder.finish, "quick-1", fallback)
     anyio.run(recorder._save_progress)
     assert "open" not in submitted
