@@ -9,8 +9,8 @@ float32 copy 4-7x their size. ``stack_outputs`` puts several weights side by sid
 call (a fused q|k|v or gate|up whose parts may differ in type).
 
 Q4_0, Q8_0, Q4_K and Q6_K weights are repacked at load (``REPACKED_TYPES``) into an interleaved
-layout of 16 output rows (csrc/quant_packed.h; docs/quantization.md says why) that the few-row
-decode kernels (csrc/quant_gemv*.cpp) read with one integer dot product per 16 rows and 4
+layout of 16 output rows (csrc/quant_packed.h; docs/quantization.md says why) that the packed
+kernels (csrc/quant_gemv*.cpp) read at every row count with one integer dot product per 16 rows and 4
 inputs. Only bytes move: ``blocks`` unpacks the file's bytes back exactly, and the packed copy is
 the only one kept. ``TIERGATE_QUANT_REPACK=0`` keeps every weight in the file's layout.
 

@@ -1,11 +1,11 @@
-// The few-row (decode) path of the quantized projections, over weights repacked at load into
-// quant_packed.h's interleaved layout, and the ops that pack and unpack that layout.
+// The quantized projections over weights repacked at load into quant_packed.h's interleaved
+// layout, at every row count, and the ops that pack and unpack that layout.
 //
-// quant_linear.cpp hands a call of at most GEMV_MAX_ROWS rows whose weights are all packed to
-// gemv_packed: x is quantized here once (int8 per 32 inputs, rounded as quant_linear.cpp's
-// quantize_acts rounds, into buffers kept per thread so a decode step allocates nothing but its
-// output), then the threads split the groups of 16 outputs of every part between them and run
-// one instruction set's kernels (quant_gemv_body.h).
+// quant_linear.cpp hands the packed parts of a call to gemv_packed: x is quantized here once
+// (int8 per 32 inputs, rounded as quant_linear.cpp's quantize_acts rounds; for a decode step's few
+// rows into buffers kept per thread, so it allocates nothing but its output), then the threads
+// split the groups of 16 outputs of every part between them and run one instruction set's
+// kernels (quant_gemv_body.h) over all the rows.
 //
 // Registered: torch.ops.tiergate.quant_repack(blocks, type, out) -> out (packed) and
 // quant_unpack_rows(packed, type, in_features, ids) -> the ggml rows `ids`, byte for byte.
@@ -41,40 +41,45 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, G
   a.d.resize(rows * in / 32);
   a.ds.resize(rows * in / 32);
   a.s16.resize(rows * in / 16);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = x + r * x_stride;
-    int8_t* q = reinterpret_cast<int8_t*>(a.q.data() + r * in / 4);
-    for (int64_t b = 0; b < in / 32; ++b) {
-      int sums[2];
-      const float d = quantize_block32(src + b * 32, q + b * 32, sums);
-      a.d[r * in / 32 + b] = d;
-      a.ds[r * in / 32 + b] = d * float(sums[0] + sums[1]);
-      a.s16[r * in / 16 + 2 * b] = sums[0];
-      a.s16[r * in / 16 + 2 * b + 1] = sums[1];
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = x + r * x_stride;
+      int8_t* q = reinterpret_cast<int8_t*>(a.q.data() + r * in / 4);
+      for (int64_t b = 0; b < in / 32; ++b) {
+        int sums[2];
+        const float d = quantize_block32(src + b * 32, q + b * 32, sums);
+        a.d[r * in / 32 + b] = d;
+        a.ds[r * in / 32 + b] = d * float(sums[0] + sums[1]);
+        a.s16[r * in / 16 + 2 * b] = sums[0];
+        a.s16[r * in / 16 + 2 * b + 1] = sums[1];
+      }
     }
-  }
+  });
 }
+
+// Rows up to which a call's activations go to the calling thread's kept buffers: a decode step
+// then allocates nothing, and a prefill chunk's megabytes are not held after it.
+constexpr int64_t KEPT_ROWS = 16;
 
 }  // namespace
 
-bool gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, const GemvPart* parts, int nparts,
+void gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, const GemvPart* parts, int nparts,
                  int64_t isa, float* out, int64_t out_stride) {
-  if (rows < 1 || rows > GEMV_MAX_ROWS || isa == SCALAR) return false;
+  if (rows < 1) return;
   int64_t groups = 0;
-  for (int p = 0; p < nparts; ++p) {
-    if (!parts[p].packed) return false;
-    groups += (parts[p].out_features + PACK_ROWS - 1) / PACK_ROWS;
-  }
-  thread_local GemvActs acts;  // the caller's thread: reused by every call it makes
+  for (int p = 0; p < nparts; ++p) groups += (parts[p].out_features + PACK_ROWS - 1) / PACK_ROWS;
+  thread_local GemvActs kept;  // the caller's thread: reused by every call it makes
+  GemvActs local;
+  GemvActs& acts = rows <= KEPT_ROWS ? kept : local;
   quantize_rows(x, x_stride, rows, in, acts);
   const GemvJob job{parts, nparts, rows, in, acts.q.data(), acts.d.data(), acts.ds.data(), acts.s16.data(), out,
                     out_stride};
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (isa == AVX512) gemv_groups_avx512(job, g0, g1);
     else if (isa == AVXVNNI) gemv_groups_avxvnni(job, g0, g1);
-    else gemv_groups_avx2(job, g0, g1);
+    else if (isa == AVX2) gemv_groups_avx2(job, g0, g1);
+    else gemv_groups_scalar(job, g0, g1);
   });
-  return true;
 }
 
 namespace {

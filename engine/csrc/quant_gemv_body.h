@@ -1,14 +1,18 @@
-// The few-row kernels over the interleaved layout (quant_packed.h), written once over a vector
+// The packed kernels over the interleaved layout (quant_packed.h), written once over a vector
 // type V and included by one translation unit per instruction set (quant_gemv_avx512.cpp,
-// quant_gemv_avx2.cpp), each under its own target pragma.
+// quant_gemv_avx2.cpp, quant_gemv_avxvnni.cpp, quant_gemv_scalar.cpp), each under its own target.
 //
-// V holds LANES of a group's 16 rows (16 in a zmm, 8 in a ymm: SLICES = 16 / LANES passes); a
-// 4-byte piece of the tile then loads as LANES rows x 4 inputs, and V::dot adds, per row, the
-// products of its 4 unsigned weight bytes with 4 int8 activations broadcast to every lane. Per
-// block of 32 inputs (16 for Q6_K) that int32 sum is converted once and multiplied by the rows'
-// scales times the activation block's scale. A format's unsigned offset (Q4_0's 8, Q6_K's 32,
+// V holds LANES of a group's 16 rows (16 in a zmm, 8 in a ymm, 1 in an int: SLICES = 16 / LANES
+// passes); a 4-byte piece of the tile then loads as LANES rows x 4 inputs, and V::dot adds, per
+// row, the products of its 4 unsigned weight bytes with 4 int8 activations broadcast to every lane.
+// Per block of 32 inputs (16 for Q6_K) that int32 sum is converted once and multiplied by the
+// rows' scales times the activation block's scale. A format's unsigned offset (Q4_0's 8, Q6_K's 32,
 // Q8_0's 128 after V flips its sign bit) starts the int32 sum at -offset times the block's sum
 // of activations, the same for every row; Q4_K's mins multiply that sum in float.
+//
+// A kernel runs 1 to GEMV_CHUNK_ROWS rows of x (ROWS, a template argument, so their sums live in
+// registers); a call of more rows takes them in chunks over each group (`groups`). Each row's sums
+// are the same, in integers and in float, whatever chunk it falls in.
 //
 // Expects, before inclusion: namespace tiergate_quant's GemvJob / GemvPart (quant_packed.h) and a
 // traits struct V.
@@ -30,18 +34,22 @@ void store(const GemvJob& j, const GemvPart& p, int64_t first, F (&acc)[ROWS]) {
   for (int r = 0; r < ROWS; ++r) V::store(j.out + r * j.out_stride + p.col0 + first, acc[r], count);
 }
 
-// Q4_0 (nibbles: low inputs 0-15, high 16-31) and Q8_0 (int8, read as unsigned by V::dot_s8).
+// Q4_0, Q4_1 (nibbles: low inputs 0-15, high 16-31) and Q8_0 (int8, read as unsigned by
+// V::dot_s8). Q4_1's min m adds m times the block's sum of x, in float.
 // Each row's int32 sums run in CHAINS independent chains per block (summed at its end), so the
 // dot products' latency overlaps: a single chain of 8 would wait on each before the next.
-template <int ROWS, bool Q8>
+template <int ROWS, int64_t TYPE>
 void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
+  constexpr bool Q8 = TYPE == Q8_0, MIN = TYPE == Q4_1;
   constexpr int CHAINS = ROWS <= 2 ? 4 : 2;
-  const int64_t blocks = j.in / 32, tb = PACK_ROWS * (Q8 ? 34 : 18);
+  const int64_t blocks = j.in / 32, tb = PACK_ROWS * format_of(TYPE).block_bytes;
   const int64_t lanes_at = slice * V::BYTES;
-  const int offset = Q8 ? V::S8_OFFSET : 8;
+  const int offset = Q8 ? V::S8_OFFSET : MIN ? 0 : 8;
+  const int quants = MIN ? 64 : 32;  // the tile's nibbles or int8 values follow d (and m)
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* t = group + b * tb;
     const F d = V::halves(t + slice * V::LANES * 2);
+    const F m = MIN ? V::halves(t + 32 + slice * V::LANES * 2) : V::zero_ps();
     I sum[CHAINS][ROWS];
     for (int r = 0; r < ROWS; ++r) {
       const int32_t* s = j.xs16 + r * (j.in / 16) + 2 * b;
@@ -51,10 +59,10 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
     // Word w of the block's activations (inputs 4w..4w+3) meets u[w]: 8 of LANES rows x 4 bytes.
     I u[8];
     if (Q8) {
-      for (int w = 0; w < 8; ++w) u[w] = V::load(t + 32 + w * 64 + lanes_at);
+      for (int w = 0; w < 8; ++w) u[w] = V::load(t + quants + w * 64 + lanes_at);
     } else {
       for (int k = 0; k < 4; ++k) {
-        const I v = V::load(t + 32 + k * 64 + lanes_at);
+        const I v = V::load(t + quants + k * 64 + lanes_at);
         u[k] = nibbles_low(v), u[4 + k] = nibbles_high(v);
       }
     }
@@ -69,6 +77,7 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
       I total = sum[0][r];
       for (int c = 1; c < CHAINS; ++c) total = V::add32(total, sum[c][r]);
       acc[r] = V::fmadd(V::cvt(total), V::mul(d, V::set1_ps(j.xd[r * (j.in / 32) + b])), acc[r]);
+      if (MIN) acc[r] = V::fmadd(m, V::set1_ps(j.xds[r * (j.in / 32) + b]), acc[r]);
     }
   }
 }
@@ -183,8 +192,9 @@ void group_rows(const GemvJob& j, const GemvPart& p, int64_t g) {
     F acc[ROWS];
     for (int r = 0; r < ROWS; ++r) acc[r] = V::zero_ps();
     switch (p.type) {
-      case Q4_0: blocks32<ROWS, false>(j, group, slice, acc); break;
-      case Q8_0: blocks32<ROWS, true>(j, group, slice, acc); break;
+      case Q4_0: blocks32<ROWS, Q4_0>(j, group, slice, acc); break;
+      case Q4_1: blocks32<ROWS, Q4_1>(j, group, slice, acc); break;
+      case Q8_0: blocks32<ROWS, Q8_0>(j, group, slice, acc); break;
       case Q4_K: q4_k<ROWS>(j, group, slice, acc); break;
       default: q6_k<ROWS>(j, group, slice, acc); break;
     }
@@ -192,21 +202,44 @@ void group_rows(const GemvJob& j, const GemvPart& p, int64_t g) {
   }
 }
 
-// Groups [g0, g1) of the job, numbered across its parts in order.
-inline void groups(const GemvJob& j, int64_t g0, int64_t g1) {
-  int64_t base = 0;
-  for (int pi = 0; pi < j.nparts && g0 < g1; ++pi) {
-    const GemvPart& p = j.parts[pi];
-    const int64_t n = (p.out_features + PACK_ROWS - 1) / PACK_ROWS;
-    for (int64_t g = std::max(g0, base); g < std::min(g1, base + n); ++g) {
-      switch (j.rows) {
-        case 1: group_rows<1>(j, p, g - base); break;
-        case 2: group_rows<2>(j, p, g - base); break;
-        case 3: group_rows<3>(j, p, g - base); break;
-        default: group_rows<4>(j, p, g - base); break;
-      }
+// The job's rows [r0, r0 + rows) as a job of their own.
+inline GemvJob rows_of(const GemvJob& j, int64_t r0, int64_t rows) {
+  GemvJob c = j;
+  c.rows = rows;
+  c.xq += r0 * (j.in / 4), c.xd += r0 * (j.in / 32), c.xds += r0 * (j.in / 32), c.xs16 += r0 * (j.in / 16);
+  c.out += r0 * j.out_stride;
+  return c;
+}
+
+// Rows [r0, r1) of x times group g of part p, GEMV_CHUNK_ROWS rows at a time: the group's tiles
+// are read from memory by the first chunk and from the caches by the others.
+inline void group_chunks(const GemvJob& j, const GemvPart& p, int64_t g, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; r += GEMV_CHUNK_ROWS) {
+    const GemvJob c = rows_of(j, r, std::min(GEMV_CHUNK_ROWS, r1 - r));
+    switch (c.rows) {
+      case 1: group_rows<1>(c, p, g); break;
+      case 2: group_rows<2>(c, p, g); break;
+      case 3: group_rows<3>(c, p, g); break;
+      default: group_rows<4>(c, p, g); break;
     }
-    base += n;
+  }
+}
+
+// Groups [g0, g1) of the job, numbered across its parts in order, for every row: a block of rows
+// (quant_packed.h's GEMV_BLOCK_BYTES of activations, whole chunks) passes over all the groups
+// before the next block does.
+inline void groups(const GemvJob& j, int64_t g0, int64_t g1) {
+  static_assert(GEMV_CHUNK_ROWS == 4, "group_chunks instantiates the kernels for 1 to 4 rows");
+  const int64_t block = std::max<int64_t>(1, GEMV_BLOCK_BYTES / j.in / GEMV_CHUNK_ROWS) * GEMV_CHUNK_ROWS;
+  for (int64_t r0 = 0; r0 < j.rows; r0 += block) {
+    const int64_t r1 = std::min(j.rows, r0 + block);
+    int64_t base = 0;
+    for (int pi = 0; pi < j.nparts && g0 < g1; ++pi) {
+      const GemvPart& p = j.parts[pi];
+      const int64_t n = (p.out_features + PACK_ROWS - 1) / PACK_ROWS;
+      for (int64_t g = std::max(g0, base); g < std::min(g1, base + n); ++g) group_chunks(j, p, g - base, r0, r1);
+      base += n;
+    }
   }
 }
 

@@ -19,9 +19,9 @@
 // by TIERGATE_QUANT_ISA): 0 AVX-512 VNNI, 1 AVX2, 2 scalar, 3 AVX2 with AVX-VNNI (whose tiles
 // here are AVX2's).
 //
-// A weight may come repacked (quant_packed.h: a 3-d tensor): a call of a few rows whose weights
-// all are goes to quant_gemv.cpp's kernels; otherwise each group of 16 outputs of it is unpacked
-// back into ggml rows in the thread's scratch and served as below.
+// A weight may come repacked (quant_packed.h: a 3-d tensor): the call's packed weights go to
+// quant_gemv.cpp's kernels, which read that layout in place at every row count; only the weights
+// in the file's layout are decoded into scratch as above.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -277,9 +277,8 @@ Kernels kernels_for(int64_t isa, bool is_signed, std::integer_sequence<int, R...
 }
 
 struct Part {
-  const uint8_t* blocks;  // ggml rows, or quant_packed.h's groups where `packed`
+  const uint8_t* blocks;  // ggml rows
   int64_t type, out_features, row_bytes, col0;
-  bool packed;
 };
 
 struct Group {
@@ -304,38 +303,33 @@ bool isa_supported(int64_t isa) {
 
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
                         at::IntArrayRef out_features, int64_t isa) {
-  static_assert(GROUP == PACK_ROWS, "a scratch group is one packed group");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "quant_linear: x must be a float32 CPU tensor [rows, in] with contiguous rows");
   TORCH_CHECK(!blocks.empty() && blocks.size() == types.size() && blocks.size() == out_features.size(),
               "quant_linear: one type and one out_features per weight");
   TORCH_CHECK(isa_supported(isa), "quant_linear: this CPU cannot run kernel path ", isa);
   const int64_t rows = x.size(0), in = x.size(1);
-  std::vector<Part> parts;
+  std::vector<Part> parts;      // in the file's layout: the scratch tiles below
+  std::vector<GemvPart> packed;  // repacked: quant_gemv.cpp's kernels
   std::vector<Group> groups;
   int64_t total = 0;
   for (size_t p = 0; p < blocks.size(); ++p) {
     check_blocks("quant_linear", blocks[p], types[p], in, out_features[p]);
-    const bool packed = blocks[p].dim() == 3;
-    parts.push_back({blocks[p].const_data_ptr<uint8_t>(), types[p], out_features[p],
-                     row_bytes_of(types[p], in), total, packed});
-    for (int64_t first = 0; first < out_features[p]; first += GROUP) groups.push_back({int64_t(p), first});
+    const uint8_t* data = blocks[p].const_data_ptr<uint8_t>();
+    if (blocks[p].dim() == 3) {
+      packed.push_back({data, types[p], out_features[p], total});
+    } else {
+      for (int64_t first = 0; first < out_features[p]; first += GROUP) groups.push_back({int64_t(parts.size()), first});
+      parts.push_back({data, types[p], out_features[p], row_bytes_of(types[p], in), total});
+    }
     total += out_features[p];
   }
   at::Tensor out = at::empty({rows, total}, x.options());
   if (rows == 0) return out;
   float* outp = out.mutable_data_ptr<float>();
-  if (rows <= GEMV_MAX_ROWS) {
-    GemvPart packed_parts[8];
-    const int n = int(parts.size());
-    bool all_packed = n <= 8;
-    for (int p = 0; p < n && all_packed; ++p) {
-      all_packed = parts[p].packed;
-      packed_parts[p] = {parts[p].blocks, parts[p].type, parts[p].out_features, parts[p].col0};
-    }
-    if (all_packed && gemv_packed(x.const_data_ptr<float>(), x.stride(0), rows, in, packed_parts, n, isa, outp, total))
-      return out;
-  }
+  if (!packed.empty())
+    gemv_packed(x.const_data_ptr<float>(), x.stride(0), rows, in, packed.data(), int(packed.size()), isa, outp, total);
+  if (groups.empty()) return out;
   if (isa == AVXVNNI) isa = AVX2;  // the scratch tiles' AVX2 path: maddubs serves them as well
   const Acts a = quantize_acts(x);
   const int64_t n16 = a.in_pad / 16;
@@ -348,18 +342,12 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
     // Zeroed once: the padding past `in` stays zero and weighs nothing; outputs past a part's
     // end compute on stale finite values and are not stored.
     // Allocated on first use: the fused path needs none.
-    std::vector<uint8_t> q, unpacked;
+    std::vector<uint8_t> q;
     std::vector<float> d, m;
     for (int64_t g = begin; g < end; ++g) {
       const Part& part = parts[groups[g].part];
       const int64_t first = groups[g].first, count = std::min(GROUP, part.out_features - first);
-      // The group's ggml rows: in place, or unpacked from a packed weight (its group first / GROUP).
       const uint8_t* group_rows = part.blocks + first * part.row_bytes;
-      if (part.packed) {
-        unpacked.resize(GROUP * part.row_bytes);
-        unpack_group(part.type, part.blocks, in / format_of(part.type).block_values, first / GROUP, unpacked.data());
-        group_rows = unpacked.data();
-      }
       if (fused) {
         const FusedArgs f{group_rows, part.type, part.row_bytes, in, 0, count, &a, 0, rows,
                           outp + part.col0 + first, total};

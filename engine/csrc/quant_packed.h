@@ -1,5 +1,6 @@
 // The interleaved layout some block formats are repacked into at load (quant_gemv.cpp's kernels
-// read it; quant_linear.cpp's scratch tiles unpack a group of it back into ggml rows).
+// read it at every row count; the AMX panels, quant_dequant_panel.cpp, unpack a group of it back
+// into ggml rows).
 //
 // Output rows go in groups of PACK_ROWS = 16. A group's block b (the same inputs of its 16
 // rows) is one tile of 16 * block_bytes bytes: each field of the block (a run of `len` bytes
@@ -80,9 +81,13 @@ inline void unpack_group(int64_t type, const uint8_t* packed, int64_t blocks, in
       move_block(type, const_cast<uint8_t*>(g + b * tb), r, rows + r * row_bytes + b * bb, false);
 }
 
-// One call of the few-row kernels (quant_gemv*.cpp): `rows` (<= GEMV_MAX_ROWS) rows of x quantized
-// to int8 per 32 inputs, times packed weights side by side.
-constexpr int64_t GEMV_MAX_ROWS = 4;
+// One call of the packed kernels (quant_gemv*.cpp): `rows` rows of x quantized to int8 per 32
+// inputs, times packed weights side by side. A group of 16 outputs meets the rows GEMV_CHUNK_ROWS
+// at a time (the most whose sums the registers hold beside the weight's), and rows in blocks of
+// about GEMV_BLOCK_BYTES of int8 activations: every chunk of a block passes over the group while
+// its bytes are in L1/L2, and the block's activations stay in L2 while the thread's groups pass.
+constexpr int64_t GEMV_CHUNK_ROWS = 4;
+constexpr int64_t GEMV_BLOCK_BYTES = 256 * 1024;
 
 struct GemvPart {
   const uint8_t* packed;
@@ -102,14 +107,15 @@ struct GemvJob {
 };
 
 // Groups [g0, g1) of the job's outputs (numbered across parts, PACK_ROWS outputs each) on one
-// instruction set: AVX-512 VNNI, AVX2 with AVX-VNNI's dpbusd, or AVX2 with maddubs.
+// instruction set: AVX-512 VNNI, AVX2 with AVX-VNNI's dpbusd, AVX2 with maddubs, or plain C++.
 void gemv_groups_avx512(const GemvJob& job, int64_t g0, int64_t g1);
 void gemv_groups_avxvnni(const GemvJob& job, int64_t g0, int64_t g1);
 void gemv_groups_avx2(const GemvJob& job, int64_t g0, int64_t g1);
+void gemv_groups_scalar(const GemvJob& job, int64_t g0, int64_t g1);
 
-// Whether the job ran (false: a part not packed, too many rows, or the scalar path, which
-// quant_linear.cpp's scratch tiles serve after unpacking). isa: quant_linear.cpp's numbering.
-bool gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, const GemvPart* parts, int nparts,
+// x [rows, in] (rows x_stride apart) times the packed parts, into their columns of out. Every
+// part must be packed; isa: quant_linear.cpp's numbering.
+void gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, const GemvPart* parts, int nparts,
                  int64_t isa, float* out, int64_t out_stride);
 
 }  // namespace tiergate_quant

@@ -11,9 +11,10 @@ rounded half away from zero), so x_i is read as d·q_i with |x_i - d·q_i| <= d/
 tighter check quantizes x as the kernel does (``_as_kernel_reads``) and compares within the
 float32 term alone, which a wrong nibble, scale or offset anywhere would far exceed.
 
-Q4_0, Q8_0, Q4_K and Q6_K weights are repacked at load (csrc/quant_packed.h): calls of up to
-four rows run the packed few-row kernels (csrc/quant_gemv*.cpp), more rows the scratch tiles
-over groups unpacked again; ``layout`` runs each test on both the packed and the file's layout.
+Q4_0, Q8_0, Q4_K and Q6_K weights are repacked at load (csrc/quant_packed.h) and multiplied by
+the packed kernels (csrc/quant_gemv*.cpp) at every row count, four rows at a time over each group
+of 16 outputs; weights in the file's layout by the scratch tiles (csrc/quant_linear.cpp).
+``layout`` runs each test on both the packed and the file's layout.
 """
 
 from __future__ import annotations
@@ -160,8 +161,7 @@ def test_stacked_weights_of_mixed_types_give_each_part_side_by_side_in_one_call(
     assert fused.nbytes == sum(p.nbytes for p in parts)
     x = torch.randn(rows, 512)
     y = fused(x)
-    if rows > 4:  # a few rows of packed parts alone run the packed kernels, which round their sums otherwise
-        assert torch.equal(y, torch.cat([p(x) for p in parts], dim=1))
+    assert torch.equal(y, torch.cat([p(x) for p in parts], dim=1))  # each part on its own layout's kernel
     for part, piece in zip(parts, y.split([p.out_features for p in parts], dim=1)):
         check_product(part, x, piece)
     assert torch.equal(fused.dense(), torch.cat([p.dense() for p in parts], dim=1))
@@ -178,6 +178,31 @@ def test_stacked_packed_weights_of_every_repacked_format_in_one_few_row_call(isa
     y = fused(x)
     for part, piece in zip(parts, y.split([p.out_features for p in parts], dim=1)):
         check_product(part, x, piece)
+
+
+# (rows, in, out): row counts across the chunks of 4 and odd output counts; 8192 inputs make a
+# block of rows (256 KB of int8 activations) 32 rows, so 40 rows pass over the groups twice.
+MANY_ROWS = [(5, 256, 17), (8, 512, 33), (17, 768, 1), (32, 256, 61), (63, 512, 16), (100, 256, 45), (40, 8192, 19)]
+
+
+@pytest.mark.parametrize("ggml_type", sorted(REPACKED_TYPES), ids=lambda t: t.name)
+def test_packed_kernels_at_many_rows_match_float64_dequantized_reference(ggml_type, isa):
+    for i, (rows, in_features, out_features) in enumerate(MANY_ROWS):
+        w = weight(ggml_type, in_features, out_features, seed=i)
+        assert w.packed
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(i))
+        check_product(w, x, w(x))
+
+
+@pytest.mark.parametrize("ggml_type", sorted(REPACKED_TYPES), ids=lambda t: t.name)
+def test_each_row_of_a_many_row_call_gets_exactly_what_a_one_row_call_gives_it(ggml_type, isa):
+    """The same integer sums and the same float steps per row, whatever chunk of rows it runs in."""
+    for rows, in_features, out_features in [(17, 512, 35), (37, 8192, 18)]:
+        w = weight(ggml_type, in_features, out_features, seed=rows)
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+        y = w(x)
+        for r in range(rows):
+            assert torch.equal(y[r], w(x[r:r + 1])[0]), f"row {r} of {rows}"
 
 
 @pytest.mark.parametrize("ggml_type", sorted(REPACKED_TYPES), ids=lambda t: t.name)
