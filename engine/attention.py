@@ -5,7 +5,7 @@ is built once per step in :class:`AttentionMetadata`; the per-layer call does
 tensor work only, which matters with 30 layers and ~10 µs per eager op.
 
 Decode rows (chunks of one token) go to the in-place paged kernel of
-engine/paged_attention.py when the runner has one; otherwise (the fallback)
+engine/attention_kernels.py when the runner has one; otherwise (the fallback)
 they share one batched SDPA call over their contexts gathered from the cache
 into ``[B, max_ctx]`` with a length mask.
 Each longer chunk gets its own attention: causal over its own keys when it starts
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.paged_attention import DecodeKernel, PrefillKernel
+from engine.attention_kernels import DecodeKernel, PrefillKernel
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class AttentionMetadata:
     num_tokens: int
     # The metadata of the layers with a sliding window, when the model has them.
     windowed: AttentionMetadata | None = None
-    # Causal attention for chunks that start at 0 (engine/paged_attention.py); None: SDPA.
+    # Causal attention for chunks that start at 0 (engine/attention_kernels.py); None: SDPA.
     prefill_kernel: PrefillKernel | None = None
 
     @property

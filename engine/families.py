@@ -1,8 +1,8 @@
 """The served model families, each a small description of how it departs from Llama.
 
-The one forward in engine/model.py reads a :class:`Family` for the choices that
-are fixed by the architecture (biases, extra norms, activation, embedding scale,
-where the sliding windows fall, the checkpoint's weight names); the numbers a
+The one forward (engine/model.py; each layer's in engine/decoder_layer.py) reads a
+:class:`Family` for the choices that are fixed by the architecture (biases, extra norms,
+activation, embedding scale, where the sliding windows fall, the checkpoint's weight names); the numbers a
 checkpoint chooses (window size, soft-caps, attention scale) are read into
 ``ModelConfig``. Serving another family means adding an entry to ``FAMILIES``
 when the forward already has every piece it needs.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # HF parameter suffix of a decoder layer -> (our parameter, which columns of the fused weight).
-# Projections are stored transposed, [in, out] (see engine/model.py); biases and norms are 1-D.
+# Projections are stored transposed, [in, out] (see engine/decoder_layer.py); biases and norms are 1-D.
 LLAMA_WEIGHTS: dict[str, tuple[str, str | None]] = {
     "input_layernorm.weight": ("input_norm", None),
     "self_attn.q_proj.weight": ("qkv", "q"),

@@ -1,4 +1,6 @@
-"""The native decoder forward over a paged KV cache, one code path for every served family.
+"""The native decoder model over a paged KV cache: its weights' loading and form, the embedding,
+the layers in turn (engine/decoder_layer.py: each one's attention and MLP, one code path for every
+served family), the final norm and the LM head.
 
 Rows are the step's tokens, flattened in plan order with no padding. q/k/v and
 gate/up are fused into one weight each at load time so each is one matmul;
@@ -20,52 +22,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, LayerAttention, paged_attention
+from engine.attention import AttentionMetadata
+from engine.decoder_layer import DecoderLayer, LayerInputs
 from engine.families import NORMS
 from engine.kv_cache import KVCache
 from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
-from engine.norms import add_rms_norm_, fused_norms_available, rms_norm
+from engine.norms import fused_norms_available, rms_norm
 from engine.packed_linear import PackedWeight, Weight, linear, pack, panel_storage, release_freed_heap, weight_form
 from engine.quant_linear import QUANTIZE_KINDS, quantize_weight
-from engine.rope import Rope, apply_rope_
+from engine.rope import Rope
 
 
 # Below this many sampled rows the unpacked CPU LM head uses its transposed copy (see prepare_weights).
 LM_HEAD_TRANSPOSED_MAX_ROWS = 24
 # A layer's projection weights, in the order of the forward.
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-
-# Projections are kept transposed, [in, out]: the plain path's torch.mm reads them faster so
-# at decode sizes (docs/performance.md), and packing starts from that layout.
-class DecoderLayer(nn.Module):
-    """One decoder layer's weights: those its family's weight table names. Projections are
-    stored ``[in, out]`` until ``DecoderModel.prepare_weights`` packs them into ``PackedWeight``s."""
-
-    qkv: Weight
-    o: Weight
-    gate_up: Weight
-    down: Weight
-
-    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__()
-        h, qkv, inter = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.intermediate_size
-        full = cfg.family.qk_norm_full
-        q_norm, k_norm = (cfg.q_size, cfg.kv_size) if full else (cfg.head_dim, cfg.head_dim)
-        shapes = {
-            "input_norm": (h,), "qkv": (h, qkv), "qkv_bias": (qkv,), "q_norm": (q_norm,), "k_norm": (k_norm,),
-            "o": (cfg.q_size, h), "attn_out_norm": (h,), "post_norm": (h,),
-            "gate_up": (h, 2 * inter), "down": (inter, h), "mlp_out_norm": (h,),
-        }  # fmt: skip
-        used = {param for param, _ in cfg.family.weights.values()}
-        # In the order of the forward: dummy weights (init_random) are drawn in this order.
-        for name, shape in shapes.items():
-            if name in used:
-                self.register_parameter(name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False))
-
-
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def _text_model_name(name: str) -> str:
@@ -81,7 +53,7 @@ class DecoderModel(nn.Module):
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
         self.family = cfg.family
-        self.layers = nn.ModuleList(DecoderLayer(cfg, device, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, device, dtype) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed
@@ -94,17 +66,8 @@ class DecoderModel(nn.Module):
         self.rope = Rope(cfg, device)
         self.local_rope = None if cfg.local_rope_theta is None else Rope(
             replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None), device)
-        self.local_rope_layers = frozenset(cfg.local_rope_layers)
-        self.nope_layers = frozenset(cfg.nope_layers)
         q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self._slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
-        scale = cfg.attn_scale or cfg.head_dim**-0.5
-        windowed = set(cfg.sliding_layers)
-        self.attention = [
-            LayerAttention(scale, cfg.sliding_window if i in windowed else None, cfg.attn_logit_softcap)
-            for i in range(cfg.num_layers)
-        ]
-        self.activation = _ACTIVATIONS[cfg.activation]
 
     # The final norm, never packed, says where the model is and what it computes in.
     @property
@@ -321,77 +284,20 @@ class DecoderModel(nn.Module):
         ``long_rows`` (LongRoPE models only): bool ``[T]``, the rows of sequences in the long regime.
         ``between_layers`` is called after every layer but the last; it may run a whole forward
         of its own (an express step, engine/step_loop.py), since this one's state is all local."""
-        cfg = self.cfg
-        tokens = input_ids.shape[0]
-        eps, heads, kv_heads, head_dim = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
-        inter = cfg.intermediate_size
+        cfg, fused = self.cfg, self.fused_norms
         tables = self.rope.tables(positions, self.dtype, long_rows)
         local_tables = tables if self.local_rope is None else self.local_rope.tables(positions, self.dtype)
-        rotary_dim = self.rope.rotary_dim
-
-        family, act_fn = self.family, self.activation
-
-        # The fused CPU kernels (norms, rope, the SiLU gate) or torch's ops, all together.
-        fused, last = self.fused_norms, len(self.layers) - 1
-        fused_silu = fused and cfg.activation == "silu"
+        step = LayerInputs(meta, kv_cache, {"global": tables, "local": local_tables}, lora, fused)
         h = self.embed.dequantize_rows(input_ids) if isinstance(self.embed, PackedWeight) else F.embedding(input_ids, self.embed)
-        if family.embed_scale:
+        if self.family.embed_scale:
             h = h * torch.tensor(cfg.hidden_size**0.5, dtype=h.dtype)
         if cfg.embedding_multiplier != 1.0:
             h = h * cfg.embedding_multiplier
-        residual_multiplier = cfg.residual_multiplier
-        pre_norms = family.pre_norms
-        x = rms_norm(h, self.layers[0].input_norm, eps, fused) if pre_norms else h
+        # h, the residual stream, is added to in place; x is each layer's input (h normed, or h).
+        pre_norms, last = self.family.pre_norms, len(self.layers) - 1
+        x = rms_norm(h, self.layers[0].input_norm, cfg.rms_norm_eps, fused) if pre_norms else h
         for i, layer in enumerate(self.layers):
-            qkv = linear(x, layer.qkv)
-            if family.qkv_bias:
-                qkv.add_(layer.qkv_bias)
-            if lora is not None:
-                lora.apply(i, "qkv", x, qkv)
-            qk = qkv[:, :qk_size].view(tokens, heads + kv_heads, head_dim)
-            if family.qk_norm:
-                qk[:, :heads] = F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps)
-                qk[:, heads:] = F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)
-            elif family.qk_norm_full:
-                qkv[:, :q_size] = F.rms_norm(qkv[:, :q_size], (q_size,), layer.q_norm, eps)
-                qkv[:, q_size:qk_size] = F.rms_norm(qkv[:, q_size:qk_size], (qk_size - q_size,), layer.k_norm, eps)
-            if i not in self.nope_layers:
-                cos, sin = local_tables if i in self.local_rope_layers else tables
-                apply_rope_(qk if rotary_dim is None else qk[..., :rotary_dim], cos, sin, fused)
-            q = qkv[:, :q_size].view(tokens, heads, head_dim)
-            kv = qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim)
-            attn = paged_attention(q, kv, kv_cache.layers[i], meta, self.attention[i])
-            o = linear(attn, layer.o)
-            if lora is not None:
-                lora.apply(i, "o", attn, o)
-            if residual_multiplier != 1.0:
-                o.mul_(residual_multiplier)
-            if family.sandwich_norms:
-                o = rms_norm(o, layer.attn_out_norm, eps, fused)
-            if pre_norms:
-                x = add_rms_norm_(h, o, layer.post_norm, eps, fused)
-            else:  # x is h itself: read by the MLP's projections before h next changes
-                x = h.add_(o)
-            gate_up = linear(x, layer.gate_up)
-            if lora is not None:
-                lora.apply(i, "gate_up", x, gate_up)
-            if fused_silu:
-                act = torch.ops.tiergate.silu_mul(gate_up, inter)
-            else:
-                act = act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
-            down = linear(act, layer.down)
-            if lora is not None:
-                lora.apply(i, "down", act, down)
-            if residual_multiplier != 1.0:
-                down.mul_(residual_multiplier)
-            if family.sandwich_norms:
-                down = rms_norm(down, layer.mlp_out_norm, eps, fused)
-            if i < last and pre_norms:  # the residual add and the next layer's input norm in one pass
-                x = add_rms_norm_(h, down, self.layers[i + 1].input_norm, eps, fused)
-            else:
-                x = h.add_(down)
+            x = layer(x, h, step, self.layers[i + 1].input_norm if i < last and pre_norms else None)
             if between_layers is not None and i < last:
                 between_layers()
-
-        return rms_norm(h[rows], self.norm, eps, fused)
+        return rms_norm(h[rows], self.norm, cfg.rms_norm_eps, fused)

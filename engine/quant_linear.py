@@ -30,7 +30,6 @@ unset or ``auto``, ``PANEL_MIN_ROWS`` where the CPU runs it, never elsewhere.
 from __future__ import annotations
 
 import functools
-import os
 
 import gguf
 import numpy as np
@@ -40,7 +39,7 @@ from engine.amx_rows import parse_min_rows
 from engine.cpu_build import quant_kernels_loaded
 from engine.packed_linear import PackedWeight, advise_huge_pages
 from engine.quantize import quantize_rows
-from tiergate_common.env import QUANT_PANEL_ROWS, QUANT_REPACK
+from tiergate_common.env import QUANT_ISA, QUANT_PANEL_ROWS, QUANT_REPACK
 
 T = gguf.GGMLQuantizationType
 SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K,
@@ -69,7 +68,7 @@ def quant_kernels_present() -> bool:
 def kernel_isa() -> str:
     """The kernel path calls take now: ``TIERGATE_QUANT_ISA`` if set, else the best this CPU runs.
     Raises ValueError for a name not in ``ISAS`` or a path this CPU cannot run."""
-    return ISAS[_isa_index(os.environ.get("TIERGATE_QUANT_ISA", "auto"))]
+    return ISAS[_isa_index(QUANT_ISA.get())]
 
 
 @functools.cache
@@ -229,7 +228,7 @@ def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | Non
     least = _panel_rows(QUANT_PANEL_ROWS.get())
     if least is not None and x.shape[0] >= least:
         return torch.ops.tiergate.quant_panel_linear(x, *op_args)
-    return torch.ops.tiergate.quant_linear(x, *op_args, _isa_index(os.environ.get("TIERGATE_QUANT_ISA", "auto")))
+    return torch.ops.tiergate.quant_linear(x, *op_args, _isa_index(QUANT_ISA.get()))
 
 
 def _fallback_matmul(x: torch.Tensor, parts: list[QuantWeight]) -> torch.Tensor:

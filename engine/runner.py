@@ -16,7 +16,7 @@ from engine.cpu_threads import ThreadTuner
 from engine.kv_cache import KVCache
 from engine.loader import LoadedModel
 from engine.lora_hook import LoraBatchLike
-from engine.paged_attention import DecodeKernel, PrefillKernel, decode_kernel_for, prefill_kernel_for
+from engine.attention_kernels import DecodeKernel, PrefillKernel, decode_kernel_for, prefill_kernel_for
 from scheduler.plan import StepPlan
 
 
@@ -32,7 +32,7 @@ class ModelRunner:
         prefill_kernel: PrefillKernel | None | str = "auto",
     ) -> None:
         """``decode_kernel``: "auto" picks the device's in-place paged attention kernel
-        (engine/paged_attention.py); None keeps the gathered path. ``prefill_kernel``: "auto"
+        (engine/attention_kernels.py); None keeps the gathered path. ``prefill_kernel``: "auto"
         picks the causal prefill kernel where one serves these shapes; None keeps SDPA."""
         self.model = loaded.model
         self.config = loaded.model_config

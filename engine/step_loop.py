@@ -1,5 +1,11 @@
 """The engine thread: take in what callers sent, ask the scheduler for a plan, run it, hand out tokens.
 
+``_run_step`` reads as the step's phases, one method each: begin (the step's clock, what an
+express step inside it may use), prepare rows (drafts, the batch's LoRA adapters, prompts to
+score), forward, choose tokens (penalties, grammars, sampling, verifying drafts), account (the
+step metered before any of its requests ends), update the scheduler, detokenize, hand out
+(publish, then send the deltas).
+
 A light tenant's short request (the policy's ``express``) does not wait for other tenants'
 work: between two layers of a step under way the loop asks the scheduler for an express step
 (``Scheduler.schedule_express``), runs it whole, hands out its first token, and then
@@ -29,10 +35,11 @@ from engine.grammar import mask_logits
 from engine.in_flight import InFlight, Outgoing
 from engine.inbox import AbortRequest, AddRequest, Inbox, Message, UnregisterAdapter
 from engine.logit_adjustments import adjust_logits_, adjusts_logits
+from engine.lora_hook import LoraBatchLike
 from engine.request import MASK_OVER_BUDGET
-from engine.prompt_scoring import rows_to_score, score_prompts
+from engine.prompt_scoring import PromptRows, rows_to_score, score_prompts
 from engine.runner import ModelRunner
-from engine.request_state import OutsideGrammar, RequestState
+from engine.request_state import OutsideGrammar
 from engine.sampler import SampledToken, sample
 from engine.speculative import Speculator, StepDrafts, accepted_drafts
 from engine.step_timer import StepTimer
@@ -50,6 +57,27 @@ class _StepUnderWay:
 
     adapters: frozenset[str]  # an express request may use only these (a slot load could evict one)
     express_s: float | None = None  # the express step's metered seconds, once one ran
+
+
+@dataclass
+class _Step:
+    """One step as its phases hand it on."""
+
+    plan: StepPlan
+    nested: bool  # an express step run between the layers of another
+    sampling: list[ScheduledChunk]  # the chunks that sample a token, in the order of the logits' rows
+    started_at: float
+    timer: StepTimer
+    under_way: _StepUnderWay | None  # the step's own record for express steps; None when nested
+
+
+@dataclass
+class _Rows:
+    """What the forward reads beside the plan (``StepLoop._prepare_rows``)."""
+
+    lora_batch: LoraBatchLike | None  # the step's chunks' adapters, None without a LoRA pool
+    scoring: list[PromptRows]  # the prompts this step scores
+    hidden_rows: list[int]  # the rows whose final hidden states the scoring reads
 
 
 @dataclass(frozen=True)
@@ -141,7 +169,7 @@ class StepLoop:
     def _unregister(self, message: UnregisterAdapter) -> None:
         done: Future[None] = message.done
         for seq_id in self.requests.seq_ids(adapter=message.name):
-            self.requests.end(seq_id, "error", "error", error=f"adapter {message.name!r} was unloaded")
+            self._fail(seq_id, f"adapter {message.name!r} was unloaded")
         try:
             self.lora_pool.unregister(message.name)
         except Exception as exc:
@@ -167,89 +195,68 @@ class StepLoop:
         except Exception:  # a bug after its forward pass: end the express step's requests, not the step under way's
             log.exception("express step failed")
             for chunk in plan.chunks:
-                self.requests.end(chunk.seq.seq_id, "error", "error", error="internal engine error")
+                self._fail(chunk.seq.seq_id, "internal engine error")
         finally:
             if under_way.express_s is None:  # one express step per step, even one that failed
                 under_way.express_s = 0.0
 
     def _run_step(self, plan: StepPlan, nested: bool = False) -> None:
         """Run, sample and hand out one step (``nested``: an express step between another's layers)."""
-        sampling = [c for c in plan.chunks if c.samples]
-        started_at = time.time()
+        step = self._begin(plan, nested)
+        try:
+            rows = self._prepare_rows(step)
+            logits = self._forward(step, rows)
+            runs = self._choose_tokens(logits, step.sampling)
+        except Exception as exc:  # a bad step must not take the loop down
+            log.exception("engine step failed")
+            self._account(step)
+            for chunk in plan.chunks:
+                self._fail(chunk.seq.seq_id, str(exc))
+            return
+        # The step is accounted before any request of it ends, so billing sees its share of the
+        # step before its finish event.
+        self._account(step, runs)
+        outgoing: Outgoing = []
+        produced = self._update_scheduler(step, runs, outgoing)
+        self._detokenize(produced, outgoing)
+        self._hand_out(outgoing)
+
+    def _begin(self, plan: StepPlan, nested: bool) -> _Step:
+        """Start the step's clock; a step of its own lets an express step run between its layers."""
         timer = self._express_timer if nested else self._timer
         under_way = None
         if not nested:
             under_way = _StepUnderWay(frozenset(c.seq.adapter for c in plan.chunks if c.seq.adapter is not None))
             self._between = under_way
-        between = self._between_layers if self.express_steps and not nested else None
+        step = _Step(plan, nested, [c for c in plan.chunks if c.samples], time.time(), timer, under_way)
         timer.start()
-        try:
-            if self.speculator is not None and not nested:  # an express step is prefill only
-                self.speculator.draft(plan, self.requests.get)
-            lora_batch = None
-            if self.lora_pool is not None:
-                lora_batch = self.lora_pool.batch_for([(c.seq.adapter, c.num_tokens) for c in plan.chunks])
-            scoring, hidden_rows = rows_to_score(plan.chunks, self.requests.get)
-            logits, hidden = self.runner.execute_with_hidden(plan, hidden_rows, lora_batch, between, nested)
-            if scoring:
-                score_prompts(hidden, scoring, self.runner.head_logits, self.tokenizer, between)
-            states = [self.requests.get(c.seq.seq_id) for c in sampling]
-            runs = self._sample(logits, sampling, states)
-        except Exception as exc:  # a bad step must not take the loop down
-            log.exception("engine step failed")
-            self._account_step(plan, started_at, self._stop(timer, under_way))
-            for chunk in plan.chunks:
-                self.requests.end(chunk.seq.seq_id, "error", "error", error=str(exc))
-            return
-        # The step is accounted before any request of it ends, so billing sees its share of the
-        # step before its finish event.
-        duration = self._stop(timer, under_way)
-        drafts = None
-        if self.speculator is not None and not nested:  # an express step drafts nothing
-            drafts = self.speculator.observe(sampling, runs, duration)
-        self._account_step(plan, started_at, duration, drafts)
+        return step
 
-        # Deltas go out after all of the step's bookkeeping: a caller woken by one needs the GIL,
-        # which this thread would otherwise hold through that bookkeeping.
-        outgoing: Outgoing = []
-        produced = []
-        for chunk, run in zip(sampling, runs):
-            if run[-1].error is None:
-                produced.append((chunk, run))
-            else:  # ended before the update, which then skips the sequence it no longer knows
-                log.error("request %s: %s", chunk.seq.seq_id, run[-1].error)
-                self.requests.end(chunk.seq.seq_id, "error", "error", error=run[-1].error, outgoing=outgoing)
-        self.scheduler.update(plan, {c.seq.seq_id: run[-1].token_id for c, run in produced},
-                              accepted_drafts(produced))
+    def _prepare_rows(self, step: _Step) -> _Rows:
+        """What the forward needs beside the plan: drafts for decode chunks, the batch's LoRA
+        adapters, and the prefill rows whose hidden states score a prompt."""
+        plan = step.plan
+        if self.speculator is not None and not step.nested:  # an express step is prefill only
+            self.speculator.draft(plan, self.requests.get)
+        lora_batch = None
+        if self.lora_pool is not None:
+            lora_batch = self.lora_pool.batch_for([(c.seq.adapter, c.num_tokens) for c in plan.chunks])
+        scoring, hidden_rows = rows_to_score(plan.chunks, self.requests.get)
+        return _Rows(lora_batch, scoring, hidden_rows)
 
-        for chunk, run in produced:
-            seq_id = chunk.seq.seq_id
-            state = self.requests.get(seq_id)
-            if state is None:  # a sibling choice failed earlier in this step and took it along
-                continue
-            if state.group is not None and state.group.waiting:
-                self.requests.release_siblings(state)
-            try:
-                delta = state.on_tokens(run, self.tokenizer, self.max_model_len)
-            except OutsideGrammar:
-                error = "the sampled token is outside the request's grammar"
-                self.requests.end(seq_id, "error", "error", error=error, outgoing=outgoing)
-                continue
-            except Exception as exc:  # e.g. the detokenizer: this request's failure, not its batch's
-                log.exception("request %s: building its output failed", state.request_id)
-                self.requests.end(seq_id, "error", "error", error=f"detokenizing failed: {exc}", outgoing=outgoing)
-                continue
-            if delta.finish_reason is None:
-                outgoing.append((state.sink, delta))
-            else:
-                self.requests.end(seq_id, "ok", delta.finish_reason, last_delta=delta, outgoing=outgoing)
-        self.publish()
-        for sink, delta in outgoing:
-            sink(delta)
+    def _forward(self, step: _Step, rows: _Rows) -> torch.Tensor:
+        """The model over the step's rows: the sampling rows' logits; prompts to score are scored."""
+        between = self._between_layers if self.express_steps and not step.nested else None
+        logits, hidden = self.runner.execute_with_hidden(step.plan, rows.hidden_rows, rows.lora_batch, between,
+                                                         step.nested)
+        if rows.scoring:
+            score_prompts(hidden, rows.scoring, self.runner.head_logits, self.tokenizer, between)
+        return logits
 
-    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk], states: list[RequestState]
-                ) -> list[list[SampledToken]]:
-        """Each sampling chunk's tokens: one, or its accepted drafts and one (engine/speculative.py)."""
+    def _choose_tokens(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> list[list[SampledToken]]:
+        """Each sampling chunk's tokens: one, or its accepted drafts and one (engine/speculative.py);
+        penalties and grammars apply first. A row whose mask ran over its budget carries the error."""
+        states = [self.requests.get(c.seq.seq_id) for c in sampling]
         if any(c.draft_token_ids for c in sampling):
             runs, too_slow = self.speculator.sample(logits, sampling, states, self.tokenizer.eos_token_ids,
                                                     self.grammar_mask_budget_s)
@@ -264,6 +271,63 @@ class StepLoop:
         for row in too_slow:  # that request alone ends, billed for its steps so far
             runs[row] = [dataclasses.replace(runs[row][-1], error=MASK_OVER_BUDGET)]
         return runs
+
+    def _account(self, step: _Step, runs: list[list[SampledToken]] | None = None) -> None:
+        """Stop the step's clock and meter it (``runs`` None: the step failed before its tokens)."""
+        duration = self._stop(step.timer, step.under_way)
+        drafts = None
+        if runs is not None and self.speculator is not None and not step.nested:  # an express step drafts nothing
+            drafts = self.speculator.observe(step.sampling, runs, duration)
+        self._account_step(step.plan, step.started_at, duration, drafts)
+
+    def _update_scheduler(self, step: _Step, runs: list[list[SampledToken]], outgoing: Outgoing
+                          ) -> list[tuple[ScheduledChunk, list[SampledToken]]]:
+        """Append the step's tokens to its sequences; the chunks whose tokens came, each with its run.
+        A row that failed ends its request first, so the update skips the sequence it no longer knows."""
+        produced = []
+        for chunk, run in zip(step.sampling, runs):
+            if run[-1].error is None:
+                produced.append((chunk, run))
+            else:
+                log.error("request %s: %s", chunk.seq.seq_id, run[-1].error)
+                self._fail(chunk.seq.seq_id, run[-1].error, outgoing)
+        self.scheduler.update(step.plan, {c.seq.seq_id: run[-1].token_id for c, run in produced},
+                              accepted_drafts(produced))
+        return produced
+
+    def _detokenize(self, produced: list[tuple[ScheduledChunk, list[SampledToken]]], outgoing: Outgoing) -> None:
+        """Each request's delta from its new tokens, into ``outgoing``; a request that finished ends."""
+        for chunk, run in produced:
+            seq_id = chunk.seq.seq_id
+            state = self.requests.get(seq_id)
+            if state is None:  # a sibling choice failed earlier in this step and took it along
+                continue
+            if state.group is not None and state.group.waiting:
+                self.requests.release_siblings(state)
+            try:
+                delta = state.on_tokens(run, self.tokenizer, self.max_model_len)
+            except OutsideGrammar:
+                self._fail(seq_id, "the sampled token is outside the request's grammar", outgoing)
+                continue
+            except Exception as exc:  # e.g. the detokenizer: this request's failure, not its batch's
+                log.exception("request %s: building its output failed", state.request_id)
+                self._fail(seq_id, f"detokenizing failed: {exc}", outgoing)
+                continue
+            if delta.finish_reason is None:
+                outgoing.append((state.sink, delta))
+            else:
+                self.requests.end(seq_id, "ok", delta.finish_reason, last_delta=delta, outgoing=outgoing)
+
+    def _hand_out(self, outgoing: Outgoing) -> None:
+        """Publish the new state, then send the step's deltas: after all of its bookkeeping, as a
+        caller woken by one needs the GIL, which this thread would otherwise hold through it."""
+        self.publish()
+        for sink, delta in outgoing:
+            sink(delta)
+
+    def _fail(self, seq_id: str, error: str, outgoing: Outgoing | None = None) -> None:
+        """End one request with an error (its delta into ``outgoing`` when the step is handing out)."""
+        self.requests.end(seq_id, "error", "error", error=error, outgoing=outgoing)
 
     def _stop(self, timer: StepTimer, under_way: _StepUnderWay | None) -> float:
         """The step's metered seconds: an express step run inside it is metered (and billed) as its own."""

@@ -70,7 +70,7 @@ def _paged_decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, scale, window
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, window: int = 0,
                            softcap: float = 0.0) -> torch.Tensor:
-    """``q`` [B, heads, d] (rows may be strided) -> ``[B, heads * d]``; see engine/paged_attention.py."""
+    """``q`` [B, heads, d] (rows may be strided) -> ``[B, heads * d]``; see engine/attention_kernels.py."""
     batch, num_heads, head_dim = q.shape
     _, block_size, _, kv_heads, _ = kv_cache.shape
     if q.stride(2) != 1:

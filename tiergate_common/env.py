@@ -94,6 +94,9 @@ CACHE_DIR: Var[str | None] = Var("CACHE_DIR", str, None)
 CPU_THREADS: Var[int | None] = Var("CPU_THREADS", int, None)
 # Engine: projections' form (engine/packed_linear.py): auto (panels, the same), onednn, or off/plain (torch.mm).
 PACKED_WEIGHTS = Switch("PACKED_WEIGHTS", extra=("panels", "onednn", "plain"))
+# Engine: the quantized kernels' path (engine/quant_linear.py): auto (the best this CPU runs), avx512,
+# avxvnni, avx2 or scalar; quant_linear checks the name and the CPU.
+QUANT_ISA: Var[str] = Var("QUANT_ISA", str, "auto")
 # Engine: off keeps Q4_0/Q8_0/Q4_K/Q6_K weights in the file's layout instead of repacking them (engine/quant_linear.py).
 QUANT_REPACK = Switch("QUANT_REPACK")
 # Engine: the fewest rows of x that send a quantized projection (engine/quant_linear.py) or a bfloat16 one

@@ -32,7 +32,7 @@ from bench.common import machine, report
 from engine.attention import AttentionMetadata, LayerAttention, paged_attention
 from engine.cpu_threads import ThreadTuner
 from engine.loader import load_model
-from engine.paged_attention import cpu_decode_kernel, prefill_kernel_for
+from engine.attention_kernels import cpu_decode_kernel, prefill_kernel_for
 from engine.runner import ModelRunner
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.sequence import Sequence

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.loader import load_model
-from engine.paged_attention import decode_kernel_for, prefill_kernel_for
+from engine.attention_kernels import decode_kernel_for, prefill_kernel_for
 from engine.runner import ModelRunner
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.sequence import Sequence

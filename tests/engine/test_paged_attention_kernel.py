@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, LayerAttention, paged_attention
-from engine.paged_attention import cpu_decode_kernel
+from engine.attention_kernels import cpu_decode_kernel
 from tests.engine.paged_attention_reference import CASES, VARIANTS, random_case, reference, variant_case
 
 HERE = Path(__file__).parent
@@ -120,7 +120,7 @@ def test_kernels_that_cannot_build_leave_the_gathered_path_and_onednn_and_warn_o
         import torch
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
         from engine.packed_linear import weight_form
-        from engine.paged_attention import decode_kernel_for
+        from engine.attention_kernels import decode_kernel_for
         assert decode_kernel_for("cpu") is None
         assert decode_kernel_for("cpu") is None
         assert weight_form("cpu", torch.float32) == "onednn"
@@ -136,7 +136,7 @@ def test_kernels_that_cannot_build_leave_the_gathered_path_and_onednn_and_warn_o
 
 
 def test_paged_attention_off_keeps_the_gathered_path(monkeypatch):
-    from engine.paged_attention import decode_kernel_for
+    from engine.attention_kernels import decode_kernel_for
 
     monkeypatch.setenv("TIERGATE_PAGED_ATTENTION", "off")
     assert decode_kernel_for("cpu") is None

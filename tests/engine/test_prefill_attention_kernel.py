@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, LayerAttention, paged_attention
-from engine.paged_attention import decode_kernel_for, prefill_kernel_for
+from engine.attention_kernels import decode_kernel_for, prefill_kernel_for
 
 
 @pytest.fixture(scope="module")
