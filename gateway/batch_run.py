@@ -120,8 +120,10 @@ async def run_line(gw: Gateway, line: ClaimedLine, tenant, on_start=None) -> Lin
     if on_start is not None:
         on_start(generation)
     response = await generation.collect()
-    if generation.interrupted or generation.record is None:  # stopped by the server, or the engine went away
+    if generation.interrupted:  # stopped by the server: not this line's fault, it runs again uncounted
         raise LineInterrupted(request_id)
+    if generation.record is None:  # the engine ended it with no answer: a failed run, counted
+        raise RuntimeError(f"batch line {line.batch_id}:{line.line}: the engine ended {request_id} with no answer")
     record = dataclasses.replace(generation.record, **tag)
     status = response.status_code
     return LineOutcome(status == 200, request_id,
