@@ -86,8 +86,10 @@ def _sized(chunks: Iterable[bytes]) -> Iterator[bytes]:
     for chunk in chunks:
         pending += chunk
         while len(pending) >= CHUNK_BYTES:
-            yield bytes(pending[:CHUNK_BYTES])
+            with memoryview(pending) as view:  # one copy out, not a bytearray slice and then its bytes
+                row = bytes(view[:CHUNK_BYTES])
             del pending[:CHUNK_BYTES]
+            yield row
     if pending:
         yield bytes(pending)
 

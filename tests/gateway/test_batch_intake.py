@@ -42,7 +42,8 @@ def test_a_bad_line_is_found_after_create_returned_and_named_in_errors(serve):
     live.add_tenant("acme", "premium", **TENANT)
     client = client_for(live)
     model = live.engine.model_name
-    file = upload(client, jsonl([chat_line("a", "fine", model), chat_line("b", "x", model), chat_line("a", "x", model)]))
+    file = upload(client, jsonl([chat_line("a", "fine", model), chat_line("b", "x", model),
+                                 chat_line("a", "x", model)]))
     created = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
     assert created.status == "validating"
     failed = wait_for(client, created.id)
