@@ -1,22 +1,27 @@
-"""The Batch API's files: stored whole in the database, each visible only to the tenant that owns it.
+"""The Batch API's files: stored in the database a chunk a row, each visible only to the tenant that owns it.
 
 A file lives in the database because every replica must read what another took in (an input
-file, a batch's output) with no store beyond the one billing already runs; OpenAI's limit of
-200 MB per file keeps a row within what SQLite and PostgreSQL hold.
+file, a batch's output) with no store beyond the one billing already runs. Its bytes are rows of
+``batch_file_chunks`` of at most CHUNK_BYTES each, written and read one at a time, so storing or
+serving a file of OpenAI's 200 MB holds one chunk in memory, not the file; an upload's chunks go in
+one transaction, so a file refused midway (not JSONL, too large) leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, insert, select
+from sqlalchemy import Connection, Engine, delete, insert, select, update
 
-from billing.batch_models import BatchFile
+from billing.batch_models import BatchFile, BatchFileChunk
 
 _FILES = BatchFile.__table__
+_CHUNKS = BatchFileChunk.__table__
+CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -44,18 +49,49 @@ def new_file_id() -> str:
 
 
 def insert_file(connection: Connection, tenant: str, purpose: str, filename: str, content: bytes,
-                line_count: int, file_id: str | None = None) -> FileInfo:
+                line_count: int) -> FileInfo:
     """Store a file within the caller's transaction (a batch's output goes in with its final status)."""
-    info = FileInfo(file_id or new_file_id(), tenant, purpose, filename, len(content), line_count, int(time.time()))
-    connection.execute(insert(_FILES).values(
-        id=info.id, tenant=tenant, purpose=purpose, filename=filename, bytes=info.bytes,
-        line_count=line_count, created_at=info.created_at, content=content))
-    return info
+    return _insert_chunks(connection, tenant, purpose, filename,
+                          (content[i:i + CHUNK_BYTES] for i in range(0, len(content), CHUNK_BYTES)), lambda: line_count)
 
 
-def create_file(db: Engine, tenant: str, purpose: str, filename: str, content: bytes, line_count: int) -> FileInfo:
+def store_file(db: Engine, tenant: str, purpose: str, filename: str, chunks: Iterable[bytes],
+               line_count: Callable[[], int]) -> FileInfo:
+    """Store a file as ``chunks`` arrive, a chunk in memory at a time; ``line_count()`` is asked once they are all
+    in. If iterating ``chunks`` raises (the upload's check refused a line), the transaction is rolled back and
+    nothing is stored."""
     with db.begin() as connection:
-        return insert_file(connection, tenant, purpose, filename, content, line_count)
+        return _insert_chunks(connection, tenant, purpose, filename, chunks, line_count)
+
+
+def _insert_chunks(connection: Connection, tenant: str, purpose: str, filename: str, chunks: Iterable[bytes],
+                   line_count: Callable[[], int]) -> FileInfo:
+    file_id, created_at = new_file_id(), int(time.time())
+    # The file's row first (its chunks refer to it); its size and lines are known once they are in.
+    connection.execute(insert(_FILES).values(id=file_id, tenant=tenant, purpose=purpose, filename=filename, bytes=0,
+                                             line_count=0, created_at=created_at))
+    size = seq = 0
+    for chunk in _sized(chunks):
+        connection.execute(insert(_CHUNKS).values(file_id=file_id, seq=seq, data=chunk))
+        size += len(chunk)
+        seq += 1
+    lines = line_count()
+    connection.execute(update(_FILES).where(_FILES.c.id == file_id).values(bytes=size, line_count=lines))
+    return FileInfo(file_id, tenant, purpose, filename, size, lines, created_at)
+
+
+def _sized(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """``chunks`` regrouped into rows of CHUNK_BYTES (the last one shorter): few rows, each bounded."""
+    pending = bytearray()
+    for chunk in chunks:
+        pending += chunk
+        while len(pending) >= CHUNK_BYTES:
+            with memoryview(pending) as view:  # one copy out, not a bytearray slice and then its bytes
+                row = bytes(view[:CHUNK_BYTES])
+            del pending[:CHUNK_BYTES]
+            yield row
+    if pending:
+        yield bytes(pending)
 
 
 def get_file(db: Engine, tenant: str, file_id: str) -> FileInfo | None:
@@ -66,10 +102,24 @@ def get_file(db: Engine, tenant: str, file_id: str) -> FileInfo | None:
     return None if row is None else FileInfo(*row)
 
 
-def file_content(db: Engine, tenant: str, file_id: str) -> bytes | None:
-    with db.connect() as connection:
-        return connection.execute(select(_FILES.c.content).where(_FILES.c.id == file_id,
-                                                                 _FILES.c.tenant == tenant)).scalar()
+def file_chunks(db: Engine, tenant: str, file_id: str) -> Iterator[bytes] | None:
+    """The tenant's file's bytes a chunk at a time (one query each, so no connection stays open between them), or
+    None if it has no such file. A file deleted while it is read ends early."""
+    if get_file(db, tenant, file_id) is None:
+        return None
+    return _chunks_of(db, file_id)
+
+
+def _chunks_of(db: Engine, file_id: str) -> Iterator[bytes]:
+    seq = 0
+    while True:
+        with db.connect() as connection:
+            data = connection.execute(select(_CHUNKS.c.data).where(_CHUNKS.c.file_id == file_id,
+                                                                   _CHUNKS.c.seq == seq)).scalar()
+        if data is None:
+            return
+        yield bytes(data)
+        seq += 1
 
 
 def list_files(db: Engine, tenant: str, purpose: str | None = None, after: str | None = None,
@@ -100,4 +150,9 @@ def _after(created_at: int, file_id: str, newest_first: bool):
 
 def delete_file(db: Engine, tenant: str, file_id: str) -> bool:
     with db.begin() as connection:
-        return connection.execute(delete(_FILES).where(_FILES.c.id == file_id, _FILES.c.tenant == tenant)).rowcount > 0
+        if connection.execute(select(_FILES.c.id).where(_FILES.c.id == file_id, _FILES.c.tenant == tenant)
+                              ).first() is None:
+            return False
+        # Explicitly, not only by the foreign key's cascade: a SQLite connection without foreign_keys on skips it.
+        connection.execute(delete(_CHUNKS).where(_CHUNKS.c.file_id == file_id))
+        return connection.execute(delete(_FILES).where(_FILES.c.id == file_id)).rowcount > 0

@@ -101,14 +101,16 @@ def finish_line(db: Engine, owner: str, key: tuple[str, int], succeeded: bool, r
     return bool(written)
 
 
-def release(db: Engine, owner: str, keys: list[tuple[str, int]]) -> None:
-    """Give lines back unanswered (the replica is stopping): queued again for any replica."""
+def release(db: Engine, owner: str, keys: list[tuple[str, int]], counted: bool = True) -> None:
+    """Give lines back unanswered: queued again for any replica. ``counted`` False takes back the attempt their
+    claim counted (the replica stopped them, or put them off), so only runs that failed count toward the cap."""
     c = _LINES.c
+    attempts = c.attempts if counted else c.attempts - 1
     with db.begin() as connection:
         for batch_id, line in keys:
             connection.execute(update(_LINES).where(c.batch_id == batch_id, c.line == line, c.state == "leased",
                                                     c.lease_owner == owner)
-                               .values(state="queued", lease_owner=None, lease_until=None))
+                               .values(state="queued", lease_owner=None, lease_until=None, attempts=attempts))
 
 
 def finalize(db: Engine, now: float | None = None) -> list[str]:

@@ -9,7 +9,7 @@ seconds (OpenAI's objects show integers); a lease's end is a float.
 from __future__ import annotations
 
 from sqlalchemy import BigInteger, CheckConstraint, Float, ForeignKey, Index, Integer, LargeBinary, String, Text
-from sqlalchemy.orm import Mapped, deferred, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column
 
 from billing.models import Base
 
@@ -37,7 +37,17 @@ class BatchFile(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     line_count: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[int] = mapped_column(BigInteger)
-    content: Mapped[bytes] = deferred(mapped_column(LargeBinary, nullable=False))
+
+
+class BatchFileChunk(Base):
+    """A file's bytes in order, a chunk a row: written and read a chunk at a time, so no process holds a whole
+    file (200 MB at most) to store or serve it."""
+
+    __tablename__ = "batch_file_chunks"
+
+    file_id: Mapped[str] = mapped_column(ForeignKey("batch_files.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Batch(Base):
@@ -70,6 +80,10 @@ class Batch(Base):
     expired_at: Mapped[int | None] = mapped_column(BigInteger)
     cancelling_at: Mapped[int | None] = mapped_column(BigInteger)
     cancelled_at: Mapped[int | None] = mapped_column(BigInteger)
+    # While ``validating``: the replica checking its lines, until when (renewed as it goes; one that died
+    # leaves the batch to whoever claims it after this time).
+    validation_owner: Mapped[str | None] = mapped_column(String(128))
+    validation_until: Mapped[float | None] = mapped_column(Float)
 
 
 class BatchLine(Base):

@@ -1,5 +1,7 @@
 """Batches as OpenAI shows them: creation (with the tenant's queue limit), reads, lists and cancel.
 
+A batch is created ``validating``; billing/batch_intake.py takes it to ``in_progress`` or ``failed``.
+
 A batch's lines live in batch_lines (billing.batch_lines runs them); its request_counts are
 counted from their states when it is read. Every read takes the tenant: another tenant's batch
 is unknown (None), never forbidden.
@@ -16,7 +18,8 @@ from typing import Any
 from sqlalchemy import Connection, Engine, func, insert, select, update
 
 from billing.batch_models import Batch, BatchLine
-from billing.errors import BillingError
+from billing.errors import BillingError, UnknownTenant
+from billing.models import Tenant
 
 _BATCHES = Batch.__table__
 _LINES = BatchLine.__table__
@@ -76,54 +79,42 @@ def new_batch_id() -> str:
 
 
 def create_batch(db: Engine, tenant: str, endpoint: str, input_file_id: str, completion_window: str,
-                 metadata: dict[str, str] | None, lines: list[LineSpec], window_s: int, queue_limit: int) -> BatchInfo:
-    """A batch in_progress with its lines queued; BatchQueueFull past the tenant's limit of unfinished tokens.
+                 metadata: dict[str, str] | None, total: int, window_s: int) -> BatchInfo:
+    """A batch ``validating``: a driver checks its lines next (billing/batch_intake.py). BatchQueueFull when the
+    tenant's unfinished batches already hold its whole ``batch_queue_tokens``: no batch could fit beside them.
 
-    The check and the insert share one transaction under a lock on the tenant's unfinished batches
-    (PostgreSQL; SQLite serializes writers), so two creations at once cannot both pass it."""
-    reserved = sum(spec.tokens for spec in lines)
+    ``total`` is the input file's line count, what the batch holds if every line passes."""
     now = int(time.time())
     batch_id = new_batch_id()
     with db.begin() as connection:
-        held = _unfinished_tokens(connection, tenant)
-        if held + reserved > queue_limit:
+        limit, held = unfinished_tokens(connection, tenant)
+        if held >= limit:
             raise BatchQueueFull(
-                f"Enqueued token limit reached: this batch needs {reserved} tokens (prompts plus max_tokens) and "
-                f"your unfinished batches hold {held} of your limit of {queue_limit}. Wait for them to finish, "
-                "or send a smaller batch.")
+                f"Enqueued token limit reached: your unfinished batches hold {held} tokens (prompts plus max_tokens) "
+                f"of your limit of {limit}. Wait for them to finish before sending another.")
         connection.execute(insert(_BATCHES).values(
             id=batch_id, tenant=tenant, endpoint=endpoint, input_file_id=input_file_id,
-            completion_window=completion_window, status="in_progress",
-            metadata_json=None if metadata is None else json.dumps(metadata), total=len(lines),
-            reserved_tokens=reserved, created_at=now, in_progress_at=now, expires_at=now + window_s))
-        if lines:
-            connection.execute(insert(_LINES), [
-                {"batch_id": batch_id, "line": spec.line, "custom_id": spec.custom_id, "body": spec.body,
-                 "state": "queued", "attempts": 0} for spec in lines])
+            completion_window=completion_window, status="validating",
+            metadata_json=None if metadata is None else json.dumps(metadata), total=total,
+            reserved_tokens=0, created_at=now, expires_at=now + window_s))
     return get_batch(db, tenant, batch_id)
 
 
-def create_failed_batch(db: Engine, tenant: str, endpoint: str, input_file_id: str, completion_window: str,
-                        metadata: dict[str, str] | None, errors: list[dict[str, Any]], total: int,
-                        window_s: int) -> BatchInfo:
-    """A batch that failed validation: no line runs, ``errors`` names the lines at fault."""
-    now = int(time.time())
-    batch_id = new_batch_id()
-    with db.begin() as connection:
-        connection.execute(insert(_BATCHES).values(
-            id=batch_id, tenant=tenant, endpoint=endpoint, input_file_id=input_file_id,
-            completion_window=completion_window, status="failed",
-            metadata_json=None if metadata is None else json.dumps(metadata), errors_json=json.dumps(errors),
-            total=0, reserved_tokens=0, created_at=now, expires_at=now + window_s, failed_at=now))
-    return get_batch(db, tenant, batch_id)
+def unfinished_tokens(connection: Connection, tenant: str, exclude: str | None = None) -> tuple[int, int]:
+    """(the tenant's batch_queue_tokens, the tokens its unfinished batches hold but ``exclude``).
 
-
-def _unfinished_tokens(connection: Connection, tenant: str) -> int:
-    query = select(_BATCHES.c.reserved_tokens).where(_BATCHES.c.tenant == tenant,
-                                                     _BATCHES.c.status.in_(UNFINISHED))
+    On PostgreSQL the tenant's row stays locked to the end of the caller's transaction (SQLite serializes
+    writers), so two batches checked at once cannot both pass the limit."""
+    limit_query = select(Tenant.batch_queue_tokens).where(Tenant.name == tenant)
     if connection.dialect.name == "postgresql":
-        query = query.with_for_update()
-    return sum(connection.execute(query).scalars())
+        limit_query = limit_query.with_for_update()
+    limit = connection.execute(limit_query).scalar()
+    if limit is None:
+        raise UnknownTenant(f"unknown tenant {tenant!r}")
+    query = select(_BATCHES.c.reserved_tokens).where(_BATCHES.c.tenant == tenant, _BATCHES.c.status.in_(UNFINISHED))
+    if exclude is not None:
+        query = query.where(_BATCHES.c.id != exclude)
+    return limit, sum(connection.execute(query).scalars())
 
 
 def get_batch(db: Engine, tenant: str | None, batch_id: str) -> BatchInfo | None:

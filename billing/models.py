@@ -22,6 +22,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
+# A tenant's batch queue limit unless set (migrations/versions/0007 gives existing tenants the same).
+DEFAULT_BATCH_QUEUE_TOKENS = 20_000_000
 # Named constraints keep Alembic's autogenerate and batch (SQLite) migrations deterministic.
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -59,6 +61,9 @@ class Tenant(Base):
     max_concurrent: Mapped[int] = mapped_column(Integer)
     # Its share of its tier's engine time relative to the tier's other tenants (fair share).
     weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
+    # OpenAI's batch queue limit: tokens (prompts plus max_tokens) its unfinished batches may hold.
+    batch_queue_tokens: Mapped[int] = mapped_column(BigInteger, default=DEFAULT_BATCH_QUEUE_TOKENS,
+                                                    server_default=str(DEFAULT_BATCH_QUEUE_TOKENS))
     # Bumped on every change of settings or grants: the gateway's auth cache compares it.
     version: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)

@@ -1,4 +1,5 @@
-"""Tenants: their tier, rate limits and fair-share weight, created and changed by the admin API and the CLI."""
+"""Tenants: their tier, rate limits, batch queue limit and fair-share weight, created and changed by the admin API
+and the CLI."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from billing.errors import DuplicateTenant, InvalidLimit, InvalidTier, UnknownTenant
-from billing.models import Tenant, find_named, utcnow
+from billing.models import DEFAULT_BATCH_QUEUE_TOKENS, Tenant, find_named, utcnow
 
 TIERS = ("premium", "standard", "batch")  # batch: spare capacity only (issue 32)
 DEFAULT_RPM = 60
 DEFAULT_TPM = 100_000
 DEFAULT_MAX_CONCURRENT = 8
-LIMITS = ("rpm", "tpm", "max_concurrent")
+LIMITS = ("rpm", "tpm", "max_concurrent", "batch_queue_tokens")
 DEFAULT_WEIGHT = 1.0
 MAX_WEIGHT = 1000.0  # a weight is a ratio between tenants; beyond this it is surely a typo
 MAX_LIMIT = 2**31 - 1  # the limit columns are 32-bit integers in PostgreSQL
+# batch_queue_tokens is a 64-bit column (OpenAI's queue limits reach billions); JSON numbers stay exact to 2**53.
+MAX_LIMITS = {"batch_queue_tokens": 2**53}
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class TenantSettings:
     version: int
     updated_at: datetime
     weight: float = DEFAULT_WEIGHT
+    batch_queue_tokens: int = DEFAULT_BATCH_QUEUE_TOKENS
 
 
 def create_tenant(
@@ -42,11 +46,12 @@ def create_tenant(
     tpm: int = DEFAULT_TPM,
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
     weight: float = DEFAULT_WEIGHT,
+    batch_queue_tokens: int = DEFAULT_BATCH_QUEUE_TOKENS,
 ) -> TenantSettings:
     if not name or len(name) > 128 or not name.isprintable():
         raise InvalidLimit(f"tenant name must be 1 to 128 printable characters, got {name!r}")
     _check_tier(tier)
-    limits = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent}
+    limits = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent, "batch_queue_tokens": batch_queue_tokens}
     for field, value in limits.items():
         _check_limit(field, value)
     _check_weight(weight)
@@ -71,7 +76,8 @@ def get_tenant(engine: Engine, name: str) -> TenantSettings:
 
 
 def set_tenant(engine: Engine, name: str, **changes: str | int) -> TenantSettings:
-    """Change a tenant's tier, limits (rpm, tpm, max_concurrent) and/or weight; bumps its version."""
+    """Change a tenant's tier, limits (rpm, tpm, max_concurrent, batch_queue_tokens) and/or weight; bumps its
+    version."""
     unknown = set(changes) - {"tier", "weight", *LIMITS}
     if unknown:
         raise InvalidLimit(f"unknown tenant setting(s): {', '.join(sorted(unknown))}")
@@ -108,8 +114,9 @@ def _check_tier(tier: object) -> None:
 
 
 def _check_limit(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_LIMIT:
-        raise InvalidLimit(f"{field} must be an integer from 1 to {MAX_LIMIT}, got {value!r}")
+    most = MAX_LIMITS.get(field, MAX_LIMIT)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= most:
+        raise InvalidLimit(f"{field} must be an integer from 1 to {most}, got {value!r}")
 
 
 def _check_weight(value: object) -> None:
@@ -119,4 +126,5 @@ def _check_weight(value: object) -> None:
 
 
 def _settings(t: Tenant) -> TenantSettings:
-    return TenantSettings(t.name, t.tier, t.rpm, t.tpm, t.max_concurrent, t.version, t.updated_at, t.weight)
+    return TenantSettings(t.name, t.tier, t.rpm, t.tpm, t.max_concurrent, t.version, t.updated_at, t.weight,
+                          t.batch_queue_tokens)

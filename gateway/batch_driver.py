@@ -1,11 +1,16 @@
-"""The batch driver: one per replica, an asyncio task of the app that feeds batch lines to the engine.
+"""The batch driver: one per replica, an asyncio task of the app that validates batches and feeds their lines to
+the engine.
 
-It keeps at most ``batch_window`` lines running (the scheduler decides when each runs: tier
-``batch`` goes into spare capacity), claiming more as lines end; renews the leases of its running
+It validates one ``validating`` batch at a time (gateway/batch_intake.py), and keeps at most
+``batch_window`` lines running (the scheduler decides when each runs: tier ``batch`` goes into
+spare capacity), claiming more as lines end; renews the leases of its running
 lines every third of ``batch_lease_s``; writes each answer with its ledger row once
 (billing/batch_lines.py); ends batches with nothing left to run; and refreshes the batch metrics.
-Stopping, it interrupts its lines and gives them back to the queue; a replica killed instead
+Stopping, it interrupts its lines and its validation and gives them back; a replica killed instead
 leaves them leased until the lease runs out, then another replica (or its next start) runs them.
+A line is run at most MAX_ATTEMPTS times: a run that raises, or whose replica died (its lease ran
+out), counts; a line the server stopped or put off ("not now": a 429 or 503 before the engine had it)
+does not. The run that would pass the cap writes the line to the error file instead.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from collections.abc import Callable
 import anyio
 import anyio.to_thread
 
-from billing import batch_lines
+from billing import batch_intake, batch_lines
+from billing.batch_intake import ValidatingBatch
 from billing.batch_lines import ClaimedLine
 from billing.db import UNAVAILABLE
 from billing.keys import tenant_info
 from billing.open_rows import PROCESS_OWNER
+from gateway.batch_intake import validate
 from gateway.batch_run import LineInterrupted, LineOutcome, failed_line, run_line
 from gateway.errors import APIError
 from gateway.generation import Generation
@@ -31,8 +38,9 @@ from tiergate_common.errors import first_line
 
 log = logging.getLogger(__name__)
 
-# A line whose runs keep failing (not a refusal: those are answers) is answered with a 500 at this claim.
+# Runs of a line that keep failing (not a refusal: those are answers) before it is answered with an error.
 MAX_ATTEMPTS = 5
+ATTEMPTS_CODE = "batch_line_failed"
 TENANT_CACHE_S = 5.0  # a grant revoked reaches the lines within this time, as the auth cache's
 FINALIZE_EVERY_S = 1.0
 
@@ -46,6 +54,7 @@ class BatchDriver:
         self.lease_s = gw.settings.batch_lease_s
         self.running: dict[tuple[str, int], asyncio.Task] = {}
         self.generations: dict[tuple[str, int], Generation] = {}
+        self.validation: asyncio.Task | None = None
         self._tenants: dict[str, tuple[float, object]] = {}
         self._wake = asyncio.Event()
         self.stopping = False
@@ -61,6 +70,7 @@ class BatchDriver:
             while True:
                 if self.gw.database_ready and not self.gw.lifecycle.draining:
                     try:
+                        await self._claim_validation()
                         await self._claim()
                         now = self.clock()
                         if now - last_renew >= self.lease_s / 3:
@@ -90,8 +100,38 @@ class BatchDriver:
         self.stopping = True
         for generation in list(self.generations.values()):
             generation.interrupt()
+        if self.validation is not None:
+            self.validation.cancel()
+            await asyncio.gather(self.validation, return_exceptions=True)
         if self.running:
             await asyncio.gather(*self.running.values(), return_exceptions=True)
+
+    async def _claim_validation(self) -> None:
+        if self.validation is not None:
+            return
+        batch = await anyio.to_thread.run_sync(batch_intake.claim_validation, self.gw.db, self.owner, self.lease_s)
+        if batch is not None:
+            self.validation = asyncio.create_task(self._validate(batch), name=f"batch-validation-{batch.id}")
+
+    async def _validate(self, batch: ValidatingBatch) -> None:
+        try:
+            tenant = await self._tenant(batch.tenant)
+            status = await validate(self.gw, self.owner, self.lease_s, batch, tenant, self.clock)
+            if status is not None:
+                self.gw.metrics.batches.count_created(status)
+        except BaseException as exc:  # stopped, or failed: another replica (or this one) validates it again
+            if not isinstance(exc, asyncio.CancelledError):
+                log.exception("validating batch %s failed; it will be validated again", batch.id)
+            with anyio.CancelScope(shield=True):
+                try:
+                    await anyio.to_thread.run_sync(batch_intake.release_validation, self.gw.db, self.owner, batch.id)
+                except UNAVAILABLE:  # its lease runs out instead
+                    pass
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self.validation = None
+            self.wake()
 
     async def _claim(self) -> None:
         free = self.window - len(self.running)
@@ -111,10 +151,8 @@ class BatchDriver:
 
     async def _run(self, line: ClaimedLine) -> None:
         try:
-            if line.attempts > MAX_ATTEMPTS:
-                await self._write(line, failed_line(self.gw, line, line.tenant, APIError(
-                    500, f"The request failed to run {MAX_ATTEMPTS} times; it was not answered.", type="server_error",
-                    code="batch_line_failed")))
+            if line.attempts > MAX_ATTEMPTS:  # its earlier runs' replicas died mid-run (their leases ran out)
+                await self._give_up(line)
                 return
             tenant = await self._tenant(line.tenant)
             if tenant is None:
@@ -123,10 +161,15 @@ class BatchDriver:
                                      on_start=lambda generation: self.generations.__setitem__(line.key, generation))
             await self._write(line, outcome)
         except LineInterrupted:
-            await self._give_back(line)
+            await self._give_back(line, counted=False)
         except Exception:
-            log.exception("batch line %s:%d failed to run; back to the queue", line.batch_id, line.line)
-            await self._give_back(line)
+            if line.attempts >= MAX_ATTEMPTS:
+                log.exception("batch line %s:%d failed to run %d times; answered with an error", line.batch_id,
+                              line.line, line.attempts)
+                await self._give_up(line)
+            else:
+                log.exception("batch line %s:%d failed to run; back to the queue", line.batch_id, line.line)
+                await self._give_back(line, counted=True)
         finally:
             self.generations.pop(line.key, None)
             self.running.pop(line.key, None)
@@ -158,8 +201,15 @@ class BatchDriver:
             except Exception:
                 log.exception("settling batch line %s:%d against its budgets failed", line.batch_id, line.line)
 
-    async def _give_back(self, line: ClaimedLine) -> None:
+    async def _give_up(self, line: ClaimedLine) -> None:
+        """Answer the line with an error saying its runs kept failing (the error file's line, a rejected ledger row)."""
+        await self._write(line, failed_line(self.gw, line, line.tenant, APIError(
+            500, f"The request failed to run {MAX_ATTEMPTS} times (the server erred or stopped mid-run each time); "
+            "it was not answered.", type="server_error", code=ATTEMPTS_CODE)))
+
+    async def _give_back(self, line: ClaimedLine, counted: bool) -> None:
+        """Queue the line again; ``counted`` False: this run does not count against its attempts."""
         try:
-            await anyio.to_thread.run_sync(batch_lines.release, self.gw.db, self.owner, [line.key])
-        except UNAVAILABLE:  # its lease runs out instead
+            await anyio.to_thread.run_sync(batch_lines.release, self.gw.db, self.owner, [line.key], counted)
+        except UNAVAILABLE:  # its lease runs out instead (and the run counts)
             pass

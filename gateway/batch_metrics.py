@@ -13,8 +13,10 @@ class BatchMetrics:
         self.lines = Gauge("tiergate_batch_lines", "Batch lines in the database by state.", ["state"],
                            registry=registry)
         self.batches = Gauge("tiergate_batches", "Batches in the database by status.", ["status"], registry=registry)
-        self.created = Counter("tiergate_batches_created", "Batch creations by outcome (in_progress, failed: "
-                               "invalid lines, refused: over the tenant's queue limit).", ["status"], registry=registry)
+        self.created = Counter("tiergate_batches_created", "Batches by the status creation or validation gave them "
+                               "(validating; then in_progress, or failed: invalid lines or past the queue limit; "
+                               "refused: a 429 at creation, the tenant's queue limit full).", ["status"],
+                               registry=registry)
         self.running = Gauge("tiergate_batch_lines_running", "Batch lines this replica is running.",
                              registry=registry)
         for state in LINE_STATES:

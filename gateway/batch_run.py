@@ -2,7 +2,7 @@
 ``batch``, without the interactive rate limits; the answer becomes the line of the output or error file.
 
 What differs from a live request is only what a batch's terms change: no load shedding and no RPM, TPM
-or concurrency (a batch's limit is the tokens its tenant may have queued, checked at creation), and the
+or concurrency (a batch's limit is the tokens its tenant may have queued, checked at validation), and the
 ledger row is not written here: ``BatchGeneration`` keeps it, and the driver writes it together with
 the line's result (billing/batch_lines.py), so a line is billed exactly when it is answered.
 """
@@ -100,7 +100,7 @@ async def run_line(gw: Gateway, line: ClaimedLine, tenant, on_start=None) -> Lin
     except APIError as e:
         if e.status in TRANSIENT:  # the tenant's grammar compiles busy, a dependency down: the line runs later
             raise LineInterrupted(request_id) from None
-        # The line was valid at creation: a grant revoked since, an adapter unloaded. That is its answer.
+        # The line was valid at validation: a grant revoked since, an adapter unloaded. That is its answer.
         return failed_line(gw, line, tenant.tenant, e)
     admitted = admitted_request(gw, endpoint, prepared, queued_at, arrived)
     req = prepared.req
@@ -120,8 +120,10 @@ async def run_line(gw: Gateway, line: ClaimedLine, tenant, on_start=None) -> Lin
     if on_start is not None:
         on_start(generation)
     response = await generation.collect()
-    if generation.interrupted or generation.record is None:  # stopped by the server, or the engine went away
+    if generation.interrupted:  # stopped by the server: not this line's fault, it runs again uncounted
         raise LineInterrupted(request_id)
+    if generation.record is None:  # the engine ended it with no answer: a failed run, counted
+        raise RuntimeError(f"batch line {line.batch_id}:{line.line}: the engine ended {request_id} with no answer")
     record = dataclasses.replace(generation.record, **tag)
     status = response.status_code
     return LineOutcome(status == 200, request_id,

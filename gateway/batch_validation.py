@@ -1,10 +1,11 @@
-"""A batch's input file checked line by line with the live endpoints' own checks, at the batch's creation.
+"""A batch's input lines checked one by one with the live endpoints' own checks, when the batch is validated.
 
 Each line must be ``{"custom_id", "method": "POST", "url": <the batch's endpoint>, "body"}`` with a
 custom_id no other line has; its body goes through exactly what a live request's goes through
 (the endpoint's parse, the model or adapter grant, gateway/completions.py's ``prepare``: prompt
 size, context length, the engine's own checks), so a line that would be a 400 live fails the
 batch here, named in OpenAI's ``errors`` object. A line cannot stream: its answer goes to a file.
+gateway/batch_intake.py feeds the lines in as the file's chunks are read.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ MAX_CUSTOM_ID = 512
 
 @dataclass
 class Checked:
-    lines: list[LineSpec] = field(default_factory=list)
+    """What the lines checked so far came to: the errors to show (the first MAX_ERRORS), and counts."""
+
     errors: list[dict[str, Any]] = field(default_factory=list)
     failed_lines: int = 0
+    passed_lines: int = 0
+    tokens: int = 0  # prompt plus max_tokens of the lines that passed: what the batch holds of the queue limit
 
-    def fail(self, line: int, code: str, message: str, param: str | None = None) -> None:
+    def fail(self, line: int | None, code: str, message: str, param: str | None = None) -> None:
         self.failed_lines += 1
         if len(self.errors) < MAX_ERRORS:
             self.errors.append({"code": code, "message": message, "param": param, "line": line})
@@ -82,22 +86,20 @@ async def check_body(gw: Gateway, endpoint: Endpoint, body: dict, tenant, reques
     return await prepare(gw, req, tenant, BATCH_TIER, adapter, request_id)
 
 
-async def check_file(gw: Gateway, tenant, endpoint: str, content: bytes) -> Checked:
-    """Every line of the file checked; ``lines`` holds them all when ``errors`` is empty."""
-    checked, seen = Checked(), set()
-    live = ENDPOINTS[endpoint]
-    for number, raw in enumerate(content.splitlines(), 1):
-        if not raw.strip():
-            continue
-        envelope = _envelope(raw, number, endpoint, seen, checked)
-        if envelope is None:
-            continue
-        custom_id, body = envelope
-        try:
-            prepared = await check_body(gw, live, body, tenant, f"validate-{number}")
-        except APIError as e:
-            checked.fail(number, e.code or "invalid_request", f"Line {number}: {e.message}",
-                         f"body.{e.param}" if e.param else "body")
-            continue
-        checked.lines.append(LineSpec(number, custom_id, json.dumps(body), prepared.reserved_tokens))
-    return checked
+async def check_line(gw: Gateway, tenant, endpoint: str, number: int, raw: bytes, seen: set[str],
+                     checked: Checked) -> LineSpec | None:
+    """One line of the file checked; its LineSpec if it passed, else None with its error noted in ``checked``.
+    ``seen`` holds the custom_ids of the lines before it."""
+    envelope = _envelope(raw, number, endpoint, seen, checked)
+    if envelope is None:
+        return None
+    custom_id, body = envelope
+    try:
+        prepared = await check_body(gw, ENDPOINTS[endpoint], body, tenant, f"validate-{number}")
+    except APIError as e:
+        checked.fail(number, e.code or "invalid_request", f"Line {number}: {e.message}",
+                     f"body.{e.param}" if e.param else "body")
+        return None
+    checked.passed_lines += 1
+    checked.tokens += prepared.reserved_tokens
+    return LineSpec(number, custom_id, json.dumps(body), prepared.reserved_tokens)

@@ -1,9 +1,12 @@
-"""OpenAI's Batches API: create (the input file checked line by line), retrieve, list, cancel.
+"""OpenAI's Batches API: create, retrieve, list, cancel.
 
-A batch is created ``in_progress`` with its lines queued in the database, or ``failed`` with the
-lines at fault in its ``errors``; every replica's driver (gateway/batch_driver.py) then runs its
-lines. A tenant's unfinished batches hold at most ``batch_queue_tokens`` tokens: past that, a 429
-``batch_token_limit_exceeded``. A tenant sees only its own batches (another's id is a 404).
+A batch is created ``validating`` and returned at once; a replica's driver then checks its lines
+(gateway/batch_intake.py) and makes it ``in_progress`` with its lines queued, or ``failed`` with
+the lines at fault in its ``errors``; the drivers (gateway/batch_driver.py) then run its lines. A
+tenant's unfinished batches hold at most its ``batch_queue_tokens`` tokens (billing/tenants.py):
+while they hold all of it, creation is a 429 ``batch_token_limit_exceeded``; a batch whose own
+tokens do not fit beside them fails its validation with that code. A tenant sees only its own
+batches (another's id is a 404).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from billing import batch_files, batches
-from gateway.batch_validation import ENDPOINTS, check_file
+from billing.batch_intake import QUEUE_LIMIT_CODE
+from gateway.batch_validation import ENDPOINTS
 from gateway.completions import read_body
 from gateway.errors import APIError, invalid_param
 from gateway.files_api import list_limit, not_found, owned, page
@@ -60,25 +64,14 @@ async def create(request: Request) -> Response:
         raise not_found(file_id)
     if info.purpose != "batch":
         raise invalid_param("input_file_id", f"The file {file_id} has purpose {info.purpose!r}, not 'batch'.")
-    content = await anyio.to_thread.run_sync(batch_files.file_content, gw.db, tenant.tenant, file_id)
-    if content is None:  # deleted meanwhile
-        raise not_found(file_id)
-    checked = await check_file(gw, tenant, endpoint, content)
-    if checked.errors:
-        batch = await anyio.to_thread.run_sync(
-            lambda: batches.create_failed_batch(gw.db, tenant.tenant, endpoint, file_id, window, metadata,
-                                                checked.errors, len(checked.lines) + checked.failed_lines,
-                                                WINDOWS[window]))
-        gw.metrics.batches.count_created("failed")
-        return JSONResponse(batch.to_openai())
     try:
         batch = await anyio.to_thread.run_sync(
-            lambda: batches.create_batch(gw.db, tenant.tenant, endpoint, file_id, window, metadata, checked.lines,
-                                         WINDOWS[window], gw.settings.batch_queue_tokens))
+            lambda: batches.create_batch(gw.db, tenant.tenant, endpoint, file_id, window, metadata, info.line_count,
+                                         WINDOWS[window]))
     except batches.BatchQueueFull as e:
         gw.metrics.batches.count_created("refused")
-        raise APIError(429, str(e), type="tokens", code="batch_token_limit_exceeded") from None
-    gw.metrics.batches.count_created("in_progress")
+        raise APIError(429, str(e), type="tokens", code=QUEUE_LIMIT_CODE) from None
+    gw.metrics.batches.count_created("validating")
     gw.batch_driver.wake()
     return JSONResponse(batch.to_openai())
 

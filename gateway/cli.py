@@ -116,6 +116,8 @@ def build_parser() -> OneLineParser:
                             help="sequences in flight at once (n choices of each prompt count one each)")
         parser.add_argument("--weight", type=positive_float,
                             help="share of the tier's engine time relative to its other tenants (default 1)")
+        parser.add_argument("--batch-queue-tokens", type=positive_int,
+                            help="tokens (prompts plus max_tokens) its unfinished batches may hold (default 20000000)")
 
     k = sub.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True, metavar="ACTION")
     k.add_parser("create", help="create a key; prints it once, alone on stdout").add_argument("tenant")
@@ -195,22 +197,24 @@ def cmd_tenants(args: argparse.Namespace, settings: Settings) -> None:
     from billing import tenants
 
     db = _db(settings)
-    limits = {k: getattr(args, k, None) for k in ("rpm", "tpm", "max_concurrent", "weight")}
+    limits = {k: getattr(args, k, None) for k in ("rpm", "tpm", "max_concurrent", "weight", "batch_queue_tokens")}
     limits = {k: v for k, v in limits.items() if v is not None}
     if args.action == "create":
         t = tenants.create_tenant(db, args.name, args.tier, **limits)
         print(f"created tenant {t.name} ({t.tier}, rpm {t.rpm}, tpm {t.tpm}, max concurrent {t.max_concurrent}, "
-              f"weight {t.weight:g})")
+              f"weight {t.weight:g}, batch queue tokens {t.batch_queue_tokens})")
     elif args.action == "list":
-        rows = [(t.name, t.tier, t.rpm, t.tpm, t.max_concurrent, f"{t.weight:g}") for t in tenants.list_tenants(db)]
-        print(_table(("NAME", "TIER", "RPM", "TPM", "MAX_CONCURRENT", "WEIGHT"), rows))
+        rows = [(t.name, t.tier, t.rpm, t.tpm, t.max_concurrent, f"{t.weight:g}", t.batch_queue_tokens)
+                for t in tenants.list_tenants(db)]
+        print(_table(("NAME", "TIER", "RPM", "TPM", "MAX_CONCURRENT", "WEIGHT", "BATCH_QUEUE_TOKENS"), rows))
     else:
         changes = {**limits, **({"tier": args.tier} if args.tier else {})}
         if not changes:
-            raise CommandError("nothing to change: give --tier, --rpm, --tpm, --max-concurrent or --weight")
+            raise CommandError("nothing to change: give --tier, --rpm, --tpm, --max-concurrent, --weight or "
+                               "--batch-queue-tokens")
         t = tenants.set_tenant(db, args.name, **changes)
         print(f"tenant {t.name}: {t.tier}, rpm {t.rpm}, tpm {t.tpm}, max concurrent {t.max_concurrent}, "
-              f"weight {t.weight:g}")
+              f"weight {t.weight:g}, batch queue tokens {t.batch_queue_tokens}")
 
 
 def cmd_keys(args: argparse.Namespace, settings: Settings) -> None:

@@ -1,34 +1,38 @@
 """OpenAI's Files API for the Batch API: upload (multipart, purpose ``batch``), list, read, content, delete.
 
-An upload is checked whole before it is stored: OpenAI's limits (200 MB, 50,000 lines, both
-settings) and that every line is a JSON object, so a file that is not JSONL is a 400 at once; what
-each line asks for is checked when a batch is created from it (gateway/batch_validation.py). Files
-live in the database (billing/batch_files.py), each visible only to its tenant: another tenant's
-id is a 404, as an unknown one.
+An upload streams to its store in bounded memory: starlette's multipart parser spools the file part
+(to disk past a megabyte), then a worker thread reads the spool a chunk at a time, checks its lines
+as they go by (gateway/jsonl_stream.py: OpenAI's limits of 200 MB and 50,000 lines, both settings,
+and every line a JSON object) and writes each chunk to the database (billing/batch_files.py) in one
+transaction, so a file refused midway leaves nothing stored. What each line asks for is checked
+when a batch made from it is validated (gateway/batch_validation.py). A file's content is sent back
+a chunk at a time too. Each file is visible only to its tenant: another tenant's id is a 404, as an
+unknown one.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import IO, Any
 
 import anyio.to_thread
 from sqlalchemy import Engine as Database
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from billing import batch_files
 from gateway.errors import APIError, invalid_param
+from gateway.jsonl_stream import ENVELOPE_BYTES, JsonlCheck
 from gateway.services import Gateway
 
 PURPOSES = ("batch",)  # the only purpose served: what other purposes are for, we do not do
 MAX_LIST = 10_000
 # Multipart framing and the purpose field around the file itself.
 FORM_OVERHEAD_BYTES = 64 * 1024
+READ_BYTES = 256 * 1024  # what the store's thread reads of the spool at a time
 
 
 def not_found(file_id: str) -> APIError:
@@ -42,30 +46,6 @@ def list_limit(request: Request, default: int, most: int) -> int:
     if not raw.isdigit() or not 1 <= int(raw) <= most:
         raise invalid_param("limit", f"Invalid 'limit': expected an integer from 1 to {most}, got {raw!r}.")
     return int(raw)
-
-
-def jsonl_lines(content: bytes, max_lines: int) -> int:
-    """The number of lines of a JSONL file (blank lines aside); a 400 naming the first line that is not a JSON
-    object, or past the limit of lines."""
-    count = 0
-    for number, raw in enumerate(content.splitlines(), 1):
-        if not raw.strip():
-            continue
-        count += 1
-        if count > max_lines:
-            raise invalid_param("file", f"The file has more than {max_lines} lines, the limit of a batch's input.",
-                                "too_many_lines")
-        try:
-            line = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise invalid_param("file", f"The file is not valid JSONL: line {number} is not JSON.",
-                                "invalid_jsonl") from None
-        if not isinstance(line, dict):
-            raise invalid_param("file", f"The file is not valid JSONL: line {number} is not a JSON object.",
-                                "invalid_jsonl")
-    if count == 0:
-        raise invalid_param("file", "The file is empty: a batch's input needs at least one line.", "empty_file")
-    return count
 
 
 async def upload(request: Request) -> Response:
@@ -93,16 +73,25 @@ async def upload(request: Request) -> Response:
         if purpose not in PURPOSES:
             raise invalid_param("purpose", f"Invalid 'purpose': {purpose!r}. Only 'batch' is served.",
                                 "invalid_purpose")
-        content = await upload.read(limit + 1)
         filename = upload.filename or "upload.jsonl"
+        check = JsonlCheck(gw.settings.batch_max_file_lines, gw.settings.max_body_bytes + ENVELOPE_BYTES)
+        await upload.seek(0)
+        info = await anyio.to_thread.run_sync(
+            lambda: batch_files.store_file(gw.db, tenant.tenant, purpose, filename[:512],
+                                           check.passing(_spooled(upload.file, limit)), lambda: check.count))
     finally:
         await form.close()
-    if len(content) > limit:
-        raise APIError(413, f"The file is larger than the limit of {limit} bytes.", code="file_too_large")
-    lines = await anyio.to_thread.run_sync(jsonl_lines, content, gw.settings.batch_max_file_lines)
-    info = await anyio.to_thread.run_sync(batch_files.create_file, gw.db, tenant.tenant, purpose, filename[:512],
-                                          content, lines)
     return JSONResponse(info.to_openai())
+
+
+def _spooled(spool: IO[bytes], limit: int) -> Iterator[bytes]:
+    """The spooled file part a chunk at a time, a 413 once past ``limit`` bytes."""
+    size = 0
+    while chunk := spool.read(READ_BYTES):
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"The file is larger than the limit of {limit} bytes.", code="file_too_large")
+        yield chunk
 
 
 async def _bounded(request: Request, limit: int) -> AsyncIterator[bytes]:
@@ -154,8 +143,9 @@ async def retrieve(request: Request) -> Response:
 
 
 async def content(request: Request) -> Response:
-    _, data = await owned(request, batch_files.file_content, "file_id", not_found)
-    return Response(data, media_type="application/octet-stream")
+    # A sync iterator: starlette reads each chunk on a worker thread, so the database reads stay off the loop.
+    _, chunks = await owned(request, batch_files.file_chunks, "file_id", not_found)
+    return StreamingResponse(chunks, media_type="application/octet-stream")
 
 
 async def delete(request: Request) -> Response:

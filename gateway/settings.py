@@ -111,12 +111,11 @@ class Settings:
     budget_webhook_url: str | None = None
     # The Batch API (gateway/batch_driver.py): lines each replica runs at once, how long a claimed line stays
     # its replica's without a renewal (a replica that dies gives its lines up after this), how often the
-    # driver looks for lines and ended batches, and the tokens (prompts plus max_tokens) one tenant's
-    # unfinished batches may hold (more: 429 batch_token_limit_exceeded). Files: OpenAI's limits.
+    # driver looks for lines and ended batches. Files: OpenAI's limits. The tokens a tenant's unfinished
+    # batches may hold are the tenant's own setting (billing/tenants.py, batch_queue_tokens).
     batch_window: int = 8
     batch_lease_s: float = 30.0
     batch_poll_s: float = 0.5
-    batch_queue_tokens: int = 20_000_000
     batch_max_file_bytes: int = 200 * 2**20
     batch_max_file_lines: int = 50_000
     log_level: str = "info"
@@ -175,7 +174,7 @@ class Settings:
                      "grammar_compile_workers", "grammar_cache_bytes"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be at least 1")
-        for name in ("batch_window", "batch_lease_s", "batch_poll_s", "batch_queue_tokens", "batch_max_file_bytes",
+        for name in ("batch_window", "batch_lease_s", "batch_poll_s", "batch_max_file_bytes",
                      "batch_max_file_lines"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be more than zero, not {getattr(self, name)}")

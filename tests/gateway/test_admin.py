@@ -39,6 +39,15 @@ def test_limit_change_applies_without_waiting_for_the_cache(admin, server):
         client.completions.create(model=server.engine.model_name, prompt="x", max_tokens=1)
 
 
+def test_the_batch_queue_limit_is_set_by_create_and_patch_with_a_default(admin, server):
+    r = admin.post("/admin/tenants", json={"name": "bulk", "tier": "batch"})
+    assert r.status_code == 201 and r.json()["batch_queue_tokens"] == 20_000_000
+    r = admin.patch("/admin/tenants/bulk", json={"batch_queue_tokens": 3_000_000_000})
+    assert r.status_code == 200 and r.json()["batch_queue_tokens"] == 3_000_000_000
+    r = admin.post("/admin/tenants", json={"name": "small", "tier": "standard", "batch_queue_tokens": 5000})
+    assert r.status_code == 201 and r.json()["batch_queue_tokens"] == 5000
+
+
 @pytest.mark.parametrize(
     "method, path, body, status",
     [
@@ -47,6 +56,8 @@ def test_limit_change_applies_without_waiting_for_the_cache(admin, server):
         ("post", "/admin/tenants", {"tier": "premium"}, 400),
         ("patch", "/admin/tenants/nobody", {"rpm": 3}, 404),
         ("patch", "/admin/tenants/acme", {"rpm": -3}, 400),
+        ("patch", "/admin/tenants/acme", {"batch_queue_tokens": 0}, 400),
+        ("patch", "/admin/tenants/acme", {"batch_queue_tokens": "lots"}, 400),
         ("post", "/admin/tenants/nobody/keys", None, 404),
         ("delete", "/admin/keys/deadbeef", None, 404),
         ("post", "/admin/adapters", {"name": "x", "path": "/does/not/exist"}, 400),

@@ -32,6 +32,7 @@ from tests.cluster.cluster import (
     schema_url,
     wait_for,
 )
+from tests.gateway.both_databases import migrated_database
 
 REPO = Path(__file__).resolve().parents[2]
 LEASE_S = 2.0  # short, so a killed replica's lines visibly come back within the test
@@ -53,18 +54,8 @@ def replica_env(tiny_model_dir: Path, database_url: str) -> dict[str, str]:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database(request, tmp_path):
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'batch.db'}"
-        upgrade(url)
+    with migrated_database(request.param, tmp_path) as url:
         yield url
-        return
-    schema = create_schema()
-    url = schema_url(schema)
-    upgrade(url)
-    try:
-        yield url
-    finally:
-        drop_schema(schema)
 
 
 def tenant_key(database_url: str) -> str:

@@ -45,7 +45,7 @@ def test_tenant_lifecycle(tg):
     code, out, _ = tg("tenants", "list")
     assert code == 0
     header, row = out.strip().splitlines()
-    assert row.split() == ["acme", "standard", "10", "500", "8", "1"]
+    assert row.split() == ["acme", "standard", "10", "500", "8", "1", "20000000"]
 
 
 def test_tenant_weight_is_set_by_create_and_set_and_listed(tg):
@@ -53,7 +53,17 @@ def test_tenant_weight_is_set_by_create_and_set_and_listed(tg):
     assert code == 0 and "weight 0.5" in out
     assert tg("tenants", "set", "heavy", "--weight", "3")[0] == 0
     header, row = tg("tenants", "list")[1].strip().splitlines()
-    assert header.split()[-1] == "WEIGHT" and row.split()[-1] == "3"
+    assert header.split()[-2] == "WEIGHT" and row.split()[-2] == "3"
+
+
+def test_tenant_batch_queue_tokens_is_set_by_create_and_set_and_listed(tg):
+    code, out, _ = tg("tenants", "create", "bulk", "--tier", "batch", "--batch-queue-tokens", "5000")
+    assert code == 0 and "batch queue tokens 5000" in out
+    assert tg("tenants", "set", "bulk", "--batch-queue-tokens", "3000000000")[0] == 0
+    header, row = tg("tenants", "list")[1].strip().splitlines()
+    assert header.split()[-1] == "BATCH_QUEUE_TOKENS" and row.split()[-1] == "3000000000"
+    code, _, err = tg("tenants", "set", "bulk", "--batch-queue-tokens", "0")
+    assert code != 0 and len(err.strip().splitlines()) == 1
 
 
 def test_keys_create_prints_the_key_alone_on_stdout_and_revoke_works(tg, database_url):
