@@ -215,12 +215,3 @@ def apply_group(x: torch.Tensor, y: torch.Tensor, stacks: LayerStacks, plan: Cpu
                             dim=2)
         out = out.view(-1, y.shape[1])
         y.index_add_(0, p.rows, out if p.valid is None else out.index_select(0, p.valid))
-
-
-def apply_projection(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: CpuPlan,
-               slots: list[int]) -> None:
-    """One projection: y[rows] += (x[rows] @ a[slot, :r].T) @ b[slot, :, :r].T * scale, for `slots`.
-
-    `a` is [slots, max_rank, in] and `b` [slots, out, max_rank], one layer's stacks.
-    """
-    apply_group(x, y, LayerStacks.of(a.transpose(1, 2), (b.transpose(1, 2),)), plan, slots)

@@ -84,12 +84,13 @@ def main() -> None:
             idx = torch.tensor(row_slots)
             rows = (idx >= 0).nonzero().flatten()
             slots = idx[rows]
+            stacks = ops.LayerStacks.of(a.transpose(1, 2), (b.transpose(1, 2),))
             times = {
                 "base matmul": best_of(lambda: x @ weight.T),
                 "segments": best_of(lambda: segments(x, y, a, b, runs, 0.5)),
                 "grouped": best_of(lambda: grouped(x, y, a, b, groups, 0.5)),
                 "gather_bmm": best_of(lambda: gather_bmm(x, y, a, b, rows, slots, 0.5)),
-                "hybrid": best_of(lambda: ops.apply_projection(x, y, a, b, plan, list(range(num_slots)))),
+                "hybrid": best_of(lambda: ops.apply_group(x, y, stacks, plan, list(range(num_slots)))),
             }
             print(f"{fan_in:>4}->{fan_out:<4} {case:<40} " + "  ".join(f"{k} {v:7.0f}" for k, v in times.items()))
 

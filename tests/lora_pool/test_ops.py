@@ -11,6 +11,11 @@ from lora_pool import ops
 RANKS = [3, 8, 5]
 
 
+def apply_projection(x, y, a, b, plan, slots):
+    """One projection through the op: ``a`` [slots, max_rank, in], ``b`` [slots, out, max_rank], as stored."""
+    ops.apply_group(x, y, ops.LayerStacks.of(a.transpose(1, 2), (b.transpose(1, 2),)), plan, slots)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_cpu_op_matches_float64_reference(case):
     chunks = CASES[case]
@@ -18,7 +23,7 @@ def test_cpu_op_matches_float64_reference(case):
     row_slots = [s for s, n in chunks for _ in range(n)]
     expected = reference(x, y, a, b, scales, row_slots, RANKS)
     plan = ops.plan_rows(row_slots, {s: (RANKS[s], float(scales[s])) for s in range(3)})
-    ops.apply_projection(x, y, a, b, plan, [0, 1, 2])
+    apply_projection(x, y, a, b, plan, [0, 1, 2])
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
 
 
@@ -29,7 +34,7 @@ def test_cpu_op_writes_into_a_column_slice_of_a_fused_output():
     fused = torch.zeros(y.shape[0], 100)
     fused[:, 30:70] = y
     plan = ops.plan_rows(row_slots, {s: (RANKS[s], float(scales[s])) for s in range(3)})
-    ops.apply_projection(x, fused[:, 30:70], a, b, plan, [0, 1, 2])
+    apply_projection(x, fused[:, 30:70], a, b, plan, [0, 1, 2])
     torch.testing.assert_close(fused[:, 30:70].double(), reference(x, y, a, b, scales, row_slots, RANKS),
                                rtol=1e-5, atol=1e-4)
     assert fused[:, :30].abs().sum() == 0 and fused[:, 70:].abs().sum() == 0
@@ -40,7 +45,7 @@ def test_rows_without_adapter_are_untouched():
     x, y, a, b, scales = random_case(chunks, fan_in=8, fan_out=8, ranks=[4], max_rank=4)
     before = y.clone()
     plan = ops.plan_rows([s for s, n in chunks for _ in range(n)], {0: (4, 1.0)})
-    ops.apply_projection(x, y, a, b, plan, [0])
+    apply_projection(x, y, a, b, plan, [0])
     assert torch.equal(y[:3], before[:3]) and torch.equal(y[5:], before[5:])
     assert not torch.equal(y[3:5], before[3:5])
 
