@@ -73,15 +73,17 @@ def test_greedy_output_with_a_different_draft_model_is_plain_decodings(compare, 
 
 
 def test_rejected_drafts_leave_no_block_in_either_pool_mid_run(make_byte_engine, drafting, other_draft_dir):
-    engine, events = make_byte_engine(**drafting(other_draft_dir))
-    drafter = engine._loop.speculator.drafter
-    held = []
-    # Between steps on the engine thread: the draft KV of every row holds exactly its accepted tokens.
-    engine.add_listener(lambda e: held.append({s: r.computed for s, r in drafter.kv.rows.items()})
-                        if isinstance(e, StepEvent) else None)
+    engine, events = make_byte_engine(**drafting(other_draft_dir), express_between_layers=False)
+    kv = engine._loop.speculator.drafter.kv
+    exact = []
+    # After each step's verification (its event), every row's draft KV holds blocks for its kept tokens only.
+    engine.add_listener(lambda e: exact.append(all(len(r.block_table) == -(-r.computed // kv.block_size)
+                                                   for r in kv.rows.values()) and kv.rows != {})
+                        if isinstance(e, StepEvent) and e.draft_tokens else None)
     _run(engine, [_request(f"r{i}", COPY_PROMPT[i:], max_tokens=40) for i in range(3)])
     _wait_idle(engine)
-    assert drafter.kv.num_used_blocks == 0 and not drafter.kv.rows
+    assert exact and all(exact)
+    assert kv.num_used_blocks == 0 and not kv.rows
     assert _accepted(events) < sum(e.draft_tokens for e in events if isinstance(e, StepEvent))
 
 
