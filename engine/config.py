@@ -64,10 +64,13 @@ class EngineConfig:
     grammar_cache_bytes: int = 64 * 2**20
     grammar_cache_scope: str = "tenant"
     grammar_mask_budget_s: float = 0.05
-    # Speculative decoding (engine/speculative.py): "ngram" (prompt lookup) or None, and the most
-    # tokens a row drafts per step.
+    # Speculative decoding (engine/speculative.py): "ngram" (prompt lookup), "draft" (the checkpoint
+    # ``draft_model``, engine/draft_model.py) or None, and the most tokens a row drafts per step.
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    draft_model: str | None = None  # a model spec as ``model``, with the same tokenizer
+    # The draft model's own KV pool, in blocks of ``block_size``. None: as many tokens as the base pool.
+    draft_num_kv_blocks: int | None = None
     # False: every row drafts whatever its acceptance and the batch's size (tests and measurements).
     speculative_adaptive: bool = True
     max_loras: int = 4
@@ -75,6 +78,12 @@ class EngineConfig:
     max_lora_rank: int = 16
     cache_dir: str = field(default_factory=default_cache_dir)
     seed: int = 0  # for dummy weights
+
+    def __post_init__(self) -> None:
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative 'draft' needs a draft model, and a draft model needs speculative 'draft'")
+        if self.draft_num_kv_blocks is not None and (self.draft_model is None or self.draft_num_kv_blocks < 1):
+            raise ValueError("draft_num_kv_blocks is a positive block count, for a draft model")
 
     def scheduler_config(self, num_blocks: int, max_model_len: int, long_context_after: int | None = None
                          ) -> SchedulerConfig:

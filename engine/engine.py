@@ -15,12 +15,13 @@ from tokenizers import Tokenizer
 
 from engine.choices import ChoiceGroup
 from engine.config import EngineConfig
+from engine.draft_model import DraftModel, check_same_vocabulary
 from engine.cpu_threads import run_torch_serially_here
 from engine.events import Listener
 from engine.grammar_compiler import Compiled, GrammarCompiler
 from engine.inbox import AbortRequest, AddRequest, Inbox, UnregisterAdapter
 from engine.kv_cache import pool_blocks
-from engine.loader import load_model
+from engine.loader import LoadedModel, load_model
 from engine.request import Delta, EngineRequest
 from engine.request_state import RequestState
 from engine.runner import ModelRunner
@@ -59,6 +60,7 @@ class Engine:
             config.kv_cache_tokens, config.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype)
         self.num_kv_blocks = num_blocks
+        drafter = None if config.draft_model is None else self._load_draft_model(config, loaded, num_blocks)
         self.grammars = GrammarCompiler(
             loaded.tokenizer, loaded.model_config.vocab_size, tuple(loaded.eos_token_ids),
             timeout_s=config.grammar_compile_timeout_s, workers=config.grammar_compile_workers,
@@ -78,14 +80,24 @@ class Engine:
         if config.speculative is not None:
             speculator = Speculator(SpeculativeConfig(config.speculative, config.num_speculative_tokens,
                                                       adaptive=config.speculative_adaptive),
-                                    self.scheduler, self.tokenizer.eos_token_ids)
+                                    self.scheduler, self.tokenizer.eos_token_ids, drafter)
         self._loop = StepLoop(self.scheduler, self.runner, self.lora_pool, self.tokenizer, self.max_model_len,
                               StepTimer(config.device), self._inbox, config.express_steps_on,
                               grammar_mask_budget_s=config.grammar_mask_budget_s, speculator=speculator)
+        if speculator is not None:
+            self._loop.requests.on_leave.append(speculator.release)
         self._adapter_loader = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="adapter-load", initializer=run_torch_serially_here)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _load_draft_model(self, config: EngineConfig, base: LoadedModel, base_blocks: int) -> DraftModel:
+        """The draft model, refused unless its tokenizer is the base model's; its KV pool is its own."""
+        loaded = load_model(config.draft_model, config.device, self.dtype, config.cache_dir, seed=config.seed,
+                            native_gguf=config.native_gguf)
+        check_same_vocabulary(base.tokenizer, loaded.tokenizer)
+        return DraftModel(loaded, config.draft_num_kv_blocks or base_blocks, config.block_size,
+                          base.model_config.vocab_size, config.device, self.dtype)
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> Engine:

@@ -28,6 +28,9 @@ class InFlight:
         self._publish = publish  # the engine's snapshots, refreshed before a caller hears of an end
         self._states: dict[str, RequestState] = {}  # by sequence id
         self._groups: dict[str, ChoiceGroup] = {}  # n > 1 and list-prompt requests by request id
+        # Called with a sequence's id when it leaves the scheduler, however it ends (e.g. the speculator's
+        # draft KV of it goes back).
+        self.on_leave: list[Callable[[str], None]] = []
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states or request_id in self._groups
@@ -92,6 +95,7 @@ class InFlight:
             self.scheduler.finish(seq_id)
         else:
             self.scheduler.abort(seq_id)
+        self._left(seq_id)
         last = last_delta or Delta(text="", finish_reason=finish_reason, usage=state.usage(), error=error,
                                    index=state.index)
         # The finish event goes out before the last delta, so the ledger row
@@ -110,12 +114,17 @@ class InFlight:
         for seq_id in list(self._states):
             self.end(seq_id, status, finish_reason, error=error)
 
+    def _left(self, seq_id: str) -> None:
+        for callback in self.on_leave:
+            callback(seq_id)
+
     def _end_choice(self, state: RequestState, status: str, last: Delta) -> Delta:
         """One choice of an n > 1 or list-prompt request ended; the request's usage and finish event come with its last."""
         group = state.group
         for seq_id in group.end_choice(state.index, status, last.finish_reason):
             if self._states.pop(seq_id, None) is not None:
                 self.scheduler.abort(seq_id)
+                self._left(seq_id)
         if group.unfinished:
             return dataclasses.replace(last, usage=None)
         self._groups.pop(group.request_id, None)

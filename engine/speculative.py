@@ -3,9 +3,10 @@ step's logits into each row's tokens.
 
 A decode step on a CPU (and at small batch on a GPU) is bound by reading the weights, so a row can
 compute a few guessed tokens after its newest one in the same step for little more than one, and
-keep those the model agrees with. The loop calls three things: ``draft`` after the scheduler's plan
-(each eligible decode chunk gets its drafts, through ``Scheduler.add_drafts``, which never preempts
-for them), ``sample`` after the forward pass (each row's logits adjusted and masked position by
+keep those the model agrees with. Drafts come from prompt lookup (engine/ngram.py) or from a small
+draft model (engine/draft_model.py). The loop calls three things: ``draft`` after the scheduler's
+plan (each eligible decode chunk gets its drafts, through ``Scheduler.add_drafts``, which never
+preempts for them), ``sample`` after the forward pass (each row's logits adjusted and masked position by
 position as if the drafts before it were its output, then verified by engine/spec_sampling.py), and
 ``observe`` once the step's tokens and time are known (acceptance per row, the batch gate's rates,
 counts for the metrics).
@@ -19,21 +20,25 @@ and speculation turns itself off.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from engine.draft_model import DraftModel, DraftRequest
 from engine.grammar import GrammarMatcher, mask_logits
 from engine.logit_adjustments import adjust_logits_, adjusts_logits
 from engine.ngram import NgramIndex
 from engine.request_state import RequestState
-from engine.sampler import SampledToken
+from engine.sampler import SampledToken, is_greedy
 from engine.spec_gate import BatchGate
 from engine.spec_sampling import verify_row
 from scheduler import ScheduledChunk, Scheduler, StepPlan
 
-SPECULATIVE_METHODS = ("ngram",)
+log = logging.getLogger(__name__)
+
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ class SpeculativeConfig:
 class _Row:
     """What one sequence's drafting has learned so far."""
 
-    index: NgramIndex
+    index: NgramIndex | None  # prompt lookup's; None when a draft model drafts
     acceptance: float = 0.5  # running mean of the fraction of drafts accepted
     resting: int = 0  # steps left before it drafts again
 
@@ -77,8 +82,14 @@ class StepDrafts:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, eos_token_ids: tuple[int, ...],
+                 drafter: DraftModel | None = None) -> None:
+        if (config.method == "draft") != (drafter is not None):
+            raise ValueError("a draft model drafts exactly when the speculative method is 'draft'")
         self.config = config
+        self.drafter = drafter  # method "draft": the draft model (engine/draft_model.py)
+        self._drawn_from: dict[str, torch.Tensor] = {}  # this step's sampled drafts' q, by sequence
+        self._draft_kv_known: dict[str, int] = {}  # rows the draft model ran this step: their tokens then
         self.scheduler = scheduler
         self.eos_token_ids = frozenset(eos_token_ids)
         self._rows: dict[str, _Row] = {}
@@ -91,11 +102,14 @@ class Speculator:
         """Give the plan's eligible decode chunks their drafts (blocks permitting)."""
         decodes = [c for c in plan.chunks if c.is_decode and c.samples]
         self._forget_gone(state_of)
+        if self.drafter is not None:
+            self._settle_draft_kv(plan)
         self._decode_rows = len(decodes) if decodes and len(decodes) == len(plan.chunks) else None
         if not decodes or (self.config.adaptive and (len(decodes) > self.config.max_rows
                                                      or not self.gate.drafts(len(decodes)))):
             return
         threshold = self.config.min_acceptance if self.config.adaptive else 0.0
+        rows = []
         for chunk in decodes:
             state = state_of(chunk.seq.seq_id)
             if state is None or not state.request.speculative:
@@ -108,6 +122,11 @@ class Speculator:
                 row.resting = self.config.retry_after_steps
                 row.acceptance = threshold  # one try when it wakes, judged afresh
                 continue
+            rows.append((chunk, state, row))
+        if self.drafter is not None:
+            self._draft_with_model(plan, [(chunk, state) for chunk, state, _ in rows])
+            return
+        for chunk, state, row in rows:
             drafts = self._allowed(row.index.propose(self.config.num_tokens), state)
             if drafts:
                 self.scheduler.add_drafts(plan, chunk, drafts)
@@ -116,7 +135,10 @@ class Speculator:
         seq = chunk.seq
         row = self._rows.get(seq.seq_id)
         if row is None:
-            row = self._rows[seq.seq_id] = _Row(NgramIndex(self.config.ngram_min, self.config.ngram_max))
+            row = self._rows[seq.seq_id] = _Row(NgramIndex(self.config.ngram_min, self.config.ngram_max)
+                                                if self.drafter is None else None)
+        if row.index is None:
+            return row
         known = len(row.index.tokens)
         if known < seq.num_prompt_tokens:
             row.index.extend(seq.prompt_token_ids[known:])
@@ -135,6 +157,54 @@ class Speculator:
         if state.grammar is None or not drafts:
             return drafts
         return drafts[:_grammar_prefix(state.grammar, drafts)]
+
+    def _draft_with_model(self, plan: StepPlan, rows: list[tuple[ScheduledChunk, RequestState]]) -> None:
+        """The draft model's proposals for ``rows``, batched, given to their chunks."""
+        requests = []
+        for chunk, state in rows:
+            seq, params = chunk.seq, state.request.params
+            if state.grammar is not None and not is_greedy(params):
+                # A drawn draft that ends its grammar could be neither verified (nothing may follow it)
+                # nor cut (a cut that depends on the drawn token biases the output).
+                continue
+            limit = min(self.config.num_tokens, seq.max_tokens - len(seq.output_token_ids) - 1)
+            if limit < 1:
+                continue
+            requests.append(DraftRequest(seq.seq_id, seq.all_token_ids, limit, params, state.generator,
+                                         self.eos_token_ids | frozenset(params.stop_token_ids), state.grammar))
+            self._draft_kv_known[seq.seq_id] = seq.num_tokens
+        try:
+            proposals = self.drafter.propose(requests) if requests else {}
+        except Exception:  # the draft model's failure costs its rows their drafts, not their requests
+            log.exception("draft model failed; its rows decode without drafts this step")
+            for request in requests:
+                self.release(request.seq_id)
+            return
+        for chunk, _ in rows:
+            proposal = proposals.get(chunk.seq.seq_id)
+            if proposal is None or not proposal.tokens:
+                continue
+            n = self.scheduler.add_drafts(plan, chunk, proposal.tokens)
+            if n and proposal.probs is not None:
+                self._drawn_from[chunk.seq.seq_id] = proposal.probs[:n]
+
+    def _settle_draft_kv(self, plan: StepPlan) -> None:
+        """Before a step drafts: rows the draft model ran in a step that was not verified keep only the
+        tokens they had then; preempted rows give their draft KV back."""
+        for seq_id, known in self._draft_kv_known.items():
+            self.drafter.keep(seq_id, known)
+        self._draft_kv_known.clear()
+        self._drawn_from.clear()
+        for seq in plan.preempted:
+            self.drafter.release(seq.seq_id)
+
+    def release(self, seq_id: str) -> None:
+        """A sequence left the engine (finished, aborted, failed): forget it; its draft KV blocks go back."""
+        self._rows.pop(seq_id, None)
+        self._draft_kv_known.pop(seq_id, None)
+        self._drawn_from.pop(seq_id, None)
+        if self.drafter is not None:
+            self.drafter.release(seq_id)
 
     def _forget_gone(self, state_of: Callable[[str], RequestState | None]) -> None:
         if len(self._rows) > 64:
@@ -163,7 +233,8 @@ class Speculator:
         logits = logits.float().cpu()
         runs, row = [], 0
         for chunk, state, n in zip(sampling, states, counts):
-            runs.append(verify_row(logits[row:row + n], chunk.draft_token_ids, state.request.params, state.generator))
+            runs.append(verify_row(logits[row:row + n], chunk.draft_token_ids, state.request.params, state.generator,
+                                   self._drawn_from.pop(chunk.seq.seq_id, None)))
             row += n
         return runs, too_slow
 
@@ -178,6 +249,11 @@ class Speculator:
             tokens = sum(len(run) for run in runs if run[-1].error is None)
             self.gate.observe(self._decode_rows, bool(drafted), tokens, seconds)
             self._decode_rows = None
+        if self.drafter is not None:  # each row's draft KV keeps exactly its accepted tokens
+            kept = {c.seq.seq_id: accepted for c, accepted in drafted}
+            for seq_id, known in self._draft_kv_known.items():
+                self.drafter.keep(seq_id, known + kept.get(seq_id, 0))
+            self._draft_kv_known.clear()
         for chunk, accepted in drafted:
             step.drafted += len(chunk.draft_token_ids)
             step.accepted += accepted

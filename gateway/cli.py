@@ -85,9 +85,13 @@ def build_parser() -> OneLineParser:
                    help="KV pool size, e.g. 512MiB or 2GB (default: half the memory left after the weights, "
                         "capped at a quarter context per batch slot)")
     s.add_argument("--kv-cache-tokens", type=positive_int, metavar="N", help="KV pool size in tokens")
-    s.add_argument("--speculative", choices=["ngram"],
+    s.add_argument("--speculative", choices=["ngram", "draft"],
                    help="speculative decoding: 'ngram' drafts each row's next tokens from its own prompt and output "
-                        "(prompt lookup); off by default")
+                        "(prompt lookup), 'draft' with the small model --draft-model; off by default")
+    s.add_argument("--draft-model", metavar="DIR",
+                   help="--speculative draft: the draft model (HF directory or .gguf), with the model's tokenizer")
+    s.add_argument("--draft-kv-blocks", type=positive_int, metavar="N",
+                   help="the draft model's own KV pool in blocks (default: as many tokens as the model's pool)")
     s.add_argument("--num-speculative-tokens", type=positive_int, metavar="K",
                    help="the most tokens a row drafts per step (default 4, at most 16)")
     s.add_argument("--host")
@@ -145,7 +149,8 @@ def build_parser() -> OneLineParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     names = ("database_url", "model", "device", "dtype", "host", "port", "scheduler_policy", "premium_ttft_slo_s",
-             "quantize", "kv_cache_memory", "kv_cache_tokens", "speculative", "num_speculative_tokens")
+             "quantize", "kv_cache_memory", "kv_cache_tokens", "speculative", "num_speculative_tokens",
+             "draft_model", "draft_kv_blocks")
     return load_settings({n: getattr(args, n, None) for n in names})
 
 

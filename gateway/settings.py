@@ -35,10 +35,13 @@ class Settings:
     # the memory left after the weights (engine/kv_cache.py default_pool_bytes).
     kv_cache_memory: str | None = None
     kv_cache_tokens: int | None = None
-    # Speculative decoding (engine/speculative.py): "ngram" (prompt lookup) or None, and the most tokens
-    # a row drafts per step.
+    # Speculative decoding (engine/speculative.py): "ngram" (prompt lookup), "draft" (the checkpoint
+    # draft_model, with the model's tokenizer) or None, and the most tokens a row drafts per step. The
+    # draft model's KV pool is its own: draft_kv_blocks blocks, unset: as many tokens as the model's pool.
     speculative: str | None = None
     num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    draft_kv_blocks: int | None = None
     admin_token: str | None = None  # None: the /admin API is closed
     scheduler_policy: str = "tiered"
     # Fair share: a light tenant's short request runs between two layers of a long step under
@@ -137,8 +140,14 @@ class Settings:
             parse_bytes(self.kv_cache_memory)
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise SettingsError(f"kv_cache_tokens must be at least 1, not {self.kv_cache_tokens}")
-        if self.speculative not in (None, "ngram"):
-            raise SettingsError(f"speculative must be ngram or unset, not {self.speculative!r}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise SettingsError(f"speculative must be ngram, draft or unset, not {self.speculative!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise SettingsError("speculative draft needs a draft model (--draft-model DIR)")
+        if self.draft_model and self.speculative != "draft":
+            raise SettingsError("a draft model is used only with --speculative draft")
+        if self.draft_kv_blocks is not None and (not self.draft_model or self.draft_kv_blocks < 1):
+            raise SettingsError("draft_kv_blocks is a positive block count, and needs a draft model")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise SettingsError(f"num_speculative_tokens must be in 1..16, not {self.num_speculative_tokens}")
         if self.scheduler_policy not in ("tiered", "fcfs"):
@@ -215,7 +224,7 @@ def _bound(setting: float | None, default: float) -> float | None:
 
 
 _KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float, "max_step_s": float, "premium_tpot_slo_s": float,
-                           "kv_cache_tokens": int}
+                           "kv_cache_tokens": int, "draft_kv_blocks": int}
 QUANTIZE_KINDS = ("q8_0", "q4_0", "q4_k")  # engine/model.py QUANT_BLOCK: the gateway does not import torch here
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

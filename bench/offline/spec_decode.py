@@ -11,6 +11,7 @@ its Q4_1 path crashes on AMX CPUs), plain and with
 ``LlamaPromptLookupDecoding`` (its prompt lookup), interleaved the same way.
 
     .venv/bin/python -m bench.offline.spec_decode [--concurrency 1,8,32] [--rounds 2] [--max-tokens 128] [--json OUT]
+        [--speculative draft --draft-model DIR]   (tiergate's drafts from a draft model instead of prompt lookup)
 """
 
 from __future__ import annotations
@@ -138,12 +139,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--speculative", choices=["ngram", "draft"], default="ngram")
+    ap.add_argument("--draft-model", help="with --speculative draft: the draft model (HF directory or .gguf)")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
 
-    config = EngineConfig(model="bundled", speculative="ngram", num_speculative_tokens=args.num_speculative_tokens,
+    config = EngineConfig(model="bundled", speculative=args.speculative, draft_model=args.draft_model,
+                          num_speculative_tokens=args.num_speculative_tokens,
                           max_num_seqs=max(levels), max_model_len=1024)
     engine = Engine(config).start()
     events: list = []

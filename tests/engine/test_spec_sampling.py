@@ -10,7 +10,7 @@ import torch
 
 from engine.ngram import NgramIndex
 from engine.request import SamplingParams
-from engine.sampler import make_generator, sample
+from engine.sampler import draw, filtered_probs, make_generator, sample
 from engine.spec_sampling import verify_row
 from tests.engine.chi_square import chi2_critical, homogeneity
 
@@ -55,6 +55,32 @@ def test_rejection_sampling_gives_each_position_the_plain_samplers_distribution(
     for spec, plain in ((first_spec, first_plain), (second_spec, second_plain)):
         stat, df = homogeneity(spec, plain)
         assert df >= 1 and stat < chi2_critical(df), (spec, plain)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4)])
+def test_drafts_drawn_from_another_distribution_give_each_position_the_plain_samplers_distribution(params):
+    logits = _logits(1)
+    draft_logits = logits[:2] + _logits(7)[:2]  # a draft model's q: like the model's p, not equal to it
+    q = torch.stack([filtered_probs(row, params) for row in draft_logits])
+    q = q / q.sum(-1, keepdim=True)
+    draws = 6000
+    spec, plain = [Counter(), Counter()], [Counter(), Counter()]
+    rejected = 0
+    for seed in range(draws):
+        g = make_generator(SamplingParams(seed=seed))
+        drafts = [draw(q[0], g), draw(q[1], g)]
+        run = verify_row(logits, drafts, params, g, q)
+        rejected += len(run) < 3
+        spec[0][run[0].token_id] += 1
+        if run[0].token_id == drafts[0] and len(run) > 1:  # the second position as after the first draft
+            spec[1][run[1].token_id] += 1
+        for i in range(2):
+            plain[i][sample(logits[i:i + 1], [params], [make_generator(SamplingParams(seed=(i + 1) * 10**6 + seed))])[0]
+                     .token_id] += 1
+    assert rejected > draws // 10 and sum(spec[1].values()) > draws // 10, "drafts never rejected or never kept"
+    for got, want in zip(spec, plain):
+        stat, df = homogeneity(got, want)
+        assert df >= 1 and stat < chi2_critical(df), (got, want)
 
 
 def test_thehomogeneity_test_tells_a_biased_sampler_apart():

@@ -68,16 +68,25 @@ def compare(make_byte_engine):
     """``compare(requests, **engine_overrides)``: each request's summary with speculation off and on
     (asserted equal), and the speculative engine's events."""
 
-    def run(requests: list[EngineRequest], **overrides) -> tuple[list[tuple], list]:
-        plain, _ = make_byte_engine(**overrides)
-        expected = [_summary(d) for d in _run(plain, requests)]
-        fast, events = make_byte_engine(**SPECULATIVE, **overrides)
-        got = [_summary(d) for d in _run(fast, requests)]
-        assert got == expected
-        _wait_idle(fast)
-        return got, events
+    def run(requests: list[EngineRequest], speculative: dict = SPECULATIVE, **overrides) -> tuple[list[tuple], list]:
+        return compare_engines(make_byte_engine, requests, speculative, **overrides)[:2]
 
     return run
+
+
+def compare_engines(make_engine, requests: list[EngineRequest], speculative: dict, **overrides
+                    ) -> tuple[list[tuple], list, Engine]:
+    """Each request's summary with speculation off and on (``speculative``'s settings; asserted equal),
+    the speculative engine's events, and that engine, idle with no block held."""
+    plain, _ = make_engine(**overrides)
+    expected = [_summary(d) for d in _run(plain, requests)]
+    fast, events = make_engine(**speculative, **overrides)
+    got = [_summary(d) for d in _run(fast, requests)]
+    assert got == expected
+    _wait_idle(fast)
+    drafter = fast._loop.speculator.drafter
+    assert drafter is None or (drafter.kv.num_used_blocks == 0 and not drafter.kv.rows), "draft KV left behind"
+    return got, events, fast
 
 
 def test_greedy_output_is_token_for_token_that_of_plain_decoding_with_drafts_accepted(compare):
@@ -137,25 +146,40 @@ def test_penalties_and_logit_bias_apply_at_each_drafted_position_as_after_the_to
     assert _accepted(events)
 
 
-def test_n_choices_each_draft_on_their_own(compare):
-    _, events = compare([_request("n3", n=3, max_tokens=50), _request("seeded", n=2, temperature=0.0, max_tokens=30)])
+@pytest.fixture(params=["ngram", "draft"])
+def drafting_by(request, byte_model_dir) -> dict:
+    """The speculative settings of prompt lookup, then of a draft model (the model itself, so drafts are kept)."""
+    if request.param == "ngram":
+        return SPECULATIVE
+    return {**SPECULATIVE, "speculative": "draft", "draft_model": f"dummy:{byte_model_dir}"}
+
+
+def test_n_choices_each_draft_on_their_own(compare, drafting_by):
+    _, events = compare([_request("n3", n=3, max_tokens=50), _request("seeded", n=2, temperature=0.0, max_tokens=30)],
+                        drafting_by)
     assert _accepted(events)
 
 
-def test_a_preempted_drafting_request_resumes_with_identical_output(compare):
+def test_a_preempted_drafting_request_resumes_with_identical_output(compare, drafting_by):
     requests = [_request(f"p{i}", COPY_PROMPT[i:], max_tokens=70) for i in range(5)]
     # 20 blocks of 4 tokens cannot hold five ~140-token sequences at once: preemption must happen.
-    _, events = compare(requests, num_kv_blocks=40, block_size=4, policy="fcfs")
+    _, events = compare(requests, drafting_by, num_kv_blocks=40, block_size=4, policy="fcfs")
     assert any(e.preempted for e in events if isinstance(e, StepEvent))
     assert _accepted(events)
 
 
 def test_lora_rows_are_verified_with_their_adapter(make_byte_engine, byte_adapter_dir):
+    check_lora_rows_match_plain_decoding(make_byte_engine, byte_adapter_dir, SPECULATIVE)
+
+
+def check_lora_rows_match_plain_decoding(make_engine, adapter_dir, speculative: dict) -> None:
+    """An adapter's row and a base row, with speculation off and on (``speculative``'s settings): the same
+    output, drafts accepted, and the adapter visibly changing its row."""
     requests = [_request("lora", adapter="a", max_tokens=60), _request("base", max_tokens=60)]
     outputs = []
-    for speculative in (False, True):
-        engine, events = make_byte_engine(max_loras=2, **(SPECULATIVE if speculative else {}))
-        engine.register_adapter("a", str(byte_adapter_dir))
+    for settings in ({}, speculative):
+        engine, events = make_engine(max_loras=2, **settings)
+        engine.register_adapter("a", str(adapter_dir))
         outputs.append([_summary(d) for d in _run(engine, requests)])
     assert outputs[0] == outputs[1]
     assert outputs[0][0][1] != outputs[0][1][1], "the adapter changes nothing: the test proves nothing"
