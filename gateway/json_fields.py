@@ -4,6 +4,7 @@ OpenAI-shaped 400 naming the field. JSON null reads as an absent field (OpenAI's
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import invalid_param
@@ -24,13 +25,19 @@ def optional(body: dict, name: str) -> Any:
     return body.get(name)
 
 
-def int_field(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+def typed(body: dict, name: str, check: Callable[[Any], bool], expected: str) -> Any:
+    """The field's value (None when absent or null), refused with 400 unless ``check`` holds for it."""
     v = optional(body, name)
+    if v is not None and not check(v):
+        raise invalid_param(name, f"Invalid type for '{name}': expected {expected}, but got {type(v).__name__}.",
+                            "invalid_type")
+    return v
+
+
+def int_field(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    v = typed(body, name, is_int, "an integer")
     if v is None:
         return None
-    if not is_int(v):
-        raise invalid_param(name, f"Invalid type for '{name}': expected an integer, but got {type(v).__name__}.",
-                            "invalid_type")
     if v < lo or (hi is not None and v > hi):
         bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
         raise invalid_param(name, f"Invalid value for '{name}': {v}; it must be {bound}.", "invalid_value")
@@ -38,12 +45,9 @@ def int_field(body: dict, name: str, lo: int, hi: int | None = None) -> int | No
 
 
 def float_field(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = optional(body, name)
+    v = typed(body, name, is_number, "a number")
     if v is None:
         return default
-    if not is_number(v):
-        raise invalid_param(name, f"Invalid type for '{name}': expected a number, but got {type(v).__name__}.",
-                            "invalid_type")
     if v > hi or v < lo or (lo_open and v == lo):
         interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise invalid_param(name, f"Invalid value for '{name}': {v}; it must be in {interval}.", "invalid_value")
@@ -51,18 +55,9 @@ def float_field(body: dict, name: str, default: float, lo: float, hi: float, lo_
 
 
 def bool_field(body: dict, name: str, default: bool = False) -> bool:
-    v = optional(body, name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid_param(name, f"Invalid type for '{name}': expected a boolean, but got {type(v).__name__}.",
-                            "invalid_type")
-    return v
+    v = typed(body, name, lambda v: isinstance(v, bool), "a boolean")
+    return default if v is None else v
 
 
 def str_field(body: dict, name: str) -> str | None:
-    v = optional(body, name)
-    if v is not None and not isinstance(v, str):
-        raise invalid_param(name, f"Invalid type for '{name}': expected a string, but got {type(v).__name__}.",
-                            "invalid_type")
-    return v
+    return typed(body, name, lambda v: isinstance(v, str), "a string")
