@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import paths, report
+from bench.live.http_clients import HttpClientPost, RawClient
 from bench.common.stats import percentile
 
 GOALS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "rejections_per_s": 2000, "budget_added_p50_ms": 0.2}
@@ -123,50 +122,6 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> Non
         except OSError:
             time.sleep(0.2)
     raise RuntimeError("the gateway did not become ready")
-
-
-class RawClient:
-    """One keep-alive HTTP/1.1 connection sending a fixed POST: the least client work per request."""
-
-    def __init__(self, port: int, path: str, headers: dict[str, str], body: str) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.reader = self.sock.makefile("rb")
-        data = body.encode()
-        head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "content-length": str(len(data))}.items())
-        self.request = f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n{head}\r\n".encode() + data
-
-    def post(self) -> int:
-        """Send the request, read the whole response; returns its status."""
-        self.sock.sendall(self.request)
-        status = int(self.reader.readline().split()[1])
-        length = 0
-        while (line := self.reader.readline()) != b"\r\n":
-            if line[:15].lower() == b"content-length:":
-                length = int(line[15:])
-        self.reader.read(length)
-        return status
-
-    def close(self) -> None:
-        self.reader.close()
-        self.sock.close()
-
-
-class HttpClientPost:
-    """The same POST through http.client, for comparison with RawClient."""
-
-    def __init__(self, port: int, path: str, headers: dict[str, str], body: str) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port)
-        self.args = ("POST", path, body, headers)
-
-    def post(self) -> int:
-        self.conn.request(*self.args)
-        response = self.conn.getresponse()
-        response.read()
-        return response.status
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 def direct_caller(engine) -> Callable[[str], float]:
