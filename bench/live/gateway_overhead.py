@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
