@@ -215,6 +215,3 @@ class Budget(Base):
     anchored_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
-
-# The Batch API's tables share this metadata (Alembic compares it with the migrated schema).
-from billing import batch_models as _batch_models  # noqa: E402,F401

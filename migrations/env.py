@@ -6,10 +6,10 @@ from alembic import context
 from sqlalchemy import Connection
 
 from billing.db import create_engine_for
-from billing.models import Base
+from billing.schema import metadata
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = metadata
 
 
 def run_migrations(connection: Connection) -> None:

@@ -10,7 +10,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
 from billing.db import alembic_config, create_engine_for, upgrade
-from billing.models import Base
+from billing.schema import metadata
 from billing.tenants import create_tenant, list_tenants
 
 
@@ -22,7 +22,7 @@ def _alembic(connection):
 
 def test_models_match_migrated_schema(engine):
     with engine.connect() as connection:
-        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+        assert compare_metadata(MigrationContext.configure(connection), metadata) == []
         command.check(_alembic(connection))  # raises if autogenerate would emit anything
 
 
