@@ -50,7 +50,9 @@ def panel_product(x: torch.Tensor, parts: list[QuantWeight]) -> torch.Tensor:
 
 
 def int8_tiles(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    return torch.ops.tiergate.quant_linear(x, [w.blocks], [int(w.ggml_type)], [w.out_features],
+    """The int8 kernels on the weight as served (repacked where its format is): what the dispatch runs below the
+    panel path's threshold."""
+    return torch.ops.tiergate.quant_linear(x, [w.storage], [int(w.ggml_type)], [w.out_features],
                                            quant_linear.ISAS.index(quant_linear.kernel_isa()))
 
 
