@@ -27,11 +27,10 @@ from engine.gguf_weights import read_gguf_weights
 from engine.model import DecoderModel
 from engine.model_config import ModelConfig
 from engine.quant_linear import QUANTIZE_KINDS
+from tiergate_common.bundled import BUNDLED_FILE, BUNDLED_NAME
 
 log = logging.getLogger(__name__)
 
-BUNDLED_NAME = "SmolLM2-135M-Instruct"
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DUMMY_PREFIX = "dummy:"
 
 

@@ -22,9 +22,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.loader import BUNDLED_FILE as GGUF_NAME
 from lora_pool.demo_adapters import DEMO_ADAPTERS_DIR as OUT_DIR
 from lora_pool.demo_adapters.data import french_pairs, uppercase_pairs
+from tiergate_common.bundled import BUNDLED_FILE as GGUF_NAME
 
 # Small enough to commit, large enough to change the answers visibly. Only the upper
 # layers are adapted: the backward pass then stops half-way, which halves training time.
