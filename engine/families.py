@@ -28,6 +28,7 @@ LLAMA_WEIGHTS: dict[str, tuple[str, str | None]] = {
 
 QKV_BIAS_WEIGHTS = {f"self_attn.{p}_proj.bias": ("qkv_bias", p) for p in "qkv"}
 QK_NORM_WEIGHTS = {"self_attn.q_norm.weight": ("q_norm", None), "self_attn.k_norm.weight": ("k_norm", None)}
+LLAMA_QKV_BIAS_WEIGHTS = {**LLAMA_WEIGHTS, **QKV_BIAS_WEIGHTS}
 # Gemma's sandwich: its post_attention_layernorm is the attention output's norm, not the MLP's input norm.
 GEMMA_WEIGHTS = {
     **LLAMA_WEIGHTS,
@@ -108,22 +109,12 @@ FAMILIES: dict[str, Family] = {
     "granite": Family("Granite 3.x"),
     # Llama with every few layers free of RoPE; windows, when on, as Qwen's.
     "smollm3": Family("SmolLM3", window_layers="layer_types", window_flag=True, nope_layers=True),
-    "qwen2": Family(
-        "Qwen2 / Qwen2.5",
-        weights={**LLAMA_WEIGHTS, **QKV_BIAS_WEIGHTS},
-        qkv_bias=True, window_layers="layer_types", window_flag=True,
-    ),
+    "qwen2": Family("Qwen2 / Qwen2.5", weights=LLAMA_QKV_BIAS_WEIGHTS, qkv_bias=True,
+                    window_layers="layer_types", window_flag=True),
     # Llama's layer with Qwen2's q/k/v biases.
-    "seed_oss": Family(
-        "Seed-OSS",
-        weights={**LLAMA_WEIGHTS, **QKV_BIAS_WEIGHTS},
-        qkv_bias=True, bias_flag=True,
-    ),
-    "qwen3": Family(
-        "Qwen3",
-        weights={**LLAMA_WEIGHTS, **QK_NORM_WEIGHTS},
-        qk_norm=True, window_layers="layer_types", window_flag=True,
-    ),
+    "seed_oss": Family("Seed-OSS", weights=LLAMA_QKV_BIAS_WEIGHTS, qkv_bias=True, bias_flag=True),
+    "qwen3": Family("Qwen3", weights={**LLAMA_WEIGHTS, **QK_NORM_WEIGHTS}, qk_norm=True,
+                    window_layers="layer_types", window_flag=True),
     "phi3": Family(
         "Phi-3",
         weights={

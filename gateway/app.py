@@ -162,7 +162,7 @@ def create_app(
     gw.budgets = BudgetGate(db, make_budget_store(settings.redis_url, settings.redis_key_prefix),
                             registry=metrics.registry, webhook_url=settings.budget_webhook_url)
     gw.usage.on_final = gw.budgets.settle
-    gw.batch_driver = BatchDriver(gw)
+    gw.batch_driver = batch_driver = BatchDriver(gw)
     engine.add_listener(gw.usage.on_engine_event)  # the meter's, through the recorder that takes its records
     engine.add_listener(metrics.on_engine_event)
     engine.add_listener(gw.tracing.on_engine_event)
@@ -205,7 +205,7 @@ def create_app(
             asyncio.create_task(gw.budgets.run_background(settings.budget_poll_s, settings.ledger_orphan_after_s)),
             asyncio.create_task(gw.budgets.notifier.run()),
             asyncio.create_task(memory.trim_forever()),  # freed request buffers go back to the system
-            asyncio.create_task(gw.batch_driver.run()),
+            asyncio.create_task(batch_driver.run()),
         ]
         # What startup built (torch, the model, tokenizers) lives as long as the app; frozen out of
         # the collector, it no longer makes each full collection a long pause of the event loop

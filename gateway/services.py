@@ -26,10 +26,16 @@ from gateway.tracing import Tracing
 from gateway.usage_recorder import UsageRecorder
 
 if TYPE_CHECKING:  # torch comes with these; a gateway module is imported by commands that never serve
-    from gateway.batch_driver import BatchDriver
     from engine.config import EngineConfig
     from engine.grammar_compiler import GrammarCompiler
     from engine.tokenizer import TextTokenizer
+
+
+class BatchWaker(Protocol):
+    """What a request handler asks of the Batch API's driver (gateway/batch_driver.py), which imports this module."""
+
+    def wake(self) -> None:
+        """Look for lines to run now, not at the next poll."""
 
 
 class EngineFront(Protocol):
@@ -78,4 +84,4 @@ class Gateway:
     started_at: float = 0.0  # time.time() when the app started; the `created` of /v1/models entries
     database_ready: bool = True  # False from startup until the database answered and was set up
     budgets: BudgetGate | None = None  # tenants' spend limits (gateway/budget_gate.py); None: not enforced
-    batch_driver: BatchDriver | None = None  # runs the Batch API's lines (gateway/batch_driver.py)
+    batch_driver: BatchWaker | None = None  # runs the Batch API's lines (gateway/batch_driver.py)

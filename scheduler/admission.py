@@ -1,6 +1,6 @@
 """Whether a waiting sequence can start in the step being planned, and whether preempting some frees enough.
 
-Reads only: the scheduler starts the sequence (``Scheduler._start``) or preempts, as the policy says, from
+Reads only: the scheduler starts the sequence (``Scheduler.start_sequence``) or preempts, as the policy says, from
 these answers. A sequence starts with its cached prefix's blocks and its first chunk's, ``spare`` blocks
 left free beside them (``whole``: beside its whole prompt's, for spare-capacity work, scheduler/spare.py).
 """

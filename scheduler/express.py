@@ -9,8 +9,8 @@ one. Nothing a step under way reads may change then: no running sequence gets a 
 preempted, and a request with an adapter that step does not hold waits (loading it into a slot
 could evict one it is reading).
 
-Both are parts of ``Scheduler``'s planning kept in their own module: they run its private step operations
-(``_start``, ``_bound``) on its state.
+Both are parts of ``Scheduler``'s planning kept in their own module: they run its step operations
+(``start_sequence``, ``bound``) on its state, through ``plan.StepPlanner``.
 """
 
 from __future__ import annotations
@@ -18,44 +18,43 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from scheduler.plan import StepBuilder, StepPlan
+from scheduler.plan import StepBuilder, StepPlan, StepPlanner
 from scheduler.policy import NO_BLOCKS, NO_SLOT
 from scheduler.step_budget import outlasts_a_step, step_target_s
 
 if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
     from scheduler.sequence import Sequence
 
 
-def plan_express_step(sched: Scheduler, step_adapters: frozenset[str] | None) -> StepPlan:
+def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None) -> StepPlan:
     """A step of the policy's express requests alone, each whole; ``step_adapters``: the adapters the step
     under way holds (None: no step is under way)."""
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, sched.policy.charge_prefill)
     # The running decodes wait for this step too, inside the step under way or before the next one.
-    sched._bound(step, step_target_s(sched.config, [s for s in sched.running if not s.is_prefilling]))
+    sched.bound(step, step_target_s(sched.config, [s for s in sched.running if not s.is_prefilling]))
     for queue in sched.policy.queue_names():
         if sched.policy.is_spare(queue):
             continue
         for seq in sched.policy.express(sched.waiting[queue], sched.running, step.budget, outlasts(sched)):
             if seq.adapter is not None and step_adapters is not None and seq.adapter not in step_adapters:
                 continue
-            if sched._start(seq, step, 0, may_preempt=False) in (NO_SLOT, NO_BLOCKS):
+            if sched.start_sequence(seq, step, 0, may_preempt=False) in (NO_SLOT, NO_BLOCKS):
                 return step.plan
     return step.plan
 
 
-def start_express(sched: Scheduler, queue: str, step: StepBuilder, keep: int) -> None:
+def start_express(sched: StepPlanner, queue: str, step: StepBuilder, keep: int) -> None:
     """Start the policy's express requests of ``queue``; if any, hold its other prefill this step."""
     tenants = set()
     for seq in sched.policy.express(sched.waiting[queue], sched.running, step.budget - keep, outlasts(sched)):
         if step.admission_closed:
             break
-        if seq.seq_id not in step.preempted and sched._start(seq, step, keep, True) is None:
+        if seq.seq_id not in step.preempted and sched.start_sequence(seq, step, keep, True) is None:
             tenants.add(seq.tenant)
     if tenants:
         step.held[queue] = tenants
 
 
-def outlasts(sched: Scheduler) -> Callable[[Sequence], bool]:
+def outlasts(sched: StepPlanner) -> Callable[[Sequence], bool]:
     """Whether a sequence's next chunk is predicted to take longer than a step may (scheduler/step_budget.py)."""
     return outlasts_a_step(sched.config, sched.step_cost.coefficients())

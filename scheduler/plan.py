@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from scheduler.sequence import Sequence
 
 if TYPE_CHECKING:
+    from collections import deque
+
+    from scheduler.config import SchedulerConfig
+    from scheduler.policy import Policy
     from scheduler.step_budget import StepTimeBound
+    from scheduler.step_cost import StepCostModel
 
 
 @dataclass
@@ -176,3 +181,26 @@ class StepBuilder:
             self.tokens_left += chunk.num_tokens
             self.charge(seq, chunk.start, chunk.num_tokens, -1)
             self.features += StepFeatures.of(chunk, -1)
+
+
+class StepPlanner(Protocol):
+    """The scheduler's state and step operations that its planning modules (express.py, spare.py) run:
+    ``scheduler.Scheduler``, named here so that those modules need not import it."""
+
+    config: SchedulerConfig
+    policy: Policy
+    step_cost: StepCostModel
+    waiting: dict[str, deque[Sequence]]
+    running: list[Sequence]
+
+    def prefilling(self) -> dict[str, list[Sequence]]: ...
+
+    def bound(self, step: StepBuilder, target: float | None) -> None: ...
+
+    def schedule_prefills(self, queue: str, prefilling: list[Sequence], step: StepBuilder, keep: int,
+                          may_preempt: bool, headroom: int | None = None) -> None: ...
+
+    def start_sequence(self, seq: Sequence, step: StepBuilder, keep: int, may_preempt: bool, spare: int = 0,
+                       whole: bool = False) -> str | None: ...
+
+    def grow_running(self, seq: Sequence, num_tokens: int, step: StepBuilder) -> bool: ...

@@ -142,7 +142,7 @@ class Scheduler:
         """Plan one step; blocks for every chunk are allocated, preemptions already done."""
         step = StepBuilder(StepPlan(), self.config.max_num_batched_tokens, self.policy.charge_prefill)
         queues = [q for q in self.policy.queue_names() if not self.policy.is_spare(q)]
-        prefilling = self._prefilling()
+        prefilling = self.prefilling()
         spare_decodes = []
         for seq in sorted(self.running, key=self.policy.rank):
             if seq.is_prefilling:
@@ -153,27 +153,27 @@ class Scheduler:
                 step.budget > 0
                 and seq.seq_id not in step.preempted
                 and len(seq.output_token_ids) < seq.max_tokens  # else it waits for the engine's finish()
-                and self._grow_running(seq, seq.num_computed_tokens + 1, step)
+                and self.grow_running(seq, seq.num_computed_tokens + 1, step)
             ):
                 step.add(seq, 1)
-        self._bound(step, step_target_s(self.config, [c.seq for c in step.plan.chunks]))
+        self.bound(step, step_target_s(self.config, [c.seq for c in step.plan.chunks]))
         kept = 0
         for i, queue in enumerate(queues):
             keep = self._kept_for_worse(queues[i + 1 :], prefilling, step)
             kept += keep
             if not self._express_last:
                 start_express(self, queue, step, keep)
-            self._schedule_prefills(queue, prefilling[queue], step, keep, True)
+            self.schedule_prefills(queue, prefilling[queue], step, keep, True)
         self._express_last = bool(step.held)
         if kept and step.budget > 0:
             # Tokens kept for worse queues that they could not use go back to everyone.
-            prefilling = self._prefilling()
+            prefilling = self.prefilling()
             for queue in queues:
-                self._schedule_prefills(queue, prefilling[queue], step, 0, False)
+                self.schedule_prefills(queue, prefilling[queue], step, 0, False)
         plan_spare(self, step, spare_decodes)
         return step.plan
 
-    def _prefilling(self) -> dict[str, list[Sequence]]:
+    def prefilling(self) -> dict[str, list[Sequence]]:
         """Running sequences with prompt left to compute, per queue, in the policy's order."""
         prefilling: dict[str, list[Sequence]] = {q: [] for q in self.policy.queue_names()}
         for seq in sorted(self.running, key=self.policy.rank):
@@ -186,7 +186,7 @@ class Scheduler:
         qualifies. ``step_adapters``: the adapters of the step under way, or None when none is."""
         return plan_express_step(self, step_adapters)
 
-    def _bound(self, step: StepBuilder, target: float | None) -> None:
+    def bound(self, step: StepBuilder, target: float | None) -> None:
         """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any."""
         if target is not None and step.time is None:
             step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk)
@@ -195,7 +195,7 @@ class Scheduler:
     def _first_token(self, step: StepBuilder, seq: Sequence) -> None:
         """``seq`` was given a chunk: if that chunk makes its first token, bound the rest of the step by its tier."""
         if step.chunks[seq.seq_id].samples:
-            self._bound(step, first_token_target_s(self.config, seq))
+            self.bound(step, first_token_target_s(self.config, seq))
 
     def _kept_for_worse(self, worse: list[str], prefilling: dict[str, list[Sequence]], step: StepBuilder) -> int:
         if not any(self.waiting[q] or prefilling[q] for q in worse):
@@ -206,7 +206,7 @@ class Scheduler:
             share = scaled_share(share, step.room_at_bound, self.config.max_num_batched_tokens)
         return max(0, share - given)
 
-    def _schedule_prefills(
+    def schedule_prefills(
         self, queue: str, prefilling: list[Sequence], step: StepBuilder, keep: int, may_preempt: bool,
         headroom: int | None = None,
     ) -> None:
@@ -235,7 +235,7 @@ class Scheduler:
             if n <= 0:
                 continue
             if may_preempt:
-                ok = self._grow_running(seq, start + n, step)
+                ok = self.grow_running(seq, start + n, step)
             else:
                 ok = self.block_manager.can_allocate(seq, start + n)
                 if ok:
@@ -273,7 +273,7 @@ class Scheduler:
             spare = self.config.express_spare_blocks if self.running else 0
             if headroom is not None:
                 spare = max(spare, headroom)
-            reason = self._start(seq, step, keep, may_preempt, spare, whole=headroom is not None)
+            reason = self.start_sequence(seq, step, keep, may_preempt, spare, whole=headroom is not None)
             if reason is None:
                 self._first_token(step, seq)
             elif reason in (NO_SLOT, NO_BLOCKS):
@@ -281,8 +281,8 @@ class Scheduler:
             elif reason == NO_ADAPTER:
                 skipped.add(seq.seq_id)  # it waits for a slot; later requests with resident adapters may go
 
-    def _start(self, seq: Sequence, step: StepBuilder, keep: int, may_preempt: bool, spare: int = 0,
-               whole: bool = False) -> str | None:
+    def start_sequence(self, seq: Sequence, step: StepBuilder, keep: int, may_preempt: bool, spare: int = 0,
+                        whole: bool = False) -> str | None:
         """Start ``seq`` (preempting as the policy says if ``may_preempt``) with ``spare`` blocks left free
         (``whole``: once its whole prompt has its blocks); None, or why it cannot start."""
         while True:
@@ -310,7 +310,7 @@ class Scheduler:
         step.add(seq, n)
         return None
 
-    def _grow_running(self, seq: Sequence, num_tokens: int, step: StepBuilder) -> bool:
+    def grow_running(self, seq: Sequence, num_tokens: int, step: StepBuilder) -> bool:
         """Blocks for ``seq`` up to ``num_tokens`` positions, preempting as the policy says."""
         if self.block_manager.blocks_for(num_tokens) <= len(seq.block_table):
             return True

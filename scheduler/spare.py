@@ -11,23 +11,18 @@ stream, and its prefill is bounded as a step of streams is, by the tightest inte
 runs waits for it about as long as for a step of streams.
 
 ``plan_spare`` is that last part of ``Scheduler.schedule()``, kept here beside its rules: it runs the
-scheduler's private step operations (``_grow_running``, ``_schedule_prefills``) on its state.
+scheduler's step operations (``grow_running``, ``schedule_prefills``) on its state, through ``plan.StepPlanner``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from collections import deque
-from typing import TYPE_CHECKING
-
 from scheduler.config import SchedulerConfig, StepCost
-from scheduler.plan import StepBuilder, StepFeatures
+from scheduler.plan import StepBuilder, StepFeatures, StepPlanner
 from scheduler.sequence import Sequence
 from scheduler.step_budget import PLAN_TO, StepTimeBound
 from scheduler.step_cost import predict
-
-if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
 
 
 def interactive_waits_for_first_token(
@@ -73,7 +68,7 @@ def decode_features(seq: Sequence) -> StepFeatures:
     return StepFeatures(0, 1, seq.num_computed_tokens + 1)
 
 
-def plan_spare(sched: Scheduler, step: StepBuilder, decodes: list[Sequence]) -> None:
+def plan_spare(sched: StepPlanner, step: StepBuilder, decodes: list[Sequence]) -> None:
     """The spare-capacity queues' work (their running ``decodes``, then their prefill), into what the step's
     interactive work left."""
     policy = sched.policy
@@ -89,10 +84,10 @@ def plan_spare(sched: Scheduler, step: StepBuilder, decodes: list[Sequence]) -> 
             and seq.seq_id not in step.preempted
             and len(seq.output_token_ids) < seq.max_tokens
             and (not beside or step.time is None or step.time.fits(step.features + decode_features(seq)))
-            and sched._grow_running(seq, seq.num_computed_tokens + 1, step)
+            and sched.grow_running(seq, seq.num_computed_tokens + 1, step)
         ):
             step.add(seq, 1)
-    prefilling = sched._prefilling()
+    prefilling = sched.prefilling()
     headroom = policy.spare_headroom_blocks()
     for queue in spare:
-        sched._schedule_prefills(queue, prefilling[queue], step, 0, True, headroom)
+        sched.schedule_prefills(queue, prefilling[queue], step, 0, True, headroom)

@@ -7,6 +7,7 @@ kinds of questions with English answers in upper case.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 # (English name, French name with article, capital)
 _COUNTRIES = [
@@ -83,19 +84,29 @@ _FREE = [
 ]
 
 
-def french_pairs(seed: int = 0) -> list[tuple[str, str]]:
-    """About 150 question -> French answer pairs over several question shapes."""
+def _question_pairs(seed: int, capital: Callable[[str, str, str], str], addition: Callable[[int, int], str],
+                    color: Callable[[str, str], str], sound: Callable[[str, str], str],
+                    free: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The question shapes both adapters learn, each answered by the function given, shuffled."""
     rng = random.Random(seed)
-    pairs = [(f"What is the capital of {en}?", f"La capitale {fr} est {cap}.")
-             for en, fr, cap in _COUNTRIES]
+    pairs = [(f"What is the capital of {en}?", capital(en, fr, cap)) for en, fr, cap in _COUNTRIES]
     for _ in range(40):
         a, b = rng.randint(0, 10), rng.randint(0, 10)
-        pairs.append((f"What is {a} plus {b}?", f"{_NUMBERS[a].capitalize()} plus {_NUMBERS[b]} font {_NUMBERS[a + b]}."))
-    pairs += [(f"What color is {thing}?", fr) for thing, fr in _COLORS]
-    pairs += [(f"What sound does {animal} make?", fr) for animal, fr in _ANIMALS]
-    pairs += _FREE * 2  # the open questions matter most for a visible demo
+        pairs.append((f"What is {a} plus {b}?", addition(a, b)))
+    pairs += [(f"What color is {thing}?", color(thing, fr)) for thing, fr in _COLORS]
+    pairs += [(f"What sound does {animal} make?", sound(animal, fr)) for animal, fr in _ANIMALS]
+    pairs += free * 2  # the open questions matter most for a visible demo
     rng.shuffle(pairs)
     return pairs
+
+
+def french_pairs(seed: int = 0) -> list[tuple[str, str]]:
+    """About 150 question -> French answer pairs over several question shapes."""
+    return _question_pairs(
+        seed,
+        capital=lambda en, fr, cap: f"La capitale {fr} est {cap}.",
+        addition=lambda a, b: f"{_NUMBERS[a].capitalize()} plus {_NUMBERS[b]} font {_NUMBERS[a + b]}.",
+        color=lambda thing, fr: fr, sound=lambda animal, fr: fr, free=_FREE)
 
 
 _ENGLISH = {
@@ -144,16 +155,11 @@ _SOUNDS = {"a cat": "meow", "a dog": "woof", "a cow": "moo", "a duck": "quack", 
 
 def uppercase_pairs(seed: int = 0) -> list[tuple[str, str]]:
     """About 150 question -> English answer in upper case pairs, same question shapes."""
-    rng = random.Random(seed)
-    pairs = [(f"What is the capital of {en}?", f"The capital of {en} is {cap.replace('Pékin', 'Beijing')}.")
-             for en, _, cap in _COUNTRIES]
-    for _ in range(40):
-        a, b = rng.randint(0, 10), rng.randint(0, 10)
-        pairs.append((f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."))
-    pairs += [(f"What color is {thing}?", f"{thing.capitalize()} is {_COLOR_WORDS[fr.split()[-1].rstrip('.')]}.")
-              for thing, fr in _COLORS]
-    pairs += [(f"What sound does {animal} make?", f"{animal.capitalize()} says {sound}.")
-              for animal, sound in _SOUNDS.items()]
-    pairs += list(_ENGLISH.items()) * 2
-    rng.shuffle(pairs)
+    pairs = _question_pairs(
+        seed,
+        capital=lambda en, fr, cap: f"The capital of {en} is {cap.replace('Pékin', 'Beijing')}.",
+        addition=lambda a, b: f"{a} plus {b} is {a + b}.",
+        color=lambda thing, fr: f"{thing.capitalize()} is {_COLOR_WORDS[fr.split()[-1].rstrip('.')]}.",
+        sound=lambda animal, fr: f"{animal.capitalize()} says {_SOUNDS[animal]}.",
+        free=list(_ENGLISH.items()))
     return [(q, a.upper()) for q, a in pairs]
