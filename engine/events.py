@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from scheduler.plan import StepPlan
 
-if TYPE_CHECKING:
-    from engine.speculative import StepDrafts
+
+@dataclass
+class StepDrafts:
+    """What a step drafted and kept (engine/speculative.py), for the metrics (StepEvent) and the rows' acceptance."""
+
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True)

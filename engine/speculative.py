@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.draft_model import DraftModel, DraftRequest
+from engine.events import StepDrafts
 from engine.grammar import GrammarMatcher, mask_logits
 from engine.logit_adjustments import adjust_logits_, adjusts_logits
 from engine.ngram import NgramIndex
@@ -71,14 +72,6 @@ class _Row:
     index: NgramIndex | None  # prompt lookup's; None when a draft model drafts
     acceptance: float = 0.5  # running mean of the fraction of drafts accepted
     resting: int = 0  # steps left before it drafts again
-
-
-@dataclass
-class StepDrafts:
-    """What a step drafted and kept, for the metrics (StepEvent) and the rows' acceptance."""
-
-    drafted: int = 0
-    accepted: int = 0
 
 
 class Speculator:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.events import EngineEvent, Listener, step_event
+from engine.events import EngineEvent, Listener, StepDrafts, step_event
 from engine.grammar import mask_logits
 from engine.in_flight import InFlight, Outgoing
 from engine.inbox import AbortRequest, AddRequest, Inbox, Message, UnregisterAdapter
@@ -41,7 +41,7 @@ from engine.prompt_scoring import PromptRows, rows_to_score, score_prompts
 from engine.runner import ModelRunner
 from engine.request_state import OutsideGrammar
 from engine.sampler import SampledToken, sample
-from engine.speculative import Speculator, StepDrafts, accepted_drafts
+from engine.speculative import Speculator, accepted_drafts
 from engine.step_timer import StepTimer
 from engine.tokenizer import TextTokenizer
 from scheduler import ScheduledChunk, Scheduler, StepPlan, TierLoad

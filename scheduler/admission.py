@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
-from scheduler.plan import StepBuilder
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT
 from scheduler.sequence import Sequence
+from scheduler.step_builder import StepBuilder
 
 
 def start_need(config: SchedulerConfig, blocks: BlockManager, running: list[Sequence], seq: Sequence,

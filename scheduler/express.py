@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from scheduler.plan import StepBuilder, StepPlan, StepPlanner
+from scheduler.plan import StepPlan
 from scheduler.policy import NO_BLOCKS, NO_SLOT
 from scheduler.step_budget import outlasts_a_step, step_target_s
+from scheduler.step_builder import StepBuilder, StepPlanner
 
 if TYPE_CHECKING:
     from scheduler.sequence import Sequence

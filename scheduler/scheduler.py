@@ -26,11 +26,12 @@ from scheduler.config import SchedulerConfig
 from scheduler.drafts import fit_drafts
 from scheduler.express import plan_express_step, start_express
 from scheduler.load import LoadEstimator, TierLoad, tier_loads
-from scheduler.plan import ScheduledChunk, StepBuilder, StepPlan
+from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.spare import plan_spare
 from scheduler.step_budget import StepTimeBound, first_token_target_s, scaled_share, step_target_s
+from scheduler.step_builder import StepBuilder
 from scheduler.step_cost import StepCostModel, step_features
 from scheduler.step_update import apply_step
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from collections import deque
 from scheduler.config import SchedulerConfig, StepCost
-from scheduler.plan import StepBuilder, StepFeatures, StepPlanner
+from scheduler.plan import StepFeatures
 from scheduler.sequence import Sequence
 from scheduler.step_budget import PLAN_TO, StepTimeBound
+from scheduler.step_builder import StepBuilder, StepPlanner
 from scheduler.step_cost import predict
 
 
