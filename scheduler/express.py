@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None) -> StepPlan:
     """A step of the policy's express requests alone, each whole; ``step_adapters``: the adapters the step
     under way holds (None: no step is under way)."""
+    if not any(sched.waiting[queue] for queue in sched.policy.queue_names()):
+        return StepPlan()  # asked between every two layer slices: with nobody waiting, plan nothing
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, sched.policy.charge_prefill)
     # The running decodes wait for this step too, inside the step under way or before the next one.
     sched.bound(step, step_target_s(sched.config, [s for s in sched.running if not s.is_prefilling]))

@@ -6,8 +6,8 @@ and ``open`` (open-ended prompts sampled at temperature 1, so the output does no
 loop a lookup would predict). At each concurrency, tiergate with speculation off and on run the
 same requests one after the other, round after round, so that both see the same load on a shared
 machine; the figure is the ratio of their output tokens per second. llama.cpp runs the same
-prompts at concurrency 1 through llama-cpp-python (on the bundled weights dequantized to F32:
-its Q4_1 path crashes on AMX CPUs), plain and with
+prompts at concurrency 1 through llama-cpp-python on the same bundled Q4_1 file (`make bench` builds its
+wheel without ggml's AMX buffer, whose Q4_1 kernel crashes on AMX CPUs), plain and with
 ``LlamaPromptLookupDecoding`` (its prompt lookup), interleaved the same way.
 
     .venv/bin/python -m bench.offline.spec_decode [--concurrency 1,8,32] [--rounds 2] [--max-tokens 128] [--json OUT]
@@ -122,12 +122,10 @@ def llama_cpp_models(num_pred_tokens: int):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         return None
-    from bench.common.model_files import f32_gguf
+    from bench.common.model_files import bundled_gguf
 
     threads = os.cpu_count() or 1
-    # The F32 file (the bundled weights dequantized, as the engine bench runs llama.cpp): llama.cpp
-    # 0.3.36's AMX kernel crashes on the Q4_1 file on AMX CPUs (bench/RESULTS.md, speculative decoding).
-    common = dict(model_path=str(f32_gguf()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+    common = dict(model_path=str(bundled_gguf()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                   verbose=False, logits_all=False)
     return (Llama(**common),
             Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens)))

@@ -36,9 +36,10 @@ struct GemvActs {
   std::vector<int32_t> s16;
 };
 
-void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, GemvActs& a) {
+// x's rows to int8, with a scale per 32 inputs, or per 16 (`per16`, quant_packed.h's per16_scales).
+void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, bool per16, GemvActs& a) {
   a.q.resize(rows * in / 4);
-  a.d.resize(rows * in / 32);
+  a.d.resize(rows * in / (per16 ? 16 : 32));
   a.ds.resize(rows * in / 32);
   a.s16.resize(rows * in / 16);
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
@@ -47,9 +48,17 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, G
       int8_t* q = reinterpret_cast<int8_t*>(a.q.data() + r * in / 4);
       for (int64_t b = 0; b < in / 32; ++b) {
         int sums[2];
-        const float d = quantize_block32(src + b * 32, q + b * 32, sums);
-        a.d[r * in / 32 + b] = d;
-        a.ds[r * in / 32 + b] = d * float(sums[0] + sums[1]);
+        if (per16) {
+          const float d0 = quantize_block16(src + b * 32, q + b * 32, sums[0]);
+          const float d1 = quantize_block16(src + b * 32 + 16, q + b * 32 + 16, sums[1]);
+          a.d[r * in / 16 + 2 * b] = d0;
+          a.d[r * in / 16 + 2 * b + 1] = d1;
+          a.ds[r * in / 32 + b] = d0 * float(sums[0]) + d1 * float(sums[1]);
+        } else {
+          const float d = quantize_block32(src + b * 32, q + b * 32, sums);
+          a.d[r * in / 32 + b] = d;
+          a.ds[r * in / 32 + b] = d * float(sums[0] + sums[1]);
+        }
         a.s16[r * in / 16 + 2 * b] = sums[0];
         a.s16[r * in / 16 + 2 * b + 1] = sums[1];
       }
@@ -68,12 +77,19 @@ void gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, con
   if (rows < 1) return;
   int64_t groups = 0;
   for (int p = 0; p < nparts; ++p) groups += (parts[p].out_features + PACK_ROWS - 1) / PACK_ROWS;
-  thread_local GemvActs kept;  // the caller's thread: reused by every call it makes
-  GemvActs local;
+  bool any16 = false, any32 = false;
+  for (int p = 0; p < nparts; ++p) (per16_scales(parts[p].type) ? any16 : any32) = true;
+  thread_local GemvActs kept, kept16;  // the caller's thread: reused by every call it makes
+  GemvActs local, local16;
   GemvActs& acts = rows <= KEPT_ROWS ? kept : local;
-  quantize_rows(x, x_stride, rows, in, acts);
+  GemvActs& acts16 = rows <= KEPT_ROWS ? kept16 : local16;
+  // x scaled per 32 inputs for the K formats' parts, per 16 for the others; both where the call mixes them.
+  quantize_rows(x, x_stride, rows, in, !any32, acts);
+  if (any16 && any32) quantize_rows(x, x_stride, rows, in, true, acts16);
+  const GemvJob job16{parts, nparts, rows, in, acts16.q.data(), acts16.d.data(), acts16.ds.data(),
+                      acts16.s16.data(), out, out_stride, true, nullptr};
   const GemvJob job{parts, nparts, rows, in, acts.q.data(), acts.d.data(), acts.ds.data(), acts.s16.data(), out,
-                    out_stride};
+                    out_stride, !any32, any16 && any32 ? &job16 : nullptr};
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (isa == AVX512) gemv_groups_avx512(job, g0, g1);
     else if (isa == AVXVNNI) gemv_groups_avxvnni(job, g0, g1);

@@ -38,10 +38,12 @@ void store(const GemvJob& j, const GemvPart& p, int64_t first, F (&acc)[ROWS]) {
 // V::dot_s8). Q4_1's min m adds m times the block's sum of x, in float.
 // Each row's int32 sums run in CHAINS independent chains per block (summed at its end), so the
 // dot products' latency overlaps: a single chain of 8 would wait on each before the next.
-template <int ROWS, int64_t TYPE>
+// PER16: x has a scale per 16 inputs (GemvJob::per16); chains [0, CHAINS / 2) then sum words 0-3 of
+// a block (inputs 0-15) and the others words 4-7, each half scaled by its own.
+template <int ROWS, int64_t TYPE, bool PER16>
 void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
   constexpr bool Q8 = TYPE == Q8_0, MIN = TYPE == Q4_1;
-  constexpr int CHAINS = ROWS <= 2 ? 4 : 2;
+  constexpr int CHAINS = ROWS <= 2 ? 4 : 2, HALF = CHAINS / 2;
   const int64_t blocks = j.in / 32, tb = PACK_ROWS * format_of(TYPE).block_bytes;
   const int64_t lanes_at = slice * V::BYTES;
   const int offset = Q8 ? V::S8_OFFSET : MIN ? 0 : 8;
@@ -53,8 +55,13 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
     I sum[CHAINS][ROWS];
     for (int r = 0; r < ROWS; ++r) {
       const int32_t* s = j.xs16 + r * (j.in / 16) + 2 * b;
-      sum[0][r] = V::set1_32(-offset * (s[0] + s[1]));
-      for (int c = 1; c < CHAINS; ++c) sum[c][r] = V::zero();
+      for (int c = 0; c < CHAINS; ++c) sum[c][r] = V::zero();
+      if (PER16) {
+        sum[0][r] = V::set1_32(-offset * s[0]);
+        sum[HALF][r] = V::set1_32(-offset * s[1]);
+      } else {
+        sum[0][r] = V::set1_32(-offset * (s[0] + s[1]));
+      }
     }
     // Word w of the block's activations (inputs 4w..4w+3) meets u[w]: 8 of LANES rows x 4 bytes.
     I u[8];
@@ -70,13 +77,21 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
     for (int w = 0; w < 8; ++w)
       for (int r = 0; r < ROWS; ++r) {
         const I x = V::set1_32(words(j, r)[8 * b + w]);
-        I& s = sum[w % CHAINS][r];
+        I& s = sum[PER16 ? (w / 4) * HALF + w % HALF : w % CHAINS][r];
         s = Q8 ? V::dot_s8(s, u[w], x) : V::dot(s, u[w], x);
       }
     for (int r = 0; r < ROWS; ++r) {
-      I total = sum[0][r];
-      for (int c = 1; c < CHAINS; ++c) total = V::add32(total, sum[c][r]);
-      acc[r] = V::fmadd(V::cvt(total), V::mul(d, V::set1_ps(j.xd[r * (j.in / 32) + b])), acc[r]);
+      if (PER16) {
+        I low = sum[0][r], high = sum[HALF][r];
+        for (int c = 1; c < HALF; ++c) low = V::add32(low, sum[c][r]), high = V::add32(high, sum[HALF + c][r]);
+        const float* xd = j.xd + r * (j.in / 16) + 2 * b;
+        acc[r] = V::fmadd(V::cvt(low), V::mul(d, V::set1_ps(xd[0])), acc[r]);
+        acc[r] = V::fmadd(V::cvt(high), V::mul(d, V::set1_ps(xd[1])), acc[r]);
+      } else {
+        I total = sum[0][r];
+        for (int c = 1; c < CHAINS; ++c) total = V::add32(total, sum[c][r]);
+        acc[r] = V::fmadd(V::cvt(total), V::mul(d, V::set1_ps(j.xd[r * (j.in / 32) + b])), acc[r]);
+      }
       if (MIN) acc[r] = V::fmadd(m, V::set1_ps(j.xds[r * (j.in / 32) + b]), acc[r]);
     }
   }
@@ -192,9 +207,12 @@ void group_rows(const GemvJob& j, const GemvPart& p, int64_t g) {
     F acc[ROWS];
     for (int r = 0; r < ROWS; ++r) acc[r] = V::zero_ps();
     switch (p.type) {
-      case Q4_0: blocks32<ROWS, Q4_0>(j, group, slice, acc); break;
-      case Q4_1: blocks32<ROWS, Q4_1>(j, group, slice, acc); break;
-      case Q8_0: blocks32<ROWS, Q8_0>(j, group, slice, acc); break;
+      case Q4_0: j.per16 ? blocks32<ROWS, Q4_0, true>(j, group, slice, acc)
+                         : blocks32<ROWS, Q4_0, false>(j, group, slice, acc); break;
+      case Q4_1: j.per16 ? blocks32<ROWS, Q4_1, true>(j, group, slice, acc)
+                         : blocks32<ROWS, Q4_1, false>(j, group, slice, acc); break;
+      case Q8_0: j.per16 ? blocks32<ROWS, Q8_0, true>(j, group, slice, acc)
+                         : blocks32<ROWS, Q8_0, false>(j, group, slice, acc); break;
       case Q4_K: q4_k<ROWS>(j, group, slice, acc); break;
       default: q6_k<ROWS>(j, group, slice, acc); break;
     }
@@ -206,7 +224,7 @@ void group_rows(const GemvJob& j, const GemvPart& p, int64_t g) {
 inline GemvJob rows_of(const GemvJob& j, int64_t r0, int64_t rows) {
   GemvJob c = j;
   c.rows = rows;
-  c.xq += r0 * (j.in / 4), c.xd += r0 * (j.in / 32), c.xds += r0 * (j.in / 32), c.xs16 += r0 * (j.in / 16);
+  c.xq += r0 * (j.in / 4), c.xd += r0 * (j.in / (j.per16 ? 16 : 32)), c.xds += r0 * (j.in / 32), c.xs16 += r0 * (j.in / 16);
   c.out += r0 * j.out_stride;
   return c;
 }
@@ -237,7 +255,8 @@ inline void groups(const GemvJob& j, int64_t g0, int64_t g1) {
     for (int pi = 0; pi < j.nparts && g0 < g1; ++pi) {
       const GemvPart& p = j.parts[pi];
       const int64_t n = (p.out_features + PACK_ROWS - 1) / PACK_ROWS;
-      for (int64_t g = std::max(g0, base); g < std::min(g1, base + n); ++g) group_chunks(j, p, g - base, r0, r1);
+      const GemvJob& jp = j.per16_job != nullptr && per16_scales(p.type) ? *j.per16_job : j;
+      for (int64_t g = std::max(g0, base); g < std::min(g1, base + n); ++g) group_chunks(jp, p, g - base, r0, r1);
       base += n;
     }
   }

@@ -33,6 +33,22 @@ inline float quantize_block32(const float* src, int8_t* q, int sums[2]) {
   return d;
 }  // inputs are padded to a multiple: one AVX-512 vector of int8
 
+// The same rounding over 16 inputs, with their own scale; `sum` gets their int8 values' sum.
+inline float quantize_block16(const float* src, int8_t* q, int& sum) {
+  float amax = 0.f;
+  for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(src[i]));
+  const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  sum = 0;
+  for (int i = 0; i < 16; ++i) {
+    const float v = src[i] * id, t = std::trunc(v);
+    const float r = t + (std::fabs(v - t) >= 0.5f ? std::copysign(1.f, v) : 0.f);
+    const int n = int(std::clamp(r, -127.f, 127.f));
+    q[i] = int8_t(n);
+    sum += n;
+  }
+  return d;
+}
+
 // Activations quantized per row: int8 values in blocks of 32, each block's scale d, and per 16
 // inputs d and d times the sum of the block's int8 values (which the formats' offsets multiply).
 struct Acts {

@@ -33,7 +33,9 @@ struct Layout {
   Field field[4];
 };
 
-inline bool repacked(int64_t type) { return type == Q4_0 || type == Q8_0 || type == Q4_K || type == Q6_K; }
+inline bool repacked(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+}
 
 // Fields in tile order; each kernel reads them at the offsets this order gives (tile_offsets).
 constexpr Layout layout_of(int64_t type) {
@@ -41,6 +43,7 @@ constexpr Layout layout_of(int64_t type) {
     case Q4_0: return {2, {{0, 2, 2}, {2, 16, 4}}};  // d; nibbles (low: inputs 0-15, high: 16-31)
     case Q8_0: return {2, {{0, 2, 2}, {2, 32, 4}}};  // d; int8 quants
     case Q4_K: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}}};  // d; dmin; 6-bit scales, mins; nibbles
+    case Q4_1: return {3, {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}}};  // d; m; nibbles
     default: return {4, {{208, 2, 2}, {192, 16, 4}, {0, 128, 4}, {128, 64, 4}}};  // Q6_K: d; int8 scales; ql; qh
   }
 }
@@ -99,12 +102,22 @@ struct GemvJob {
   int nparts;
   int64_t rows, in;
   const int32_t* xq;    // [rows, in / 4]: int8 activations, 4 to a word
-  const float* xd;      // [rows, in / 32]: each block's scale
-  const float* xds;     // [rows, in / 32]: scale times the block's sum of int8 values
+  const float* xd;      // [rows, in / 32]: each block's scale ([rows, in / 16] per 16 inputs when per16)
+  const float* xds;     // [rows, in / 32]: the block's sum of int8 values times their scales
   const int32_t* xs16;  // [rows, in / 16]: sums of int8 values per 16 inputs
   float* out;
   int64_t out_stride;
+  bool per16;  // x was quantized with a scale per 16 inputs (per16_scales)
+  // Where the call also has parts of per16_scales' formats and this job is scaled per 32: the same
+  // rows of x scaled per 16, which those parts read.
+  const GemvJob* per16_job;
 };
+
+// Whether a part's kernel reads x with a scale per 16 inputs instead of 32: Q4_0, Q4_1 and Q8_0, whose
+// kernel sums a block's two halves apart and scales each by its own. Half the activation rounding for
+// a few more multiplies keeps the Q4_1 file's logprobs as close to its exact weights as llama.cpp's
+// (tests/engine/test_gguf_native_quality.py); the K formats' kernels read one scale per 32 inputs.
+inline bool per16_scales(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
 
 // Groups [g0, g1) of the job's outputs (numbered across parts, PACK_ROWS outputs each) on one
 // instruction set: AVX-512 VNNI, AVX2 with AVX-VNNI's dpbusd, AVX2 with maddubs, or plain C++.

@@ -11,9 +11,10 @@ rounded half away from zero), so x_i is read as d·q_i with |x_i - d·q_i| <= d/
 tighter check quantizes x as the kernel does (``_as_kernel_reads``) and compares within the
 float32 term alone, which a wrong nibble, scale or offset anywhere would far exceed.
 
-Q4_0, Q8_0, Q4_K and Q6_K weights are repacked at load (csrc/quant_packed.h) and multiplied by
+Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights are repacked at load (csrc/quant_packed.h) and multiplied by
 the packed kernels (csrc/quant_gemv*.cpp) at every row count, four rows at a time over each group
-of 16 outputs; weights in the file's layout by the scratch tiles (csrc/quant_linear.cpp).
+of 16 outputs (x scaled per 16 inputs for Q4_0, Q4_1 and Q8_0); weights in the file's
+layout by the scratch tiles (csrc/quant_linear.cpp).
 ``layout`` runs each test on both the packed and the file's layout.
 """
 
@@ -93,14 +94,18 @@ def activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return 1.001 * (amax / 127 / 2) @ w_abs + FLOAT_SLACK * np.abs(x) @ np.abs(w)
 
 
-def _as_kernel_reads(x: np.ndarray) -> np.ndarray:
-    """x after the kernels' int8 rounding, in float64: d = float32(max|x| / 127), q = round(x · (1/d))."""
-    x32 = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+def _as_kernel_reads(x: np.ndarray, per: int = 32) -> np.ndarray:
+    """x after the kernels' int8 rounding, in float64: d = float32(max|x| / 127) per ``per`` inputs,
+    q = round(x · (1/d))."""
+    x32 = x.astype(np.float32).reshape(x.shape[0], -1, per)
     d = np.abs(x32).max(axis=2, keepdims=True) / np.float32(127)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
     v = (x32 * inv).astype(np.float64)
     q = np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5), -127, 127)
     return (q * d.astype(np.float64)).reshape(x.shape)
+
+
+PER16_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
 
 
 def check_product(w: QuantWeight, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -110,7 +115,8 @@ def check_product(w: QuantWeight, x: torch.Tensor, y: torch.Tensor) -> None:
     y64 = y.double().numpy()
     err = np.abs(y64 - x64 @ ref)
     assert (err <= activation_bound(x64, ref)).all(), f"max error {err.max()}"
-    xq = _as_kernel_reads(x64)
+    # The packed kernels scale x per 16 inputs for Q4_0, Q4_1 and Q8_0 weights.
+    xq = _as_kernel_reads(x64, 16 if w.packed and w.ggml_type in PER16_TYPES else 32)
     tight = np.abs(y64 - xq @ ref)
     assert (tight <= FLOAT_SLACK * (np.abs(xq) @ np.abs(ref)) + 1e-30).all(), f"max error {tight.max()}"
 
