@@ -18,6 +18,8 @@
 #include "quant_kernels.h"
 #include "quant_packed.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,8 +38,35 @@ struct GemvActs {
   std::vector<int32_t> s16;
 };
 
+// quantize_block16 / quantize_block32 (quant_kernels.h) on AVX-512, bit for bit: a decode step's
+// quantizing of x took about half the time of its products in scalar code. `count` inputs (16 or 32)
+// share one scale; returns it, and each 16's sum of int8 values in sums.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) float quantize_avx512(const float* src, int8_t* q, int count,
+                                                                             int sums[2]) {
+  const __m512 sign_bit = _mm512_set1_ps(-0.f);
+  __m512 v[2] = {_mm512_loadu_ps(src), count == 32 ? _mm512_loadu_ps(src + 16) : _mm512_setzero_ps()};
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign_bit, v[0]),
+                                                        _mm512_andnot_ps(sign_bit, v[1])));
+  const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  for (int h = 0; h < count / 16; ++h) {
+    const __m512 s = _mm512_mul_ps(v[h], _mm512_set1_ps(id));
+    const __m512 t = _mm512_roundscale_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    // Half away from zero: one more unit, with s's sign, where |s - t| >= 0.5.
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_andnot_ps(sign_bit, _mm512_sub_ps(s, t)), _mm512_set1_ps(0.5f),
+                                            _CMP_GE_OQ);
+    const __m512 one = _mm512_or_ps(_mm512_set1_ps(1.f), _mm512_and_ps(sign_bit, s));
+    const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mask_add_ps(t, up, t, one), _mm512_set1_ps(-127.f)),
+                                   _mm512_set1_ps(127.f));
+    const __m512i n = _mm512_cvttps_epi32(r);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtsepi32_epi8(n));
+    sums[h] = _mm512_reduce_add_epi32(n);
+  }
+  return d;
+}
+
 // x's rows to int8, with a scale per 32 inputs, or per 16 (`per16`, quant_packed.h's per16_scales).
-void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, bool per16, GemvActs& a) {
+void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, bool per16, bool avx512,
+                   GemvActs& a) {
   a.q.resize(rows * in / 4);
   a.d.resize(rows * in / (per16 ? 16 : 32));
   a.ds.resize(rows * in / 32);
@@ -49,13 +78,19 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, b
       for (int64_t b = 0; b < in / 32; ++b) {
         int sums[2];
         if (per16) {
-          const float d0 = quantize_block16(src + b * 32, q + b * 32, sums[0]);
-          const float d1 = quantize_block16(src + b * 32 + 16, q + b * 32 + 16, sums[1]);
+          int half[2];
+          const float d0 = avx512 ? quantize_avx512(src + b * 32, q + b * 32, 16, half)
+                                  : quantize_block16(src + b * 32, q + b * 32, half[0]);
+          sums[0] = half[0];
+          const float d1 = avx512 ? quantize_avx512(src + b * 32 + 16, q + b * 32 + 16, 16, half)
+                                  : quantize_block16(src + b * 32 + 16, q + b * 32 + 16, half[0]);
+          sums[1] = half[0];
           a.d[r * in / 16 + 2 * b] = d0;
           a.d[r * in / 16 + 2 * b + 1] = d1;
           a.ds[r * in / 32 + b] = d0 * float(sums[0]) + d1 * float(sums[1]);
         } else {
-          const float d = quantize_block32(src + b * 32, q + b * 32, sums);
+          const float d = avx512 ? quantize_avx512(src + b * 32, q + b * 32, 32, sums)
+                                 : quantize_block32(src + b * 32, q + b * 32, sums);
           a.d[r * in / 32 + b] = d;
           a.ds[r * in / 32 + b] = d * float(sums[0] + sums[1]);
         }
@@ -84,8 +119,8 @@ void gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, con
   GemvActs& acts = rows <= KEPT_ROWS ? kept : local;
   GemvActs& acts16 = rows <= KEPT_ROWS ? kept16 : local16;
   // x scaled per 32 inputs for the K formats' parts, per 16 for the others; both where the call mixes them.
-  quantize_rows(x, x_stride, rows, in, !any32, acts);
-  if (any16 && any32) quantize_rows(x, x_stride, rows, in, true, acts16);
+  quantize_rows(x, x_stride, rows, in, !any32, isa == AVX512, acts);
+  if (any16 && any32) quantize_rows(x, x_stride, rows, in, true, isa == AVX512, acts16);
   const GemvJob job16{parts, nparts, rows, in, acts16.q.data(), acts16.d.data(), acts16.ds.data(),
                       acts16.s16.data(), out, out_stride, true, nullptr};
   const GemvJob job{parts, nparts, rows, in, acts.q.data(), acts.d.data(), acts.ds.data(), acts.s16.data(), out,
