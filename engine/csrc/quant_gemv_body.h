@@ -34,20 +34,21 @@ void store(const GemvJob& j, const GemvPart& p, int64_t first, F (&acc)[ROWS]) {
   for (int r = 0; r < ROWS; ++r) V::store(j.out + r * j.out_stride + p.col0 + first, acc[r], count);
 }
 
-// Q4_0, Q4_1 (nibbles: low inputs 0-15, high 16-31) and Q8_0 (int8, read as unsigned by
-// V::dot_s8). Q4_1's min m adds m times the block's sum of x, in float.
+// Q4_0, Q4_1, Q5_0, Q5_1 (nibbles: low inputs 0-15, high 16-31; Q5's fifth bits or-ed in) and Q8_0
+// (int8, read as unsigned by V::dot_s8). Q4_1's and Q5_1's min m adds m times the block's sum of x, in float.
 // Each row's int32 sums run in CHAINS independent chains per block (summed at its end), so the
 // dot products' latency overlaps: a single chain of 8 would wait on each before the next.
 // PER16: x has a scale per 16 inputs (GemvJob::per16); chains [0, CHAINS / 2) then sum words 0-3 of
 // a block (inputs 0-15) and the others words 4-7, each half scaled by its own.
 template <int ROWS, int64_t TYPE, bool PER16>
 void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
-  constexpr bool Q8 = TYPE == Q8_0, MIN = TYPE == Q4_1;
+  constexpr bool Q8 = TYPE == Q8_0, MIN = TYPE == Q4_1 || TYPE == Q5_1, FIVE = TYPE == Q5_0 || TYPE == Q5_1;
   constexpr int CHAINS = ROWS <= 2 ? 4 : 2, HALF = CHAINS / 2;
   const int64_t blocks = j.in / 32, tb = PACK_ROWS * format_of(TYPE).block_bytes;
   const int64_t lanes_at = slice * V::BYTES;
-  const int offset = Q8 ? V::S8_OFFSET : MIN ? 0 : 8;
-  const int quants = MIN ? 64 : 32;  // the tile's nibbles or int8 values follow d (and m)
+  const int offset = Q8 ? V::S8_OFFSET : MIN ? 0 : FIVE ? 16 : 8;
+  const int high_bits = MIN ? 64 : 32;  // Q5's qh follows d (and m) ...
+  const int quants = high_bits + (FIVE ? 64 : 0);  // ... and the nibbles or int8 values follow them
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* t = group + b * tb;
     const F d = V::halves(t + slice * V::LANES * 2);
@@ -71,6 +72,11 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
       for (int k = 0; k < 4; ++k) {
         const I v = V::load(t + quants + k * 64 + lanes_at);
         u[k] = nibbles_low(v), u[4 + k] = nibbles_high(v);
+      }
+      if (FIVE) {  // word w's high bits are at bit w of each byte (quant_packed.h's qh_bit_in_tile)
+        const I qh = V::load(t + high_bits + lanes_at);
+        const I bit0_of_bytes = V::set1_32(0x01010101);
+        for (int w = 0; w < 8; ++w) u[w] = V::or_(u[w], V::slli32(V::and_(V::srli32(qh, w), bit0_of_bytes), 4));
       }
     }
 #pragma GCC unroll 8
@@ -211,6 +217,10 @@ void group_rows(const GemvJob& j, const GemvPart& p, int64_t g) {
                          : blocks32<ROWS, Q4_0, false>(j, group, slice, acc); break;
       case Q4_1: j.per16 ? blocks32<ROWS, Q4_1, true>(j, group, slice, acc)
                          : blocks32<ROWS, Q4_1, false>(j, group, slice, acc); break;
+      case Q5_0: j.per16 ? blocks32<ROWS, Q5_0, true>(j, group, slice, acc)
+                         : blocks32<ROWS, Q5_0, false>(j, group, slice, acc); break;
+      case Q5_1: j.per16 ? blocks32<ROWS, Q5_1, true>(j, group, slice, acc)
+                         : blocks32<ROWS, Q5_1, false>(j, group, slice, acc); break;
       case Q8_0: j.per16 ? blocks32<ROWS, Q8_0, true>(j, group, slice, acc)
                          : blocks32<ROWS, Q8_0, false>(j, group, slice, acc); break;
       case Q4_K: q4_k<ROWS>(j, group, slice, acc); break;
@@ -224,7 +234,8 @@ void group_rows(const GemvJob& j, const GemvPart& p, int64_t g) {
 inline GemvJob rows_of(const GemvJob& j, int64_t r0, int64_t rows) {
   GemvJob c = j;
   c.rows = rows;
-  c.xq += r0 * (j.in / 4), c.xd += r0 * (j.in / (j.per16 ? 16 : 32)), c.xds += r0 * (j.in / 32), c.xs16 += r0 * (j.in / 16);
+  c.xq += r0 * (j.in / 4), c.xd += r0 * (j.in / (j.per16 ? 16 : 32));
+  c.xds += r0 * (j.in / 32), c.xs16 += r0 * (j.in / 16);
   c.out += r0 * j.out_stride;
   return c;
 }

@@ -9,7 +9,9 @@
 // bytes: one AVX-512 vector whose 32-bit lane r holds row r's bytes, so one dpbusd multiplies
 // 16 rows by 4 inputs of x broadcast; with 2-byte pieces a float16 field of the 16 rows lies
 // side by side for one vcvtph2ps. Only bytes move, so the values are the file's: unpacking
-// gives the ggml bytes back exactly.
+// gives the ggml bytes back exactly. One exception, undone as exactly: Q5_0's and Q5_1's 32 high
+// bits (qh, bit i tops input i) are reordered within their word so that the 4 bits of the 4 inputs
+// of one 4-byte piece of nibbles sit at bit w of each byte (qh_bit_in_tile), for 3 shifts and masks.
 //
 // The packed tensor is uint8 [groups, blocks, 16 * block_bytes]; the rows of the last group
 // past the weight's outputs are zero bytes (scale zero), computed and not stored.
@@ -34,7 +36,7 @@ struct Layout {
 };
 
 inline bool repacked(int64_t type) {
-  return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
 }
 
 // Fields in tile order; each kernel reads them at the offsets this order gives (tile_offsets).
@@ -44,6 +46,8 @@ constexpr Layout layout_of(int64_t type) {
     case Q8_0: return {2, {{0, 2, 2}, {2, 32, 4}}};  // d; int8 quants
     case Q4_K: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}}};  // d; dmin; 6-bit scales, mins; nibbles
     case Q4_1: return {3, {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}}};  // d; m; nibbles
+    case Q5_0: return {3, {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}}};  // d; high bits; nibbles
+    case Q5_1: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}}};  // d; m; high bits; nibbles
     default: return {4, {{208, 2, 2}, {192, 16, 4}, {0, 128, 4}, {128, 64, 4}}};  // Q6_K: d; int8 scales; ql; qh
   }
 }
@@ -58,18 +62,41 @@ inline int64_t tile_offset(int64_t type, int f) {
   return at;
 }
 
+// Where Q5_0's / Q5_1's high bit of input i goes in the tile's word: input i is byte i % 4 of word
+// i / 4 of the block's activations (the kernel's words: 0-3 low nibbles, 4-7 high), so the bits
+// that word w needs sit at bit w of each byte; a shift right by w and a mask bring them to bit 0.
+constexpr int qh_bit_in_tile(int i) { return 8 * (i % 4) + i / 4; }
+
+inline uint32_t reorder_qh(uint32_t qh, bool pack) {
+  uint32_t out = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int from = pack ? i : qh_bit_in_tile(i), to = pack ? qh_bit_in_tile(i) : i;
+    out |= ((qh >> from) & 1u) << to;
+  }
+  return out;
+}
+
 // Copies one block of one row between the ggml form (`block`) and its place in a tile: into the
 // tile when `pack`, out of it otherwise.
 inline void move_block(int64_t type, uint8_t* tile, int64_t row, uint8_t* block, bool pack) {
   const Layout l = layout_of(type);
+  const int qh_field = type == Q5_0 ? 1 : type == Q5_1 ? 2 : -1;
   int64_t at = 0;
   for (int f = 0; f < l.fields; ++f) {
     const Field& fd = l.field[f];
     for (int p = 0; p < fd.len / fd.piece; ++p) {
       uint8_t* in_tile = tile + at + (p * PACK_ROWS + row) * fd.piece;
       uint8_t* in_block = block + fd.offset + p * fd.piece;
-      if (pack) std::memcpy(in_tile, in_block, fd.piece);
-      else std::memcpy(in_block, in_tile, fd.piece);
+      if (f == qh_field) {
+        uint32_t qh;
+        std::memcpy(&qh, pack ? in_block : in_tile, 4);
+        qh = reorder_qh(qh, pack);
+        std::memcpy(pack ? in_tile : in_block, &qh, 4);
+      } else if (pack) {
+        std::memcpy(in_tile, in_block, fd.piece);
+      } else {
+        std::memcpy(in_block, in_tile, fd.piece);
+      }
     }
     at += PACK_ROWS * fd.len;
   }
@@ -113,11 +140,13 @@ struct GemvJob {
   const GemvJob* per16_job;
 };
 
-// Whether a part's kernel reads x with a scale per 16 inputs instead of 32: Q4_0, Q4_1 and Q8_0, whose
+// Whether a part's kernel reads x with a scale per 16 inputs instead of 32: the 32-input formats, whose
 // kernel sums a block's two halves apart and scales each by its own. Half the activation rounding for
 // a few more multiplies keeps the Q4_1 file's logprobs as close to its exact weights as llama.cpp's
 // (tests/engine/test_gguf_native_quality.py); the K formats' kernels read one scale per 32 inputs.
-inline bool per16_scales(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+inline bool per16_scales(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0;
+}
 
 // Groups [g0, g1) of the job's outputs (numbered across parts, PACK_ROWS outputs each) on one
 // instruction set: AVX-512 VNNI, AVX2 with AVX-VNNI's dpbusd, AVX2 with maddubs, or plain C++.

@@ -11,9 +11,9 @@ rounded half away from zero), so x_i is read as d·q_i with |x_i - d·q_i| <= d/
 tighter check quantizes x as the kernel does (``_as_kernel_reads``) and compares within the
 float32 term alone, which a wrong nibble, scale or offset anywhere would far exceed.
 
-Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights are repacked at load (csrc/quant_packed.h) and multiplied by
-the packed kernels (csrc/quant_gemv*.cpp) at every row count, four rows at a time over each group
-of 16 outputs (x scaled per 16 inputs for Q4_0, Q4_1 and Q8_0); weights in the file's
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights are repacked at load (csrc/quant_packed.h) and
+multiplied by the packed kernels (csrc/quant_gemv*.cpp) at every row count, four rows at a time over each group
+of 16 outputs (x scaled per 16 inputs for the 32-input formats); weights in the file's
 layout by the scratch tiles (csrc/quant_linear.cpp).
 ``layout`` runs each test on both the packed and the file's layout.
 """
@@ -105,7 +105,7 @@ def _as_kernel_reads(x: np.ndarray, per: int = 32) -> np.ndarray:
     return (q * d.astype(np.float64)).reshape(x.shape)
 
 
-PER16_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
+PER16_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
 
 
 def check_product(w: QuantWeight, x: torch.Tensor, y: torch.Tensor) -> None:
