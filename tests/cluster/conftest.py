@@ -66,7 +66,9 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         "TIERGATE_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
         # Admission's SLO shedding is not under test here; two busy cores would trip it.
         "TIERGATE_PREMIUM_TTFT_SLO_S": "300",
-        "TIERGATE_MAX_MODEL_LEN": "512",
+        # Room for test_drain_deadline's stream to outlast the drain on a fast CPU (a 480-token stream ended
+        # within it once the Q4_1 kernels were repacked).
+        "TIERGATE_MAX_MODEL_LEN": "4096",
         "TIERGATE_MAX_LORAS": "1",
         "TIERGATE_CPU_THREADS": "1",
         "TIERGATE_LOG_LEVEL": "warning",

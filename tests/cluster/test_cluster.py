@@ -239,7 +239,7 @@ def test_rolling_restart_under_load_loses_no_request_and_no_ledger_row(cluster):
 
 def test_drain_deadline_ends_a_long_stream_with_a_shutdown_event_and_an_interrupted_row(cluster):
     replica = cluster.replicas[-1]
-    stream = Stream(replica.url, auth(cluster, "capped"), base_model(cluster), max_tokens=480)
+    stream = Stream(replica.url, auth(cluster, "capped"), base_model(cluster), max_tokens=4000)
     stream.wait_tokens()
     started = time.monotonic()
     assert replica.terminate(timeout_s=DRAIN_TIMEOUT_S + 60) == 0, replica.log_tail()

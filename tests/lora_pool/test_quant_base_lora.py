@@ -34,8 +34,11 @@ from tests.lora_pool.test_engine_matches_peft import (  # noqa: F401 (fixtures)
 )
 
 PROJ_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# As in tests/engine/test_gguf_native.py: activations rounded to int8 per 32 values, three layers deep.
-KERNEL_RTOL = 0.1
+# Activations rounded to int8 (per 16 values for Q4_0 and Q8_0 on the packed kernels), three layers deep:
+# the largest of ten (format, adapter) draws, each the worst logit of a random tiny model. Measured on a
+# Zen 4 box: 0.04-0.10 of the spread with x per 16, 0.03-0.09 per 32 (the worst case moving between
+# adapters), so the bound keeps a little room above both.
+KERNEL_RTOL = 0.12
 # The AMX panel path (many rows, csrc/quant_dequant_panel.cpp) rounds the weights too, each value and each
 # activation to bfloat16's 8 significant bits, three layers deep.
 PANEL_RTOL = 0.15
