@@ -48,6 +48,8 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None) 
 
 def start_express(sched: StepPlanner, queue: str, step: StepBuilder, keep: int) -> None:
     """Start the policy's express requests of ``queue``; if any, hold its other prefill this step."""
+    if not sched.waiting[queue]:
+        return  # nobody to start: skip outlasts(), whose cost model refits after every step
     tenants = set()
     for seq in sched.policy.express(sched.waiting[queue], sched.running, step.budget - keep, outlasts(sched)):
         if step.admission_closed:
