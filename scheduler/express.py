@@ -10,7 +10,7 @@ preempted, and a request with an adapter that step does not hold waits (loading 
 could evict one it is reading).
 
 Both are parts of ``Scheduler``'s planning kept in their own module: they run its step operations
-(``start_sequence``, ``bound``) on its state, through ``plan.StepPlanner``.
+(``start_sequence``, ``bound``) on its state, through ``step_builder.StepPlanner``.
 """
 
 from __future__ import annotations

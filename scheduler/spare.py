@@ -11,13 +11,15 @@ stream, and its prefill is bounded as a step of streams is, by the tightest inte
 runs waits for it about as long as for a step of streams.
 
 ``plan_spare`` is that last part of ``Scheduler.schedule()``, kept here beside its rules: it runs the
-scheduler's step operations (``grow_running``, ``schedule_prefills``) on its state, through ``plan.StepPlanner``.
+scheduler's step operations (``grow_running``, ``schedule_prefills``) on its state, through
+``step_builder.StepPlanner``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from collections import deque
+
 from scheduler.config import SchedulerConfig, StepCost
 from scheduler.plan import StepFeatures
 from scheduler.sequence import Sequence

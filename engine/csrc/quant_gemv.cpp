@@ -38,11 +38,11 @@ struct GemvActs {
   std::vector<int32_t> s16;
 };
 
-// quantize_block16 / quantize_block32 (quant_kernels.h) on AVX-512, bit for bit: a decode step's
+// quant_kernels.h's quantize_block on AVX-512, bit for bit: a decode step's
 // quantizing of x took about half the time of its products in scalar code. `count` inputs (16 or 32)
-// share one scale; returns it, and each 16's sum of int8 values in sums.
+// share one scale; returns it, and each 16's sum of int8 values in sums[0] (and sums[1]).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) float quantize_avx512(const float* src, int8_t* q, int count,
-                                                                             int sums[2]) {
+                                                                             int* sums) {
   const __m512 sign_bit = _mm512_set1_ps(-0.f);
   __m512 v[2] = {_mm512_loadu_ps(src), count == 32 ? _mm512_loadu_ps(src + 16) : _mm512_setzero_ps()};
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign_bit, v[0]),
@@ -77,20 +77,17 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, b
       int8_t* q = reinterpret_cast<int8_t*>(a.q.data() + r * in / 4);
       for (int64_t b = 0; b < in / 32; ++b) {
         int sums[2];
+        const float* from = src + b * 32;
+        int8_t* to = q + b * 32;
         if (per16) {
-          int half[2];
-          const float d0 = avx512 ? quantize_avx512(src + b * 32, q + b * 32, 16, half)
-                                  : quantize_block16(src + b * 32, q + b * 32, half[0]);
-          sums[0] = half[0];
-          const float d1 = avx512 ? quantize_avx512(src + b * 32 + 16, q + b * 32 + 16, 16, half)
-                                  : quantize_block16(src + b * 32 + 16, q + b * 32 + 16, half[0]);
-          sums[1] = half[0];
+          const float d0 = avx512 ? quantize_avx512(from, to, 16, sums) : quantize_block<16>(from, to, sums);
+          const float d1 = avx512 ? quantize_avx512(from + 16, to + 16, 16, sums + 1)
+                                  : quantize_block<16>(from + 16, to + 16, sums + 1);
           a.d[r * in / 16 + 2 * b] = d0;
           a.d[r * in / 16 + 2 * b + 1] = d1;
           a.ds[r * in / 32 + b] = d0 * float(sums[0]) + d1 * float(sums[1]);
         } else {
-          const float d = avx512 ? quantize_avx512(src + b * 32, q + b * 32, 32, sums)
-                                 : quantize_block32(src + b * 32, q + b * 32, sums);
+          const float d = avx512 ? quantize_avx512(from, to, 32, sums) : quantize_block<32>(from, to, sums);
           a.d[r * in / 32 + b] = d;
           a.ds[r * in / 32 + b] = d * float(sums[0] + sums[1]);
         }

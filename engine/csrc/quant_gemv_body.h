@@ -103,6 +103,13 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
   }
 }
 
+// blocks32 for x as the job scaled it (per 16 or per 32 inputs).
+template <int ROWS, int64_t TYPE>
+void blocks32_as_scaled(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
+  if (j.per16) blocks32<ROWS, TYPE, true>(j, group, slice, acc);
+  else blocks32<ROWS, TYPE, false>(j, group, slice, acc);
+}
+
 // Byte `byte` of each 32-bit lane, unsigned, as float.
 inline F byte_of(I v, int byte) { return V::cvt(V::and_(V::srli32(v, 8 * byte), V::set1_32(0xFF))); }
 
@@ -213,16 +220,11 @@ void group_rows(const GemvJob& j, const GemvPart& p, int64_t g) {
     F acc[ROWS];
     for (int r = 0; r < ROWS; ++r) acc[r] = V::zero_ps();
     switch (p.type) {
-      case Q4_0: j.per16 ? blocks32<ROWS, Q4_0, true>(j, group, slice, acc)
-                         : blocks32<ROWS, Q4_0, false>(j, group, slice, acc); break;
-      case Q4_1: j.per16 ? blocks32<ROWS, Q4_1, true>(j, group, slice, acc)
-                         : blocks32<ROWS, Q4_1, false>(j, group, slice, acc); break;
-      case Q5_0: j.per16 ? blocks32<ROWS, Q5_0, true>(j, group, slice, acc)
-                         : blocks32<ROWS, Q5_0, false>(j, group, slice, acc); break;
-      case Q5_1: j.per16 ? blocks32<ROWS, Q5_1, true>(j, group, slice, acc)
-                         : blocks32<ROWS, Q5_1, false>(j, group, slice, acc); break;
-      case Q8_0: j.per16 ? blocks32<ROWS, Q8_0, true>(j, group, slice, acc)
-                         : blocks32<ROWS, Q8_0, false>(j, group, slice, acc); break;
+      case Q4_0: blocks32_as_scaled<ROWS, Q4_0>(j, group, slice, acc); break;
+      case Q4_1: blocks32_as_scaled<ROWS, Q4_1>(j, group, slice, acc); break;
+      case Q5_0: blocks32_as_scaled<ROWS, Q5_0>(j, group, slice, acc); break;
+      case Q5_1: blocks32_as_scaled<ROWS, Q5_1>(j, group, slice, acc); break;
+      case Q8_0: blocks32_as_scaled<ROWS, Q8_0>(j, group, slice, acc); break;
       case Q4_K: q4_k<ROWS>(j, group, slice, acc); break;
       default: q6_k<ROWS>(j, group, slice, acc); break;
     }

@@ -15,15 +15,16 @@ namespace tiergate_quant {
 
 constexpr int64_t STEP = 64;
 
-// 32 activations to int8 with scale d = max|x| / 127, rounded half away from zero as ggml's
-// reference Q8 quantizer rounds (std::round is a libm call per value; trunc and a compare
+// COUNT (16 or 32) activations to int8 with one scale d = max|x| / 127, rounded half away from zero
+// as ggml's reference Q8 quantizer rounds (std::round is a libm call per value; trunc and a compare
 // vectorize), clamped for a rounding at 127; sums[h] gets the sum of values 16h..16h+15.
-inline float quantize_block32(const float* src, int8_t* q, int sums[2]) {
+template <int COUNT>
+inline float quantize_block(const float* src, int8_t* q, int* sums) {
   float amax = 0.f;
-  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(src[i]));
+  for (int i = 0; i < COUNT; ++i) amax = std::max(amax, std::fabs(src[i]));
   const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-  sums[0] = sums[1] = 0;
-  for (int i = 0; i < 32; ++i) {
+  for (int h = 0; h < COUNT / 16; ++h) sums[h] = 0;
+  for (int i = 0; i < COUNT; ++i) {
     const float v = src[i] * id, t = std::trunc(v);
     const float r = t + (std::fabs(v - t) >= 0.5f ? std::copysign(1.f, v) : 0.f);
     const int n = int(std::clamp(r, -127.f, 127.f));
@@ -31,23 +32,10 @@ inline float quantize_block32(const float* src, int8_t* q, int sums[2]) {
     sums[i / 16] += n;
   }
   return d;
-}  // inputs are padded to a multiple: one AVX-512 vector of int8
-
-// The same rounding over 16 inputs, with their own scale; `sum` gets their int8 values' sum.
-inline float quantize_block16(const float* src, int8_t* q, int& sum) {
-  float amax = 0.f;
-  for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(src[i]));
-  const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-  sum = 0;
-  for (int i = 0; i < 16; ++i) {
-    const float v = src[i] * id, t = std::trunc(v);
-    const float r = t + (std::fabs(v - t) >= 0.5f ? std::copysign(1.f, v) : 0.f);
-    const int n = int(std::clamp(r, -127.f, 127.f));
-    q[i] = int8_t(n);
-    sum += n;
-  }
-  return d;
 }
+
+inline float quantize_block32(const float* src, int8_t* q, int sums[2]) { return quantize_block<32>(src, q, sums); }
+// inputs are padded to a multiple: one AVX-512 vector of int8
 
 // Activations quantized per row: int8 values in blocks of 32, each block's scale d, and per 16
 // inputs d and d times the sum of the block's int8 values (which the formats' offsets multiply).

@@ -28,6 +28,7 @@ constexpr int64_t PACK_ROWS = 16;
 
 struct Field {
   int offset, len, piece;
+  bool high_bits = false;  // Q5's qh word, reordered in the tile (reorder_qh)
 };
 
 struct Layout {
@@ -46,8 +47,8 @@ constexpr Layout layout_of(int64_t type) {
     case Q8_0: return {2, {{0, 2, 2}, {2, 32, 4}}};  // d; int8 quants
     case Q4_K: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}}};  // d; dmin; 6-bit scales, mins; nibbles
     case Q4_1: return {3, {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}}};  // d; m; nibbles
-    case Q5_0: return {3, {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}}};  // d; high bits; nibbles
-    case Q5_1: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}}};  // d; m; high bits; nibbles
+    case Q5_0: return {3, {{0, 2, 2}, {2, 4, 4, true}, {6, 16, 4}}};  // d; high bits; nibbles
+    case Q5_1: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 4, 4, true}, {8, 16, 4}}};  // d; m; high bits; nibbles
     default: return {4, {{208, 2, 2}, {192, 16, 4}, {0, 128, 4}, {128, 64, 4}}};  // Q6_K: d; int8 scales; ql; qh
   }
 }
@@ -80,14 +81,13 @@ inline uint32_t reorder_qh(uint32_t qh, bool pack) {
 // tile when `pack`, out of it otherwise.
 inline void move_block(int64_t type, uint8_t* tile, int64_t row, uint8_t* block, bool pack) {
   const Layout l = layout_of(type);
-  const int qh_field = type == Q5_0 ? 1 : type == Q5_1 ? 2 : -1;
   int64_t at = 0;
   for (int f = 0; f < l.fields; ++f) {
     const Field& fd = l.field[f];
     for (int p = 0; p < fd.len / fd.piece; ++p) {
       uint8_t* in_tile = tile + at + (p * PACK_ROWS + row) * fd.piece;
       uint8_t* in_block = block + fd.offset + p * fd.piece;
-      if (f == qh_field) {
+      if (fd.high_bits) {
         uint32_t qh;
         std::memcpy(&qh, pack ? in_block : in_tile, 4);
         qh = reorder_qh(qh, pack);
@@ -144,9 +144,7 @@ struct GemvJob {
 // kernel sums a block's two halves apart and scales each by its own. Half the activation rounding for
 // a few more multiplies keeps the Q4_1 file's logprobs as close to its exact weights as llama.cpp's
 // (tests/engine/test_gguf_native_quality.py); the K formats' kernels read one scale per 32 inputs.
-inline bool per16_scales(int64_t type) {
-  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0;
-}
+inline bool per16_scales(int64_t type) { return format_of(type).block_values == 32; }
 
 // Groups [g0, g1) of the job's outputs (numbered across parts, PACK_ROWS outputs each) on one
 // instruction set: AVX-512 VNNI, AVX2 with AVX-VNNI's dpbusd, AVX2 with maddubs, or plain C++.

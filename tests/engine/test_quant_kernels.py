@@ -105,9 +105,6 @@ def _as_kernel_reads(x: np.ndarray, per: int = 32) -> np.ndarray:
     return (q * d.astype(np.float64)).reshape(x.shape)
 
 
-PER16_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
-
-
 def check_product(w: QuantWeight, x: torch.Tensor, y: torch.Tensor) -> None:
     ref = reference_weight(w)
     x64 = x.double().numpy()
@@ -115,8 +112,9 @@ def check_product(w: QuantWeight, x: torch.Tensor, y: torch.Tensor) -> None:
     y64 = y.double().numpy()
     err = np.abs(y64 - x64 @ ref)
     assert (err <= activation_bound(x64, ref)).all(), f"max error {err.max()}"
-    # The packed kernels scale x per 16 inputs for Q4_0, Q4_1 and Q8_0 weights.
-    xq = _as_kernel_reads(x64, 16 if w.packed and w.ggml_type in PER16_TYPES else 32)
+    # The packed kernels scale x per 16 inputs for the formats whose blocks are 32 inputs.
+    per16 = w.packed and gguf.GGML_QUANT_SIZES[w.ggml_type][0] == 32
+    xq = _as_kernel_reads(x64, 16 if per16 else 32)
     tight = np.abs(y64 - xq @ ref)
     assert (tight <= FLOAT_SLACK * (np.abs(xq) @ np.abs(ref)) + 1e-30).all(), f"max error {tight.max()}"
 
