@@ -10,8 +10,9 @@ A light tenant's short request (the policy's ``express``) does not wait for othe
 work: between two layers of a step under way the loop asks the scheduler for an express step
 (``Scheduler.schedule_express``), runs it whole, hands out its first token, and then
 finishes the step under way (at most one such step inside a step, so that one is delayed by at
-most one short prefill); at a step boundary, such a request gets a step of its own before the
-next (never two in a row).
+most one short prefill; then, as their bound nears, decode steps of the requests it started:
+``Scheduler.schedule_express_decodes``); at a step boundary, such a request gets a step of its
+own before the next (never two in a row).
 
 An exception inside a step's forward pass fails that step's requests and the loop keeps
 serving; a failure confined to one request's sampling or detokenizing ends that request
@@ -56,7 +57,9 @@ class _StepUnderWay:
     """What an express step run between its layers must know of the step under way."""
 
     adapters: frozenset[str]  # an express request may use only these (a slot load could evict one)
-    express_s: float | None = None  # the express step's metered seconds, once one ran
+    seq_ids: frozenset[str]  # the sequences it runs: a decode step inside it runs only others
+    express_s: float | None = None  # the metered seconds of the express steps inside it, once one ran
+    express_ended_at: float | None = None  # when the last of them ended (time.monotonic())
 
 
 @dataclass
@@ -178,16 +181,23 @@ class StepLoop:
             done.set_result(None)
 
     def _between_layers(self) -> None:
-        """Between two layers of the step under way: take in new requests; run an express step if one qualifies."""
+        """Between two layers of the step under way: take in new requests and run an express step if one
+        qualifies; after one, run decode steps of what it started as their bound nears."""
         under_way = self._between
-        if under_way is None or under_way.express_s is not None or not self._inbox.has_messages():
+        if under_way is None:
             return
-        for i, message in enumerate(messages := self._inbox.take_all()):
-            if not isinstance(message, AddRequest):  # aborts and unloads touch the step under way: after it
-                self._deferred.extend(messages[i:])
-                break
-            self._add(message)
-        plan = self.scheduler.schedule_express(under_way.adapters)
+        if under_way.express_ended_at is not None:  # its requests' next tokens, as their bound nears
+            plan = self.scheduler.schedule_express_decodes(under_way.seq_ids,
+                                                           time.monotonic() - under_way.express_ended_at)
+        elif self._inbox.has_messages():
+            for i, message in enumerate(messages := self._inbox.take_all()):
+                if not isinstance(message, AddRequest):  # aborts and unloads touch the step under way: after it
+                    self._deferred.extend(messages[i:])
+                    break
+                self._add(message)
+            plan = self.scheduler.schedule_express(under_way.adapters)
+        else:
+            return
         if plan.is_empty:
             return
         try:
@@ -196,9 +206,8 @@ class StepLoop:
             log.exception("express step failed")
             for chunk in plan.chunks:
                 self._fail(chunk.seq.seq_id, "internal engine error")
-        finally:
-            if under_way.express_s is None:  # one express step per step, even one that failed
-                under_way.express_s = 0.0
+        finally:  # one express step of new requests per step, even one that failed
+            under_way.express_ended_at = time.monotonic()
 
     def _run_step(self, plan: StepPlan, nested: bool = False) -> None:
         """Run, sample and hand out one step (``nested``: an express step between another's layers)."""
@@ -226,7 +235,8 @@ class StepLoop:
         timer = self._express_timer if nested else self._timer
         under_way = None
         if not nested:
-            under_way = _StepUnderWay(frozenset(c.seq.adapter for c in plan.chunks if c.seq.adapter is not None))
+            under_way = _StepUnderWay(frozenset(c.seq.adapter for c in plan.chunks if c.seq.adapter is not None),
+                                      frozenset(c.seq.seq_id for c in plan.chunks))
             self._between = under_way
         step = _Step(plan, nested, [c for c in plan.chunks if c.samples], time.time(), timer, under_way)
         timer.start()
@@ -334,7 +344,7 @@ class StepLoop:
         elapsed = timer.stop()
         if under_way is None:  # an express step: the step it ran inside leaves these seconds to it
             if self._between is not None:
-                self._between.express_s = elapsed
+                self._between.express_s = (self._between.express_s or 0.0) + elapsed
             return elapsed
         self._between = None
         return max(0.0, elapsed - (under_way.express_s or 0.0))

@@ -9,18 +9,24 @@ one. Nothing a step under way reads may change then: no running sequence gets a 
 preempted, and a request with an adapter that step does not hold waits (loading it into a slot
 could evict one it is reading).
 
-Both are parts of ``Scheduler``'s planning kept in their own module: they run its step operations
+A request started inside a step under way then decodes inside it too: once its wait for its next
+token nears the bound of a step beside it (``step_budget.step_target_s``), ``Scheduler.schedule_express_decodes()``
+plans a decode step of the sequences that step does not run, without preempting anyone, which the
+engine runs between two layers as it runs an express step. Without it the first token came early and
+the second after the rest of the long step: a gap as long as the step the express step was to spare it.
+
+These are parts of ``Scheduler``'s planning kept in their own module: they run its step operations
 (``start_sequence``, ``bound``) on its state, through ``step_builder.StepPlanner``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from scheduler.plan import StepPlan
 from scheduler.policy import NO_BLOCKS, NO_SLOT
-from scheduler.step_budget import outlasts_a_step, step_target_s
+from scheduler.step_budget import PLAN_TO, outlasts_a_step, step_target_s
 from scheduler.step_builder import StepBuilder, StepPlanner
 
 if TYPE_CHECKING:
@@ -43,6 +49,23 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None) 
                 continue
             if sched.start_sequence(seq, step, 0, may_preempt=False) in (NO_SLOT, NO_BLOCKS):
                 return step.plan
+    return step.plan
+
+
+def plan_express_decodes(sched: StepPlanner, under_way: Collection[str], waited_s: float) -> StepPlan:
+    """A decode step of the running sequences the step under way does not run (``under_way``: its sequence
+    ids), once ``waited_s`` since their last token is near the longest a step beside them may last; empty
+    before then, or when none does. Nobody is preempted: a sequence whose next block is not free waits."""
+    policy = sched.policy
+    decoding = [s for s in sched.running if s.seq_id not in under_way and not s.is_prefilling
+                and not policy.is_spare(policy.queue_of(s)) and len(s.output_token_ids) < s.max_tokens]
+    target = step_target_s(sched.config, decoding)
+    if target is None or waited_s < PLAN_TO * target:
+        return StepPlan()
+    step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, policy.charge_prefill)
+    for seq in sorted(decoding, key=policy.rank):
+        if step.budget > 0 and sched.grow_running(seq, seq.num_computed_tokens + 1, step, may_preempt=False):
+            step.add(seq, 1)
     return step.plan
 
 

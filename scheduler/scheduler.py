@@ -17,14 +17,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from scheduler.admission import frees_enough, start_need
 from scheduler.block_manager import BlockManager
 from scheduler.checks import check_config, check_new_sequence, check_scheduler_invariants
 from scheduler.config import SchedulerConfig
 from scheduler.drafts import fit_drafts
-from scheduler.express import plan_express_step, start_express
+from scheduler.express import plan_express_decodes, plan_express_step, start_express
 from scheduler.load import LoadEstimator, TierLoad, tier_loads
 from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
@@ -187,6 +187,10 @@ class Scheduler:
         qualifies. ``step_adapters``: the adapters of the step under way, or None when none is."""
         return plan_express_step(self, step_adapters)
 
+    def schedule_express_decodes(self, under_way: Collection[str], waited_s: float) -> StepPlan:
+        """A decode step, inside a step under way, of what an express step started (scheduler/express.py)."""
+        return plan_express_decodes(self, under_way, waited_s)
+
     def bound(self, step: StepBuilder, target: float | None) -> None:
         """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any."""
         if target is not None and step.time is None:
@@ -311,11 +315,13 @@ class Scheduler:
         step.add(seq, n)
         return None
 
-    def grow_running(self, seq: Sequence, num_tokens: int, step: StepBuilder) -> bool:
-        """Blocks for ``seq`` up to ``num_tokens`` positions, preempting as the policy says."""
+    def grow_running(self, seq: Sequence, num_tokens: int, step: StepBuilder, may_preempt: bool = True) -> bool:
+        """Blocks for ``seq`` up to ``num_tokens`` positions, preempting as the policy says (``may_preempt``)."""
         if self.block_manager.blocks_for(num_tokens) <= len(seq.block_table):
             return True
         while not self.block_manager.can_allocate(seq, num_tokens):
+            if not may_preempt:
+                return False
             self._preempt(self.policy.victim_for_running(seq, self.running), seq, step)
             if seq.seq_id in step.preempted:  # itself, or with a sibling of its group
                 return False

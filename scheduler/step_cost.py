@@ -29,6 +29,10 @@ PRIOR_STEPS = 2.0
 # must not take the fit with it for the next few hundred steps.
 WARMUP_STEPS = 20
 OUTLIER_FACTOR = 1.5
+# That clip compares a step with a fit refreshed every CLIP_REFIT_STEPS observations, not after
+# each one: a clip needs no precision, and a solve per step is a visible share of a small model's
+# single-stream decode step (docs/performance.md).
+CLIP_REFIT_STEPS = 16
 
 
 __all__ = ["StepCostModel", "StepFeatures", "predict", "step_features"]
@@ -57,6 +61,8 @@ class StepCostModel:
         self._xtx = np.zeros((_N, _N))
         self._xty = np.zeros(_N)
         self._fit: StepCost | None = prior
+        self._clip_fit = prior
+        self._clip_fit_at = 0
         self.observed = 0
 
     def observe(self, features: StepFeatures, duration_s: float) -> None:
@@ -65,7 +71,9 @@ class StepCostModel:
         x = np.array(features.row())
         y = duration_s
         if self.observed >= WARMUP_STEPS:
-            y = min(y, OUTLIER_FACTOR * max(self.predict(features), 1e-6))
+            if self.observed - self._clip_fit_at >= CLIP_REFIT_STEPS:
+                self._clip_fit, self._clip_fit_at = self.coefficients(), self.observed
+            y = min(y, OUTLIER_FACTOR * max(predict(self._clip_fit, features), 1e-6))
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * y
         self._fit = None

@@ -79,23 +79,54 @@ def _request_ids(step: StepEvent) -> set[str]:
     return {item.request_id for item in step.items}
 
 
+def _steps_after_express(engine, events: list) -> tuple[list[StepEvent], int]:
+    """Checks that the light request's first step was its own and that the books are straight; returns the
+    steps and that step's index."""
+    steps = _steps(events)
+    first_light = next(i for i, s in enumerate(steps) if "light" in _request_ids(s))
+    assert _request_ids(steps[first_light]) == {"light"}
+    assert sum(s.duration_s for s in steps) == pytest.approx(engine.busy_seconds)
+    assert not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0
+    return steps, first_light
+
+
+def _assert_greedy(results: dict, requests: list[EngineRequest], hf_greedy) -> None:
+    for request in requests:
+        ids, error = results[request.request_id]
+        assert error is None and ids == hf_greedy(request.prompt_token_ids, request.params.max_tokens)
+
+
 def test_a_light_request_gets_its_first_token_from_a_step_between_the_floods_layers(make_engine, hf_greedy):
     engine, events = make_engine()
     flood, light = _flood(), _light()
     results, _ = _run_with_arrival(engine, light, flood)
 
-    for request in [*flood, light]:
-        ids, error = results[request.request_id]
-        assert error is None and ids == hf_greedy(request.prompt_token_ids, request.params.max_tokens)
-    steps = _steps(events)
-    first_light = next(i for i, s in enumerate(steps) if "light" in _request_ids(s))
-    # The express step is the light request's alone, and it is accounted before the step it ran inside,
-    # which holds the flood's prefill.
-    assert _request_ids(steps[first_light]) == {"light"}
+    _assert_greedy(results, [*flood, light], hf_greedy)
+    steps, first_light = _steps_after_express(engine, events)
+    # The express step is accounted before the step it ran inside, which holds the flood's prefill.
     under_way = steps[first_light + 1]
     assert "light" not in _request_ids(under_way) and any(item.tokens > 1 for item in under_way.items)
-    assert sum(s.duration_s for s in steps) == pytest.approx(engine.busy_seconds)
-    assert not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0
+
+
+def test_under_a_step_bound_the_light_request_also_decodes_between_the_floods_layers(make_engine, hf_greedy,
+                                                                                     monkeypatch):
+    # A bound no step here comes near, on a clock that makes every wait between layers look far past it: the
+    # flood's steps are planned as without the bound, and each layer boundary after the express step finds
+    # the light request due for its next token.
+    engine, events = make_engine(max_step_s=10.0)
+    decodes = engine.scheduler.schedule_express_decodes
+    monkeypatch.setattr(engine.scheduler, "schedule_express_decodes",
+                        lambda under_way, waited_s: decodes(under_way, waited_s * 1e6))
+    flood, light = _flood(), _light()
+    results, _ = _run_with_arrival(engine, light, flood)
+
+    _assert_greedy(results, [*flood, light], hf_greedy)
+    steps, first_light = _steps_after_express(engine, events)
+    # Its next token came from a decode step of its own, accounted before the step it ran inside ended.
+    decode = steps[first_light + 1]
+    assert _request_ids(decode) == {"light"} and [item.tokens for item in decode.items] == [1]
+    under_way = next(s for s in steps[first_light + 1:] if "light" not in _request_ids(s))
+    assert any(item.tokens > 1 for item in under_way.items)
 
 
 def test_with_express_steps_off_the_light_request_waits_for_the_step_under_way(make_engine, hf_greedy):

@@ -176,3 +176,51 @@ def test_a_request_that_needs_the_whole_pool_starts_when_nothing_else_runs():
     for _ in range(8):
         engine_step(sched)
     assert whole.output_token_ids
+
+
+def _light_started_under_way(sched: Scheduler) -> tuple[StepPlan, Sequence, list[tuple]]:
+    """A flood's step under way, and a light request whose express step ran inside it (applied)."""
+    under_way = flood_under_way(sched)
+    before = snapshot(under_way)
+    light = make("light", 99, prompt=6, max_tokens=3)
+    sched.add(light)
+    apply(sched, sched.schedule_express(frozenset()))
+    return under_way, light, before
+
+
+def test_a_request_started_between_layers_decodes_there_once_its_wait_nears_the_step_bound():
+    sched = Scheduler(config(max_step_s=0.1))
+    under_way, light, before = _light_started_under_way(sched)
+    inside = frozenset(c.seq.seq_id for c in under_way.chunks)
+
+    assert sched.schedule_express_decodes(inside, waited_s=0.01).is_empty  # its gap is still short
+    decodes = sched.schedule_express_decodes(inside, waited_s=0.1)
+
+    assert [(c.seq, c.start, c.num_tokens, c.samples) for c in decodes.chunks] == [(light, 6, 1, True)]
+    assert not decodes.preempted and snapshot(under_way) == before
+    apply(sched, decodes)
+    apply(sched, under_way)
+    sched.check_invariants()
+    assert len(light.output_token_ids) == 2
+
+
+def test_without_a_step_bound_nothing_decodes_between_layers():
+    sched = Scheduler(config())  # no max_step_s and no tier's TPOT SLO: a step may last as long as it takes
+    under_way, _, _ = _light_started_under_way(sched)
+
+    assert sched.schedule_express_decodes(frozenset(c.seq.seq_id for c in under_way.chunks), 10.0).is_empty
+
+
+def test_a_decode_between_layers_never_preempts_for_its_next_block():
+    sched = Scheduler(config(max_step_s=0.1, tiers=standard_only()))
+    under_way = flood_under_way(sched)
+    before = snapshot(under_way)
+    light = make("light", 99, prompt=8, max_tokens=3)  # two whole blocks: its next token needs a third
+    sched.add(light)
+    apply(sched, sched.schedule_express(frozenset()))
+    taker = make("taker", 7, prompt=4, max_tokens=1)  # holds every free block, as neighbours could
+    sched.block_manager.allocate(taker, sched.config.block_size * sched.block_manager.num_free_blocks)
+
+    decodes = sched.schedule_express_decodes(frozenset(c.seq.seq_id for c in under_way.chunks), waited_s=0.1)
+
+    assert decodes.is_empty and snapshot(under_way) == before and light in sched.running
