@@ -4,8 +4,11 @@ The best count depends on whether the cores are shared, which no setting can kno
 ahead, and on the step's size (docs/performance.md; bench/RESULTS.md has the measurements). So each step
 size (its token count rounded up to a power of two) keeps its own choice: its steps
 alternate between the candidates for a few steps, the fastest per token wins, and the
-trial is repeated every ``period`` steps of that size. ``TIERGATE_CPU_THREADS`` pins a
-count instead.
+trial is repeated every ``period`` steps of that size. A trial step on fewer threads is
+slower by design, so it waits for a step that can afford it: one under no inter-token
+latency bound, or one predicted to end within its bound even that much slower: a prefill
+chunk sized to fill a stream's bound, run on one thread of two, makes that stream's gap up
+to twice the bound. ``TIERGATE_CPU_THREADS`` pins a count instead.
 
 Only the engine thread runs torch on more than one thread; every other thread
 that touches torch (the one that loads the model, the adapter loader) calls
@@ -101,16 +104,21 @@ class ThreadTuner:
         """The count chosen so far for each step size seen (sizes as ``size_class`` rounds them)."""
         return {size: choice.chosen for size, choice in sorted(self._by_size.items())}
 
-    def before_step(self, num_tokens: int) -> None:
+    def before_step(self, num_tokens: int, bound_slack: float | None = None) -> None:
+        """Set the count for a step of ``num_tokens``; ``bound_slack``: how many times its predicted time the step
+        may take within its latency bound (``StepPlan.bound_slack``; None: no bound)."""
         size = size_class(num_tokens)
         choice = self._by_size.get(size)
         if choice is None:
             choice = self._by_size[size] = _SizeChoice(self.candidates, self.trial_steps, self.period)
-        count = choice.next_count()
-        self._step = (choice, count, num_tokens)
+        may_trial = bound_slack is None or bound_slack >= self.candidates[-1] / self.candidates[0]
+        count = choice.next_count() if may_trial else choice.chosen
+        self._step = (choice, count, num_tokens) if may_trial else None  # a step kept out of trials is not timed
         if torch.get_num_threads() != count:
             torch.set_num_threads(count)
 
     def after_step(self, seconds: float) -> None:
+        if self._step is None:
+            return
         choice, count, num_tokens = self._step
         choice.record(count, seconds / max(num_tokens, 1))

@@ -88,7 +88,7 @@ class ModelRunner:
             between_layers()
             paused += time.perf_counter() - began
 
-        self.thread_tuner.before_step(plan.num_tokens)
+        self.thread_tuner.before_step(plan.num_tokens, plan.bound_slack)
         started = time.perf_counter()
         out = self._execute(plan, hidden_rows, lora, timed_pause if between_layers is not None else None)
         self.thread_tuner.after_step(time.perf_counter() - started - paused)

@@ -48,8 +48,8 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None) 
             if seq.adapter is not None and step_adapters is not None and seq.adapter not in step_adapters:
                 continue
             if sched.start_sequence(seq, step, 0, may_preempt=False) in (NO_SLOT, NO_BLOCKS):
-                return step.plan
-    return step.plan
+                return step.finished()
+    return step.finished()
 
 
 def plan_express_decodes(sched: StepPlanner, under_way: Collection[str], waited_s: float) -> StepPlan:

@@ -109,6 +109,15 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Sequences preempted (blocks freed, back to the head of their queue) by this plan.
     preempted: list[Sequence] = field(default_factory=list)
+    # Under an inter-token latency bound (scheduler/step_budget.py): the bound, and the step's predicted time
+    # as planned. None: no bound.
+    bound_s: float | None = None
+    predicted_s: float = 0.0
+
+    @property
+    def bound_slack(self) -> float | None:
+        """How many times its predicted time the step may take and still end within its bound (None: no bound)."""
+        return None if self.bound_s is None else self.bound_s / max(self.predicted_s, 1e-9)
 
     @property
     def num_tokens(self) -> int:

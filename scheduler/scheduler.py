@@ -32,7 +32,7 @@ from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.spare import plan_spare
 from scheduler.step_budget import StepTimeBound, first_token_target_s, scaled_share, step_target_s
 from scheduler.step_builder import StepBuilder
-from scheduler.step_cost import StepCostModel, step_features
+from scheduler.step_cost import StepCostModel
 from scheduler.step_update import apply_step
 
 
@@ -172,7 +172,7 @@ class Scheduler:
             for queue in queues:
                 self.schedule_prefills(queue, prefilling[queue], step, 0, False)
         plan_spare(self, step, spare_decodes)
-        return step.plan
+        return step.finished()
 
     def prefilling(self) -> dict[str, list[Sequence]]:
         """Running sequences with prompt left to compute, per queue, in the policy's order."""
@@ -194,7 +194,7 @@ class Scheduler:
     def bound(self, step: StepBuilder, target: float | None) -> None:
         """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any."""
         if target is not None and step.time is None:
-            step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk)
+            step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk, self.step_cost.overrun())
             step.room_at_bound = step.budget
 
     def _first_token(self, step: StepBuilder, seq: Sequence) -> None:
@@ -369,7 +369,7 @@ class Scheduler:
         """Feed one finished step's duration into the TTFT prediction and, given its ``plan``, the step cost model."""
         self.load_estimator.observe_step(duration_s, num_tokens, num_prefill_tokens)
         if plan is not None and not plan.is_empty:
-            self.step_cost.observe(step_features(plan), duration_s)
+            self.step_cost.observe_step(plan, duration_s)
 
     def load(self) -> dict[str, TierLoad]:
         """Per tier: queue depth, running and predicted TTFT of a new request."""

@@ -50,7 +50,7 @@ def spare_bound(config: SchedulerConfig, step: StepBuilder, cost: StepCost) -> S
     ``step`` holds the interactive work planned so far (decodes only)."""
     limits = []
     if step.time is not None:
-        limits.append(PLAN_TO * step.time.target_s)
+        limits.append(step.time.planned_s)
     if step.plan.chunks:
         limits.append(predict(cost, step.features) * (1 + config.spare_step_share))
     else:

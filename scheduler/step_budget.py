@@ -4,7 +4,7 @@ As Sarathi-Serve sizes its chunks to a time-between-tokens SLO: every running st
 the whole step before its next token, so a step that carries a long prompt's chunk of hundreds of
 tokens makes every stream's gap that long. Once a step's decodes are planned, its prefill is cut
 so that the step's predicted time (scheduler/step_cost.py) stays under a target (planned to
-``PLAN_TO`` of it): the tightest of
+``PLAN_TO`` of it, and shorter by as much as recent bounded steps overran their prediction): the tightest of
 ``SchedulerConfig.max_step_s`` and the ``tpot_slo_s`` of every tier with a sequence decoding in
 it. The first ``min_chunk`` prefill tokens of a step are granted whatever the prediction (fewer, down to
 one, where their attention deep into a long prompt would make them dearer than at its start:
@@ -80,17 +80,26 @@ class StepTimeBound:
     target_s: float
     cost: StepCost
     min_chunk: int
+    # How far such steps have recently run past their prediction (StepCostModel.overrun): the step is
+    # planned that much shorter.
+    overrun: float = 1.0
+
+    @property
+    def planned_s(self) -> float:
+        """What the step is planned to last: ``PLAN_TO`` of the target, less the recent overrun."""
+        return PLAN_TO * self.target_s / self.overrun
 
     def fits(self, features: StepFeatures) -> bool:
-        """Whether a step computing ``features`` is predicted within the target (as planned, ``PLAN_TO`` of it)."""
-        return predict(self.cost, features) <= PLAN_TO * self.target_s + 1e-12
+        """Whether a step computing ``features`` is predicted within the target (as planned: ``planned_s``)."""
+        return predict(self.cost, features) <= self.planned_s + 1e-12
+
 
     def room(self, features: StepFeatures, start: int | None = None, scores: bool = False) -> int:
         """Prefill tokens a step computing ``features`` so far may still take in a new chunk beginning at
         position ``start`` (None: leave out the chunk's fixed context cost, for an estimate of what is left),
         each of its rows ``scores``-ed for prompt logprobs or not."""
         start = start or 0
-        left = PLAN_TO * self.target_s - predict(self.cost, features) - self.cost.per_context_token_s * start
+        left = self.planned_s - predict(self.cost, features) - self.cost.per_context_token_s * start
         fits = _largest_chunk(left, self.cost, start, scores)
         granted = self.granted(start, scores) - features.prefill_tokens  # the step's guaranteed progress
         return int(min(max(fits, granted, 0), 1 << 30))
@@ -103,7 +112,7 @@ class StepTimeBound:
         guarantee is a time, not a count of tokens: a block of rows at position 1,900 reads 1,900 positions
         each, and would make every stream's gap that much longer."""
         shallow = _chunk_cost(self.cost, 0, self.min_chunk)  # plain rows: a scoring prompt's are dearer
-        own = max(GRANTED_SHARE * PLAN_TO * self.target_s - self.cost.per_context_token_s * start, shallow)
+        own = max(GRANTED_SHARE * self.planned_s - self.cost.per_context_token_s * start, shallow)
         return int(min(self.min_chunk, max(1, _largest_chunk(own, self.cost, start, scores))))
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from scheduler.plan import ScheduledChunk, StepFeatures, StepPlan, scores_prompt
 from scheduler.sequence import Sequence
 from scheduler.step_budget import StepTimeBound
+from scheduler.step_cost import predict
 
 if TYPE_CHECKING:
     from scheduler.config import SchedulerConfig
@@ -49,6 +50,12 @@ class StepBuilder:
         if self.time is None:
             return self.tokens_left - keep
         return min(self.tokens_left, self.time.room(self.features, start, scores_prompt(seq))) - keep
+
+    def finished(self) -> StepPlan:
+        """The plan, with its time bound and its predicted time, if it has a bound."""
+        if self.time is not None:
+            self.plan.bound_s, self.plan.predicted_s = self.time.target_s, predict(self.time.cost, self.features)
+        return self.plan
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         chunk = self.chunks.get(seq.seq_id)

@@ -14,6 +14,8 @@ while), with every coefficient kept non-negative.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from scheduler.config import StepCost
@@ -33,6 +35,15 @@ OUTLIER_FACTOR = 1.5
 # each one: a clip needs no precision, and a solve per step is a visible share of a small model's
 # single-stream decode step (docs/performance.md).
 CLIP_REFIT_STEPS = 16
+# The fit is one set of coefficients for every kind of step, so it can sit low for the kind a latency
+# bound cuts (a stream's decode beside a chunk deep in a long prompt), and each such step then runs
+# past its bound. ``overrun()`` is how far they did: the OVERRUN_QUANTILE of duration over prediction
+# among the last OVERRUN_MEMORY bounded steps (1 until OVERRUN_MIN_STEPS were seen, at most OVERRUN_MAX);
+# a bounded step is planned that much shorter (step_budget.StepTimeBound).
+OVERRUN_MEMORY = 64
+OVERRUN_MIN_STEPS = 8
+OVERRUN_QUANTILE = 0.98  # a stream's gap is judged at its p99, and one stall (a GC pause) must not count
+OVERRUN_MAX = 2.0
 
 
 __all__ = ["StepCostModel", "StepFeatures", "predict", "step_features"]
@@ -64,6 +75,7 @@ class StepCostModel:
         self._clip_fit = prior
         self._clip_fit_at = 0
         self.observed = 0
+        self._overruns: deque[float] = deque(maxlen=OVERRUN_MEMORY)
 
     def observe(self, features: StepFeatures, duration_s: float) -> None:
         if duration_s < 0:
@@ -78,6 +90,19 @@ class StepCostModel:
         self._xty = self.decay * self._xty + x * y
         self._fit = None
         self.observed += 1
+
+    def observe_step(self, plan: StepPlan, duration_s: float) -> None:
+        """Learn from a finished step of ``plan``; one planned under a latency bound also counts in ``overrun()``."""
+        self.observe(step_features(plan), duration_s)
+        if plan.bound_s is not None:
+            self._overruns.append(duration_s / max(plan.predicted_s, 1e-9))
+
+    def overrun(self) -> float:
+        """How many times their prediction recent bounded steps lasted (``OVERRUN_QUANTILE``), at least 1."""
+        if len(self._overruns) < OVERRUN_MIN_STEPS:
+            return 1.0
+        ratios = sorted(self._overruns)
+        return min(OVERRUN_MAX, max(1.0, ratios[int(OVERRUN_QUANTILE * (len(ratios) - 1))]))
 
     def coefficients(self) -> StepCost:
         if self._fit is None:

@@ -26,10 +26,11 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def run_steps(tuner: ThreadTuner, steps: int, seconds_per_token: dict[int, float], num_tokens: int = 8) -> list[int]:
+def run_steps(tuner: ThreadTuner, steps: int, seconds_per_token: dict[int, float], num_tokens: int = 8,
+              bound_slack: float | None = None) -> list[int]:
     used = []
     for _ in range(steps):
-        tuner.before_step(num_tokens)
+        tuner.before_step(num_tokens, bound_slack)
         used.append(torch.get_num_threads())
         tuner.after_step(seconds_per_token[torch.get_num_threads()] * num_tokens)
     return used
@@ -41,6 +42,14 @@ def test_trial_alternates_candidates_then_keeps_the_fastest():
     assert used == [1, 2, 1, 2, 1, 2]
     assert tuner.chosen(8) == 1
     assert run_steps(tuner, 5, {1: 0.01, 2: 0.05}) == [1] * 5
+
+
+def test_a_step_that_cannot_afford_running_slower_within_its_bound_waits_out_the_trial():
+    tuner = ThreadTuner([1, 2], trial_steps=2, period=5)
+    # Each step planned to half its latency bound: on one thread of two it could run twice as long.
+    assert run_steps(tuner, 3, {1: 0.01, 2: 0.05}, bound_slack=1.9) == [2, 2, 2]
+    assert run_steps(tuner, 4, {1: 0.01, 2: 0.05}, bound_slack=2.0) == [1, 2, 1, 2]  # the trial, not skewed
+    assert tuner.chosen(8) == 1
 
 
 def test_a_later_trial_switches_when_the_load_changes():

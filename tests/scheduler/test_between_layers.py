@@ -11,6 +11,7 @@ import pytest
 
 from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
 from scheduler.config import TierConfig
+from scheduler.plan import StepFeatures
 
 from scheduler_driver import engine_step, fake_token
 
@@ -224,3 +225,17 @@ def test_a_decode_between_layers_never_preempts_for_its_next_block():
     decodes = sched.schedule_express_decodes(frozenset(c.seq.seq_id for c in under_way.chunks), waited_s=0.1)
 
     assert decodes.is_empty and snapshot(under_way) == before and light in sched.running
+
+
+def test_a_plan_under_a_time_bound_says_how_much_slower_it_may_run_within_it():
+    sched = Scheduler(config(max_step_s=0.1))
+    decoding = make("stream", 1, prompt=6, max_tokens=20)
+    sched.add(decoding)
+    apply(sched, sched.schedule())  # its prompt: nobody decodes, so no bound
+    sched.add(make("long", 2, prompt=60, max_tokens=2))
+
+    plan = sched.schedule()  # its decode beside the long prompt's chunk, cut to the bound
+
+    predicted = sched.step_cost.predict(sum((StepFeatures.of(c) for c in plan.chunks), StepFeatures()))
+    assert plan.bound_slack == pytest.approx(0.1 / predicted)
+    assert Scheduler(config()).schedule().bound_slack is None

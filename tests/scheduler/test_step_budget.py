@@ -19,7 +19,8 @@ from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
 from scheduler.config import StepCost, TierConfig
 from scheduler.plan import ScheduledChunk, attention_pairs
 from scheduler.step_budget import PLAN_TO, step_target_s
-from scheduler.step_cost import StepCostModel, StepFeatures, predict, step_features
+from scheduler.step_cost import (OVERRUN_MAX, OVERRUN_MEMORY, OVERRUN_MIN_STEPS, StepCostModel, StepFeatures, predict,
+                                 step_features)
 
 from scheduler_driver import engine_step, fake_token
 
@@ -380,3 +381,40 @@ def test_the_cost_model_predicts_from_its_prior_before_any_step():
 def test_a_bound_it_cannot_keep_is_refused(bad):
     with pytest.raises(ValueError):
         Scheduler(config(**bad))
+
+
+def _bounded_plan(predicted_s: float) -> StepPlan:
+    return StepPlan([ScheduledChunk(stream(0), 8, 1)], bound_s=0.1, predicted_s=predicted_s)
+
+
+def test_the_overrun_is_how_far_recent_bounded_steps_ran_past_their_prediction():
+    model = StepCostModel(COST)
+    for _ in range(OVERRUN_MIN_STEPS - 1):
+        model.observe_step(_bounded_plan(0.05), 0.1)
+    assert model.overrun() == 1.0  # too few to judge
+    for _ in range(OVERRUN_MEMORY - 1):
+        model.observe_step(_bounded_plan(0.05), 0.06)
+    model.observe_step(_bounded_plan(0.05), 0.15)  # one stall
+    assert model.overrun() == pytest.approx(1.2)
+    for _ in range(3):  # a few steps of the kind run far past their prediction
+        model.observe_step(_bounded_plan(0.05), 0.095)
+    assert model.overrun() == pytest.approx(1.9)
+    for _ in range(OVERRUN_MEMORY):
+        model.observe_step(_bounded_plan(0.05), 0.03)  # faster than predicted: never planned longer
+    assert model.overrun() == 1.0
+    for _ in range(OVERRUN_MEMORY):
+        model.observe_step(_bounded_plan(0.05), 0.5)
+    assert model.overrun() == OVERRUN_MAX
+    model.observe_step(StepPlan([ScheduledChunk(stream(0), 8, 1)]), 10.0)  # an unbounded step does not count
+    assert model.overrun() == OVERRUN_MAX
+
+
+def test_after_bounded_steps_overran_their_prediction_the_next_is_planned_that_much_shorter(monkeypatch):
+    sched = Scheduler(config(max_step_s=0.3))  # room for a chunk well past the guaranteed one
+    decoding(sched, *[stream(i) for i in range(4)])
+    sched.add(long_prompt())
+    monkeypatch.setattr(sched.step_cost, "overrun", lambda: 1.5)  # as the last bounded steps measured it
+
+    plan = sched.schedule()
+
+    assert plan.bound_s == 0.3 and PLAN_TO * 0.3 / 1.5 - 0.002 < plan.predicted_s <= PLAN_TO * 0.3 / 1.5
