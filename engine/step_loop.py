@@ -195,7 +195,7 @@ class StepLoop:
                     self._deferred.extend(messages[i:])
                     break
                 self._add(message)
-            plan = self.scheduler.schedule_express(under_way.adapters)
+            plan = self.scheduler.schedule_express(under_way.adapters, under_way.seq_ids)
         else:
             return
         if plan.is_empty:

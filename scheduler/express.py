@@ -7,7 +7,9 @@ no two such steps in a row. ``Scheduler.schedule_express()`` plans a step of the
 engine runs between two layers of the step under way, or, with no step under way, before the next
 one. Nothing a step under way reads may change then: no running sequence gets a chunk, nobody is
 preempted, and a request with an adapter that step does not hold waits (loading it into a slot
-could evict one it is reading).
+could evict one it is reading). Inside a step that holds only worse queues' work, a better queue's
+requests go between its layers whatever the policy's rule: a premium request does not wait for a
+standard long prompt's step.
 
 A request started inside a step under way then decodes inside it too: once its wait for its next
 token nears the bound of a step beside it (``step_budget.step_target_s``), ``Scheduler.schedule_express_decodes()``
@@ -33,23 +35,40 @@ if TYPE_CHECKING:
     from scheduler.sequence import Sequence
 
 
-def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None) -> StepPlan:
+def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None,
+                      under_way: Collection[str] = ()) -> StepPlan:
     """A step of the policy's express requests alone, each whole; ``step_adapters``: the adapters the step
-    under way holds (None: no step is under way)."""
+    under way holds (None: no step is under way), ``under_way``: its sequence ids. Inside a step that
+    holds only worse queues' work, a better queue's requests go in order, as many as fit whole: a premium
+    request does not wait for a standard long prompt's step."""
     if not any(sched.waiting[queue] for queue in sched.policy.queue_names()):
         return StepPlan()  # asked between every two layer slices: with nobody waiting, plan nothing
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, sched.policy.charge_prefill)
     # The running decodes wait for this step too, inside the step under way or before the next one.
     sched.bound(step, step_target_s(sched.config, [s for s in sched.running if not s.is_prefilling]))
+    ahead = _queues_ahead_of(sched, under_way)
     for queue in sched.policy.queue_names():
         if sched.policy.is_spare(queue):
             continue
-        for seq in sched.policy.express(sched.waiting[queue], sched.running, step.budget, outlasts(sched)):
+        if queue in ahead:
+            candidates = list(sched.waiting[queue])
+        else:
+            candidates = sched.policy.express(sched.waiting[queue], sched.running, step.budget, outlasts(sched))
+        for seq in candidates:
+            if queue in ahead and seq.num_prompt_tokens > step.budget:
+                break  # whole or not at all, in the queue's order
             if seq.adapter is not None and step_adapters is not None and seq.adapter not in step_adapters:
                 continue
             if sched.start_sequence(seq, step, 0, may_preempt=False) in (NO_SLOT, NO_BLOCKS):
                 return step.finished()
     return step.finished()
+
+
+def _queues_ahead_of(sched: StepPlanner, under_way: Collection[str]) -> set[str]:
+    """The queues that come before every queue with a sequence in the step under way (its ids)."""
+    queues = sched.policy.queue_names()
+    held = [queues.index(sched.policy.queue_of(s)) for s in sched.running if s.seq_id in under_way]
+    return set(queues[:min(held)]) if held else set()
 
 
 def plan_express_decodes(sched: StepPlanner, under_way: Collection[str], waited_s: float) -> StepPlan:

@@ -182,10 +182,10 @@ class Scheduler:
                 prefilling[self.policy.queue_of(seq)].append(seq)
         return prefilling
 
-    def schedule_express(self, step_adapters: frozenset[str] | None = None) -> StepPlan:
-        """A step of the policy's express requests alone, each whole (scheduler/express.py); empty when nobody
-        qualifies. ``step_adapters``: the adapters of the step under way, or None when none is."""
-        return plan_express_step(self, step_adapters)
+    def schedule_express(self, step_adapters: frozenset[str] | None = None, under_way: Collection[str] = ()) -> StepPlan:
+        """A step of express requests alone, each whole (scheduler/express.py); empty when nobody qualifies.
+        ``step_adapters``, ``under_way``: the adapters and sequence ids of the step under way, if any."""
+        return plan_express_step(self, step_adapters, under_way)
 
     def schedule_express_decodes(self, under_way: Collection[str], waited_s: float) -> StepPlan:
         """A decode step, inside a step under way, of what an express step started (scheduler/express.py)."""

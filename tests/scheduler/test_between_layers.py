@@ -239,3 +239,35 @@ def test_a_plan_under_a_time_bound_says_how_much_slower_it_may_run_within_it():
     predicted = sched.step_cost.predict(sum((StepFeatures.of(c) for c in plan.chunks), StepFeatures()))
     assert plan.bound_slack == pytest.approx(0.1 / predicted)
     assert Scheduler(config()).schedule().bound_slack is None
+
+
+def _premium(n: int, prompt: int = 6, tenant: str | None = None) -> Sequence:
+    return Sequence(f"premium-{n}", [(n * 17 + i) % 500 for i in range(prompt)], tier="premium",
+                    tenant=tenant or f"p{n}", max_tokens=3)
+
+
+def test_inside_a_step_of_only_standard_work_premium_requests_go_between_layers_in_order():
+    sched = Scheduler(config(max_model_len=256))
+    long = make("long", 0, prompt=200, max_tokens=2)  # one standard tenant: no express rule of its tier applies
+    sched.add(long)
+    engine_step(sched)
+    under_way = sched.schedule()
+    before = snapshot(under_way)
+    first, second, too_long = _premium(1), _premium(2), _premium(3, prompt=100)
+    for seq in (first, second, too_long):
+        sched.add(seq)
+
+    express = sched.schedule_express(frozenset(), frozenset(c.seq.seq_id for c in under_way.chunks))
+
+    assert [(c.seq, c.start, c.num_tokens) for c in express.chunks] == [(first, 0, 6), (second, 0, 6)]
+    assert snapshot(under_way) == before and not express.preempted
+
+
+def test_a_premium_request_waits_for_a_step_that_holds_premium_work():
+    sched = Scheduler(config(max_model_len=256))
+    sched.add(_premium(0, prompt=200))
+    engine_step(sched)
+    under_way = sched.schedule()
+    sched.add(_premium(1, tenant="p0"))  # the long prompt's own tenant: no express rule of its tier applies
+
+    assert sched.schedule_express(frozenset(), frozenset(c.seq.seq_id for c in under_way.chunks)).is_empty
