@@ -30,7 +30,8 @@ from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
 from engine.norms import fused_norms_available, rms_norm
 from engine.packed_linear import PackedWeight, Weight, linear, pack, panel_storage, release_freed_heap, weight_form
-from engine.quant_linear import QUANTIZE_KINDS, quantize_weight
+from engine.quant_linear import (QUANTIZE_KINDS, QuantWeight, StackedQuantWeight, kernel_switches,
+                                 quant_kernels_present, quantize_weight)
 from engine.rope import Rope
 
 
@@ -214,6 +215,7 @@ class DecoderModel(nn.Module):
         process's peak RSS. Call ``unpack_weights`` before moving the model.
         """
         self.fused_norms = fused_norms_available(self.device, self.dtype)
+        self._fix_kernel_switches()
         form = weight_form(self.device, self.dtype)
         if form == "plain":
             if self.head is None and self.device.type == "cpu":
@@ -236,6 +238,15 @@ class DecoderModel(nn.Module):
                 del self.lm_head
                 self.lm_head = None
         release_freed_heap()
+
+    def _fix_kernel_switches(self) -> None:
+        """The quantized weights' kernel switches, read here once (``QuantWeight.switches``)."""
+        if not quant_kernels_present():
+            return
+        switches = kernel_switches()
+        for weight in [self.head, *(getattr(layer, name) for layer in self.layers for name in PROJECTIONS)]:
+            if isinstance(weight, QuantWeight | StackedQuantWeight):
+                weight.switches = switches
 
     def unpack_weights(self) -> None:
         """Plain ``[in, out]`` Parameters again, as loaded: for moving the model or reading weights."""

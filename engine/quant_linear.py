@@ -31,6 +31,7 @@ unset or ``auto``, ``PANEL_MIN_ROWS`` where the CPU runs it, never elsewhere.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import gguf
 import numpy as np
@@ -86,6 +87,19 @@ def _isa_index(asked: str) -> int:
     if not torch.ops.tiergate.quant_isa_supported(ISAS.index(asked)):
         raise ValueError(f"TIERGATE_QUANT_ISA={asked}: this CPU cannot run that path")
     return ISAS.index(asked)
+
+
+@dataclass(frozen=True)
+class KernelSwitches:
+    """``TIERGATE_QUANT_ISA`` and ``TIERGATE_QUANT_PANEL_ROWS`` as a call uses them."""
+
+    isa: int  # an index into ISAS
+    panel_rows: int | None  # panel_min_rows()
+
+
+def kernel_switches() -> KernelSwitches:
+    """The switches as the environment sets them now."""
+    return KernelSwitches(_isa_index(QUANT_ISA.get()), panel_min_rows())
 
 
 def panel_min_rows() -> int | None:
@@ -150,6 +164,9 @@ class QuantWeight(PackedWeight):
         else:  # read in place (an mmap's view stays one); rows must be contiguous for the kernels
             self.storage = blocks if blocks.is_contiguous() else blocks.contiguous()
         self._op_args = ([self.storage], [int(ggml_type)], [out_features])
+        # Set once by the engine (DecoderModel.prepare_weights): reading two variables per call costs a
+        # small model's decode step a few percent. None: read at each call, as tests that flip them expect.
+        self.switches: KernelSwitches | None = None
 
     @property
     def blocks(self) -> torch.Tensor:
@@ -162,7 +179,7 @@ class QuantWeight(PackedWeight):
         return torch.ops.tiergate.quant_unpack_rows(self.storage, int(self.ggml_type), self.in_features, ids)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_matmul(x, [self], self._op_args)
+        return quant_matmul(x, [self], self._op_args, self.switches)
 
     def dense(self) -> torch.Tensor:
         return _dequantize(self.blocks, self.ggml_type).t().contiguous()
@@ -195,9 +212,10 @@ class StackedQuantWeight(PackedWeight):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self._op_args = ([p.storage for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
+        self.switches: KernelSwitches | None = None  # as QuantWeight's
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_matmul(x, self.parts, self._op_args)
+        return quant_matmul(x, self.parts, self._op_args, self.switches)
 
     def dense(self) -> torch.Tensor:
         return torch.cat([p.dense() for p in self.parts], dim=1)
@@ -213,10 +231,11 @@ def stack_outputs(parts: list[QuantWeight]) -> PackedWeight:
     return flat[0] if len(flat) == 1 else StackedQuantWeight(flat)
 
 
-def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | None = None) -> torch.Tensor:
+def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | None = None,
+                 switches: KernelSwitches | None = None) -> torch.Tensor:
     """``x [rows, in]`` (float32 or bfloat16) times ``parts`` side by side: float32 ``[rows, sum(out)]``.
     ``op_args``: the parts' (blocks, types, out_features) lists, kept by a weight so a decode step
-    does not rebuild them per call."""
+    does not rebuild them per call; ``switches``: the kernel switches (None: as the environment sets them now)."""
     if x.dim() != 2 or x.shape[1] != parts[0].in_features:
         raise ValueError(f"x must be [rows, {parts[0].in_features}], got {list(x.shape)}")
     if x.dtype != torch.float32:
@@ -227,10 +246,11 @@ def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | Non
         return _fallback_matmul(x, parts)
     if op_args is None:
         op_args = ([p.storage for p in parts], [int(p.ggml_type) for p in parts], [p.out_features for p in parts])
-    least = _panel_rows(QUANT_PANEL_ROWS.get())
-    if least is not None and x.shape[0] >= least:
+    if switches is None:
+        switches = kernel_switches()
+    if switches.panel_rows is not None and x.shape[0] >= switches.panel_rows:
         return torch.ops.tiergate.quant_panel_linear(x, *op_args)
-    return torch.ops.tiergate.quant_linear(x, *op_args, _isa_index(QUANT_ISA.get()))
+    return torch.ops.tiergate.quant_linear(x, *op_args, switches.isa)
 
 
 def _fallback_matmul(x: torch.Tensor, parts: list[QuantWeight]) -> torch.Tensor:

@@ -125,6 +125,24 @@ def test_q4_0_q8_0_q4_k_and_q6_k_weights_are_served_repacked(name, loaded):
     assert any(p.packed for p in parts)
 
 
+def test_a_runner_reads_the_kernel_switches_once_for_its_quantized_weights(loaded, monkeypatch):
+    model = loaded["q4_k_m"][0].model
+    quant = [w for w in [model.head] + [getattr(layer, proj) for layer in model.layers for proj in PROJECTIONS]
+             if isinstance(w, engine.quant_linear.QuantWeight | engine.quant_linear.StackedQuantWeight)]
+    monkeypatch.setenv("TIERGATE_QUANT_ISA", "scalar")
+    try:
+        ModelRunner(loaded["q4_k_m"][0], num_blocks=4, block_size=4)
+        fixed = engine.quant_linear.KernelSwitches(engine.quant_linear.ISAS.index("scalar"),
+                                                   engine.quant_linear.panel_min_rows())
+        assert quant and all(w.switches == fixed for w in quant)
+        monkeypatch.setenv("TIERGATE_QUANT_ISA", "no-such-path")  # read no more: the weights' calls do not fail
+        x = torch.randn(2, quant[0].in_features)
+        assert torch.isfinite(quant[0](x)).all()
+    finally:
+        for w in quant:
+            w.switches = None  # the module's other tests call these weights as tests do: per call
+
+
 def test_a_type_without_a_kernel_is_dequantized_with_one_warning_naming_tensors_and_type(tmp_path, cache,
                                                                                           monkeypatch):
     types = TensorTypes(projections={"attn_v": Q.Q3_K, "1.ffn_down": Q.Q2_K}, default=Q.Q8_0)
