@@ -192,10 +192,13 @@ class DecoderModel(nn.Module):
         engine/quant_linear.py)."""
         return self.head.form if isinstance(self.head, PackedWeight) else "plain"
 
+    def _served_weights(self) -> list[Weight]:
+        """The embedding, the head (None until prepare_weights gives it a form) and every projection."""
+        return [self.embed, self.head] + [getattr(layer, name) for layer in self.layers for name in PROJECTIONS]
+
     def weight_forms(self) -> set[str]:
         """The forms of every projection, the embedding and the head (``plain`` for a tensor)."""
-        weights = [self.embed, self.head] + [getattr(layer, name) for layer in self.layers for name in PROJECTIONS]
-        return {w.form if isinstance(w, PackedWeight) else "plain" for w in weights if w is not None}
+        return {w.form if isinstance(w, PackedWeight) else "plain" for w in self._served_weights() if w is not None}
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold (a tied head counted once; a plain head's transposed copy counted)."""
@@ -244,7 +247,7 @@ class DecoderModel(nn.Module):
         if not quant_kernels_present():
             return
         switches = kernel_switches()
-        for weight in [self.head, *(getattr(layer, name) for layer in self.layers for name in PROJECTIONS)]:
+        for weight in self._served_weights():
             if isinstance(weight, QuantWeight | StackedQuantWeight):
                 weight.switches = switches
 

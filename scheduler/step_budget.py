@@ -93,7 +93,6 @@ class StepTimeBound:
         """Whether a step computing ``features`` is predicted within the target (as planned: ``planned_s``)."""
         return predict(self.cost, features) <= self.planned_s + 1e-12
 
-
     def room(self, features: StepFeatures, start: int | None = None, scores: bool = False) -> int:
         """Prefill tokens a step computing ``features`` so far may still take in a new chunk beginning at
         position ``start`` (None: leave out the chunk's fixed context cost, for an estimate of what is left),

@@ -13,7 +13,7 @@ class Tensor;
 
 namespace tiergate_quant {
 
-constexpr int64_t STEP = 64;
+constexpr int64_t STEP = 64;  // inputs are padded to a multiple: one AVX-512 vector of int8
 
 // COUNT (16 or 32) activations to int8 with one scale d = max|x| / 127, rounded half away from zero
 // as ggml's reference Q8 quantizer rounds (std::round is a libm call per value; trunc and a compare
@@ -33,9 +33,6 @@ inline float quantize_block(const float* src, int8_t* q, int* sums) {
   }
   return d;
 }
-
-inline float quantize_block32(const float* src, int8_t* q, int sums[2]) { return quantize_block<32>(src, q, sums); }
-// inputs are padded to a multiple: one AVX-512 vector of int8
 
 // Activations quantized per row: int8 values in blocks of 32, each block's scale d, and per 16
 // inputs d and d times the sum of the block's int8 values (which the formats' offsets multiply).

@@ -105,7 +105,7 @@ Acts quantize_acts(const at::Tensor& x) {
       int8_t* q = a.q.data() + r * a.in_pad;
       for (int64_t b = 0; b < in / 32; ++b) {
         int sums[2];
-        const float d = quantize_block32(src + b * 32, q + b * 32, sums);
+        const float d = quantize_block<32>(src + b * 32, q + b * 32, sums);
         for (int h = 0; h < 2; ++h) {
           a.d[r * n16 + b * 2 + h] = d;
           a.s[r * n16 + b * 2 + h] = d * float(sums[h]);
