@@ -55,8 +55,8 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None,
         else:
             candidates = sched.policy.express(sched.waiting[queue], sched.running, step.budget, outlasts(sched))
         for seq in candidates:
-            if queue in ahead and seq.num_prompt_tokens > step.budget:
-                break  # whole or not at all, in the queue's order
+            if queue in ahead and seq.num_tokens > step.budget:
+                break  # whole (a preempted one's outputs too, as Policy.express counts) or not at all, in order
             if seq.adapter is not None and step_adapters is not None and seq.adapter not in step_adapters:
                 continue
             if sched.start_sequence(seq, step, 0, may_preempt=False) in (NO_SLOT, NO_BLOCKS):

@@ -271,3 +271,18 @@ def test_a_premium_request_waits_for_a_step_that_holds_premium_work():
     sched.add(_premium(1, tenant="p0"))  # the long prompt's own tenant: no express rule of its tier applies
 
     assert sched.schedule_express(frozenset(), frozenset(c.seq.seq_id for c in under_way.chunks)).is_empty
+
+
+def test_a_preempted_premium_request_goes_between_layers_only_with_its_outputs_whole():
+    sched = Scheduler(config(max_model_len=256))
+    long = make("long", 0, prompt=200, max_tokens=2)
+    sched.add(long)
+    engine_step(sched)
+    under_way = sched.schedule()
+    preempted = _premium(1, prompt=6)
+    preempted.output_token_ids.extend(range(40))  # back in the queue: 46 tokens to recompute, over the step's 32
+    sched.add(preempted)
+
+    express = sched.schedule_express(frozenset(), frozenset(c.seq.seq_id for c in under_way.chunks))
+
+    assert express.is_empty  # not a partial chunk of it between the layers
