@@ -77,7 +77,7 @@ def plan_express_decodes(sched: StepPlanner, under_way: Collection[str], waited_
     before then, or when none does. Nobody is preempted: a sequence whose next block is not free waits."""
     policy = sched.policy
     decoding = [s for s in sched.running if s.seq_id not in under_way and not s.is_prefilling
-                and not policy.is_spare(policy.queue_of(s)) and len(s.output_token_ids) < s.max_tokens]
+                and not policy.is_spare(policy.queue_of(s)) and s.has_tokens_left]
     target = step_target_s(sched.config, decoding)
     if target is None or waited_s < PLAN_TO * target:
         return StepPlan()

@@ -153,7 +153,7 @@ class Scheduler:
             elif (
                 step.budget > 0
                 and seq.seq_id not in step.preempted
-                and len(seq.output_token_ids) < seq.max_tokens  # else it waits for the engine's finish()
+                and seq.has_tokens_left
                 and self.grow_running(seq, seq.num_computed_tokens + 1, step)
             ):
                 step.add(seq, 1)

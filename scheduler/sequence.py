@@ -77,6 +77,11 @@ class Sequence:
         return after is not None and self.num_tokens > after
 
     @property
+    def has_tokens_left(self) -> bool:
+        """Fewer outputs than ``max_tokens``: it may decode; at the limit it waits for the engine's finish()."""
+        return len(self.output_token_ids) < self.max_tokens
+
+    @property
     def is_prefilling(self) -> bool:
         """True while more than the one newest token is left to compute."""
         return self.num_uncomputed_tokens > 1

@@ -85,7 +85,7 @@ def plan_spare(sched: StepPlanner, step: StepBuilder, decodes: list[Sequence]) -
         if (
             step.tokens_left > 0  # a row may fit the time bound where no prefill token does
             and seq.seq_id not in step.preempted
-            and len(seq.output_token_ids) < seq.max_tokens
+            and seq.has_tokens_left
             and (not beside or step.time is None or step.time.fits(step.features + decode_features(seq)))
             and sched.grow_running(seq, seq.num_computed_tokens + 1, step)
         ):
