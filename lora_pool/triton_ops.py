@@ -152,7 +152,7 @@ class KernelPlan:
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
-        return cls(row, max_rank, scales, ints(seg_rows), ints(seg_start), ints(seg_len), ints(seg_slot),
+        return cls(row, max_rank, scales.to(device), ints(seg_rows), ints(seg_start), ints(seg_len), ints(seg_slot),
                    max(seg_len, default=0), ints(gather_rows), ints(gather_slots))
 
 

@@ -47,6 +47,8 @@ class Sequence:
     recompute_until: int = 0
     recompute_charged_tier: str | None = None
     num_preemptions: int = 0
+    # The sequence this one gave way to in a fair turn (policy.py): it never takes that one's place back.
+    gave_way_to: str | None = None
     # False while the request needs the logits of prompt positions it has not computed yet
     # (prompt logprobs): a prefix-cache hit would skip them.
     reads_prefix_cache: bool = True

@@ -41,7 +41,7 @@ struct GemvActs {
 // quant_kernels.h's quantize_block on AVX-512, bit for bit: a decode step's
 // quantizing of x took about half the time of its products in scalar code. `count` inputs (16 or 32)
 // share one scale; returns it, and each 16's sum of int8 values in sums[0] (and sums[1]).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) float quantize_avx512(const float* src, int8_t* q, int count,
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) float quantize_avx512(const float* src, int8_t* q, int count,
                                                                              int* sums) {
   const __m512 sign_bit = _mm512_set1_ps(-0.f);
   __m512 v[2] = {_mm512_loadu_ps(src), count == 32 ? _mm512_loadu_ps(src + 16) : _mm512_setzero_ps()};

@@ -9,6 +9,8 @@ logprobs against PeftModel's greedy generation).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,8 +45,8 @@ def base_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("base"), "gqa_untied")
 
 
-@pytest.fixture(scope="module")
-def adapter_dirs(base_dir, tmp_path_factory):
+def write_adapters(base_dir: Path, make_dir: Callable[[str], Path]) -> dict[str, Path]:
+    """Each of ADAPTERS with random A and B, saved in ``make_dir(name)``."""
     dirs = {}
     for i, (name, config) in enumerate(ADAPTERS.items()):
         model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(init_lora_weights=False, **config))
@@ -53,9 +55,14 @@ def adapter_dirs(base_dir, tmp_path_factory):
             for param_name, param in model.named_parameters():
                 if "lora_" in param_name:
                     param.copy_(torch.randn_like(param) * 0.15)
-        dirs[name] = tmp_path_factory.mktemp(name)
+        dirs[name] = make_dir(name)
         model.save_pretrained(dirs[name])
     return dirs
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base_dir, tmp_path_factory):
+    return write_adapters(base_dir, tmp_path_factory.mktemp)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from scheduler import Scheduler, SchedulerConfig, Sequence
@@ -124,6 +124,9 @@ patterns = st.lists(st.lists(requests, max_size=3), min_size=5, max_size=60)
 
 @settings(max_examples=80, deadline=None)
 @given(pattern=patterns, seqs=st.integers(1, 4), blocks=st.integers(20, 40))
+# b-5 takes a-8's place; a's other sequences end, and a-8 (a now runs none) must not take b-5's back.
+@example(pattern=[[("a", 1, 3), ("b", 18, 8), ("p", 1, 10)], [], [("a", 1, 6), ("b", 17, 9), ("b", 13, 5)],
+                  [("a", 1, 7)], [("a", 1, 3), ("a", 9, 3)]], seqs=4, blocks=20)
 def test_fairness_preemptions_stay_in_the_tier_and_never_swap_back(pattern, seqs, blocks):
     """Every preemption made for a waiting sequence of the same tier takes another tenant's sequence,
     and no sequence is ever preempted for one it was itself preempted for (no thrashing)."""
@@ -143,7 +146,9 @@ def test_fairness_preemptions_stay_in_the_tier_and_never_swap_back(pattern, seqs
 
     sched.policy.victim_for_waiting = spied
     ids = itertools.count()
-    for arrivals in pattern + [[]] * 300:
+    # Enough steps for one slot to run every request end to end, one token a step.
+    drain = sum(prompt + max_tokens for arrivals in pattern for _, prompt, max_tokens in arrivals)
+    for arrivals in pattern + [[]] * drain:
         for tenant, prompt, max_tokens in arrivals:
             sched.add(make(tenant, next(ids), prompt, max_tokens, "premium" if tenant == "p" else "standard"))
         engine_step(sched)
