@@ -112,29 +112,23 @@ def runner_matches_hf(folder: Path, results: dict, device: str) -> bool:
     return ok
 
 
-def _peft_greedy(base: Path, adapter: Path | None, prompt: list[int], steps: int) -> list[int]:
+def _peft_model(base: Path, adapter: Path | None):
+    """The reference for a request on ``adapter`` (None: the base), as test_engine_matches_peft builds it."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return (model if adapter is None else PeftModel.from_pretrained(model, adapter)).eval()
 
 
 def engine_matches_peft(folder: Path, results: dict, device: str) -> bool:
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.request import EngineRequest, SamplingParams
-    from tests.lora_pool.test_engine_matches_peft import REQUESTS, prompts
+    from tests.lora_pool.test_engine_matches_peft import REQUESTS, peft_greedy, prompts
 
     base, adapters = folder / "lora_base", folder / "adapters"
-    expected = [_peft_greedy(base, None if name is None else adapters / name, prompt, 6)
+    expected = [peft_greedy(_peft_model(base, None if name is None else adapters / name), prompt, 6)[0]
                 for (name, _), prompt in zip(REQUESTS, prompts())]
     ok = True
     for dtype in ("float32", "bfloat16"):
