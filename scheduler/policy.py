@@ -336,7 +336,8 @@ class TieredPolicy(Policy):
         Its tenant must be served no less than ``waiting``'s and run at least two more sequences
         of the tier: after the swap it still runs at least as many, so it cannot take the place
         back while nothing else changes. Once its tenant's other sequences end it could, so the
-        sequence ``waiting`` gave way to is never its victim (no pair swaps back and forth). That
+        sequence ``waiting`` gave way to (``Sequence.gave_way_to``, recorded by the scheduler when it
+        preempts) is never its victim (no pair swaps back and forth). That
         is a newcomer's case: lifted level with a flood whose work in flight is not charged yet,
         it would otherwise wait for one of the flood's sequences to end. Never another tier's
         sequence, and never to make room for an adapter.
@@ -356,9 +357,7 @@ class TieredPolicy(Policy):
         if not ahead or (reason == NO_BLOCKS and not frees_enough(ahead)):
             return None
         top = max(self.fair.counter(s) for s in ahead)
-        victim = self.latest([s for s in ahead if self.fair.counter(s) == top])
-        victim.gave_way_to = waiting.seq_id
-        return victim
+        return self.latest([s for s in ahead if self.fair.counter(s) == top])
 
 
 def make_policy(config: SchedulerConfig, arrival: dict[str, int]) -> Policy:

@@ -302,6 +302,8 @@ class Scheduler:
             )
             if victim is None:
                 return reason
+            if victim.tier == seq.tier:  # a fair turn (policy.py): the victim never takes seq's place back
+                victim.gave_way_to = seq.seq_id
             self._preempt(victim, seq, step)
         start = len(cached) * self.config.block_size
         self.block_manager.allocate(seq, start + n, cached)
