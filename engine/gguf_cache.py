@@ -21,6 +21,7 @@ import shutil
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import gguf
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -31,6 +32,9 @@ from engine.model_config import ModelConfig
 
 COMPLETE_MARKER = "tiergate-complete"
 TENSOR_TABLE = "gguf-tensors.json"  # where the file's tensors lie (engine/gguf_weights.py), for native loading
+# Set to "1": derive in the calling process instead of a spawned child. For the test suite, which derives
+# dozens of tiny files and would pay a child's start (importing torch and transformers, seconds) for each.
+DERIVE_IN_PROCESS = "TIERGATE_GGUF_DERIVE_IN_PROCESS"
 
 
 def cache_dir_for(gguf_path: Path, cache_dir: Path, kind: str = "gguf") -> Path:
@@ -57,11 +61,14 @@ def _derive(gguf_path: Path, target: Path, with_weights: bool) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        # In a child process, because the conversion's peak (transformers' model and its copies)
-        # stays in the heap of the process that ran it: a first `tiergate serve` held 1.52 GB
-        # against 1.30 GB for every later start. Spawned, not forked, as the caller may run threads.
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
-            child.submit(convert_gguf, gguf_path, partial, with_weights).result()
+        if os.environ.get(DERIVE_IN_PROCESS) == "1":
+            convert_gguf(gguf_path, partial, with_weights)
+        else:
+            # In a child process, because the conversion's peak (transformers' model and its copies)
+            # stays in the heap of the process that ran it: a first `tiergate serve` held 1.52 GB
+            # against 1.30 GB for every later start. Spawned, not forked, as the caller may run threads.
+            with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+                child.submit(convert_gguf, gguf_path, partial, with_weights).result()
         if not (target / COMPLETE_MARKER).exists():  # another process may have finished first
             shutil.rmtree(target, ignore_errors=True)
             partial.rename(target)
@@ -77,7 +84,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, with_weights: bool = True) -> N
     # Each transformers call re-parses the GGUF metadata (seconds each), so there are only three.
     what = "as safetensors" if with_weights else "(config and tokenizer)"
     with tqdm(total=3, desc=f"Caching {name} {what}", unit="stage") as progress:
-        meta = GgufMetadata.read(gguf_path)
+        reader = gguf.GGUFReader(str(gguf_path))  # parsed once: the metadata and the tensor table read it
+        meta = GgufMetadata.of_reader(reader)
         mapped = AutoConfig.from_pretrained(folder, gguf_file=name)
         config = complete_config(meta, mapped.to_dict())
         ModelConfig.from_dict(config)  # a clear error for families we do not serve
@@ -101,7 +109,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, with_weights: bool = True) -> N
         progress.update()
 
         if model is None:
-            write_tensor_table(gguf_path, out_dir / TENSOR_TABLE)
+            write_tensor_table(reader, out_dir / TENSOR_TABLE)
         else:
             tied = bool(config.get("tie_word_embeddings"))
             state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}

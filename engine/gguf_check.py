@@ -46,7 +46,11 @@ class GgufMetadata:
     def read(cls, path: Path) -> GgufMetadata:
         import gguf
 
-        reader = gguf.GGUFReader(str(path))
+        return cls.of_reader(gguf.GGUFReader(str(path)))
+
+    @classmethod
+    def of_reader(cls, reader: Any) -> GgufMetadata:
+        """From a file gguf-py's ``GGUFReader`` has parsed (seconds for a real token list: parse once)."""
         arch = reader.fields["general.architecture"].contents()
         prefix = f"{arch}."
         values = {key.removeprefix(prefix): field.contents() for key, field in reader.fields.items()

@@ -86,10 +86,9 @@ class FileTensor:
     data: np.ndarray
 
 
-def write_tensor_table(path: Path, out: Path) -> None:
-    """Where each tensor of the GGUF at ``path`` lies, as gguf-py's reader finds it, saved to ``out``:
-    parsing the file's metadata (its token lists above all) takes seconds, reading this takes none."""
-    reader = gguf.GGUFReader(str(path))
+def write_tensor_table(reader: gguf.GGUFReader, out: Path) -> None:
+    """Where each tensor of the GGUF ``reader`` parsed lies, saved to ``out``: parsing the file's metadata
+    (its token lists above all) takes seconds, reading this takes none."""
     table = {"architecture": str(reader.fields["general.architecture"].contents()),
              "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(n) for n in t.shape],
                           "offset": int(t.data_offset), "dtype": t.data.dtype.str, "dims": list(t.data.shape)}

@@ -20,6 +20,20 @@ def kernel_build_dir(tmp_path_factory: pytest.TempPathFactory):
     del os.environ["TORCH_EXTENSIONS_DIR"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gguf_derived_in_process():
+    """GGUF metadata and weights are derived in the test's process (engine/gguf_cache.py): the suite derives
+    dozens of tiny files, and a spawned child's start costs seconds each. One test pins the child path."""
+    from engine.gguf_cache import DERIVE_IN_PROCESS
+
+    if DERIVE_IN_PROCESS in os.environ:
+        yield
+        return
+    os.environ[DERIVE_IN_PROCESS] = "1"
+    yield
+    del os.environ[DERIVE_IN_PROCESS]
+
+
 def _lacks_cpu_feature(report: pytest.TestReport) -> bool:
     """A skip for an instruction set this machine's CPU lacks (its reason opens with "this CPU"): CI runs on
     whatever CPU it is given, and those paths are tested where the CPU has them."""

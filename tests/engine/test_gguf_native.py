@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -187,6 +188,26 @@ def test_a_second_native_start_reads_the_file_and_its_cached_config_only(files, 
     monkeypatch.setattr(engine.gguf_cache, "convert_gguf", no_conversion)
     again = load_model(str(files["q8_0_tied"]), cache_dir=tmp_path, native_gguf=True)
     assert again.path == first.path and again.model.weight_forms() == {"quant"}
+
+
+def test_a_server_derives_a_files_metadata_in_a_spawned_child(files, tmp_path, monkeypatch):
+    """The suite derives in its own process (tests/conftest.py); a server spawns a child, whose peak heap ends
+    with it."""
+    children = []
+
+    class Recorded(ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            children.append(kwargs["mp_context"].get_start_method())
+
+    monkeypatch.setattr(engine.gguf_cache, "ProcessPoolExecutor", Recorded)
+    monkeypatch.delenv(engine.gguf_cache.DERIVE_IN_PROCESS)
+    derived = engine.gguf_cache.metadata_dir(files["q8_0_tied"], tmp_path / "child")
+    assert children == ["spawn"]
+    assert (derived / "config.json").is_file() and (derived / engine.gguf_cache.COMPLETE_MARKER).is_file()
+    monkeypatch.setenv(engine.gguf_cache.DERIVE_IN_PROCESS, "1")
+    here = engine.gguf_cache.metadata_dir(files["q8_0_tied"], tmp_path / "here")
+    assert children == ["spawn"] and (here / "config.json").read_text() == (derived / "config.json").read_text()
 
 
 def test_a_gguf_asked_in_a_dtype_or_off_cpu_is_dequantized(files, cache):  # CUDA by logic: no GPU here
