@@ -40,6 +40,10 @@ class SlotStacks:
     max_rank: int
     device: torch.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.b.values())).dtype
+
     @classmethod
     def allocate(cls, projections: dict[str, tuple[int, int]], num_layers: int, slots: int, max_rank: int,
                  device: torch.device, dtype: torch.dtype) -> SlotStacks:
@@ -79,7 +83,8 @@ class LoraBatch:
             self._kernel_plan = KernelPlan.build(chunk_slots, stacks.scales, stacks.max_rank, stacks.device)
         else:
             self._kernel_plan = None
-            self._cpu_plan = ops.plan_rows(row_slots, {s: (spec.rank, spec.scale) for s, spec in specs.items()})
+            kernel = ops.rows_kernel() is not None and stacks.dtype == torch.float32  # its only dtype
+            self._cpu_plan = ops.plan_rows(row_slots, {s: (spec.rank, spec.scale) for s, spec in specs.items()}, kernel)
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """In place: y += (x @ A[slot].T) @ B[slot].T * scale[slot] for each row with an adapter.

@@ -15,6 +15,7 @@ these choices, in bench/RESULTS.md ("Hot paths").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -118,9 +119,33 @@ class PaddedRows:
 
 
 @dataclass(frozen=True)
+class KernelRows:
+    """Few rows each of one or more adapters, grouped by slot for ``torch.ops.tiergate.lora_rows_``
+    (engine/csrc/lora_rows.cpp): group g is slot ``slots[g]``, rows ``rows[offsets[g]:offsets[g + 1]]``."""
+
+    slots: torch.Tensor  # int64 [groups]
+    offsets: torch.Tensor  # int64 [groups + 1]
+    rows: torch.Tensor  # int64
+    ranks: torch.Tensor  # int64 [groups]
+    scales: torch.Tensor  # float32 [groups]
+    slot_set: frozenset[int]
+
+
+@dataclass(frozen=True)
 class CpuPlan:
     groups: dict[int, RowGroup]
     padded: PaddedRows | None
+    kernel_rows: KernelRows | None = None
+
+
+def rows_kernel() -> Callable[..., None] | None:
+    """``torch.ops.tiergate.lora_rows_`` once the engine has loaded its C++ kernels (engine/cpu_build.py
+    registers it from engine/csrc/lora_rows.cpp), else None. Looked up in torch's op registry rather
+    than imported: lora_pool imports nothing of the engine, and without a compiler the torch path serves."""
+    try:
+        return torch.ops.tiergate.lora_rows_
+    except (AttributeError, RuntimeError):
+        return None
 
 
 # Rows of one adapter that amortise their own matmul pair: a contiguous run (a prefill
@@ -137,22 +162,41 @@ def _own_matmuls(rows: list[int]) -> bool:
     return len(rows) >= (BIG_RUN if contiguous else BIG_SCATTERED)
 
 
-def plan_rows(row_slots: list[int], slot_info: dict[int, tuple[int, float]]) -> CpuPlan:
-    """Group the step's rows by slot; `slot_info` maps slot -> (rank, scale)."""
+def plan_rows(row_slots: list[int], slot_info: dict[int, tuple[int, float]], kernel: bool = False) -> CpuPlan:
+    """Group the step's rows by slot; `slot_info` maps slot -> (rank, scale). With `kernel` (`rows_kernel`
+    present and float32 stacks), the adapters with few rows go to it, even one alone."""
     positions: dict[int, list[int]] = {}
     for row, slot in enumerate(row_slots):
         if slot >= 0:
             positions.setdefault(slot, []).append(row)
     small = {slot: rows for slot, rows in positions.items() if not _own_matmuls(rows)}
+    if kernel and small:
+        return CpuPlan(_own_groups(positions, small, slot_info), None, _kernel_rows(small, slot_info))
     if len(small) < 2:
         small = {}
+    return CpuPlan(_own_groups(positions, small, slot_info), _padded(small, slot_info) if small else None)
+
+
+def _own_groups(positions: dict[int, list[int]], small: dict[int, list[int]],
+                slot_info: dict[int, tuple[int, float]]) -> dict[int, RowGroup]:
     groups = {}
     for slot, rows in positions.items():
         if slot not in small:
             contiguous = rows[-1] - rows[0] + 1 == len(rows)
             index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows)
             groups[slot] = RowGroup(slot, index, *slot_info[slot], len(rows))
-    return CpuPlan(groups, _padded(small, slot_info) if small else None)
+    return groups
+
+
+def _kernel_rows(small: dict[int, list[int]], slot_info: dict[int, tuple[int, float]]) -> KernelRows:
+    order = sorted(small)
+    offsets = [0]
+    for slot in order:
+        offsets.append(offsets[-1] + len(small[slot]))
+    return KernelRows(torch.tensor(order, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64),
+                      torch.tensor([row for slot in order for row in small[slot]], dtype=torch.int64),
+                      torch.tensor([slot_info[slot][0] for slot in order], dtype=torch.int64),
+                      torch.tensor([slot_info[slot][1] for slot in order], dtype=torch.float32), frozenset(order))
 
 
 def _padded(small: dict[int, list[int]], slot_info: dict[int, tuple[int, float]]) -> PaddedRows:
@@ -201,6 +245,10 @@ def apply_group(x: torch.Tensor, y: torch.Tensor, stacks: LayerStacks, plan: Cpu
                 col += b.shape[1]
         else:
             y.index_add_(0, g.rows, torch.cat([part @ b for part, b in zip(parts, bs)], dim=1), alpha=g.scale)
+    k = plan.kernel_rows
+    if k is not None and not k.slot_set.isdisjoint(slots):
+        torch.ops.tiergate.lora_rows_(x, y, stacks.a.contiguous(), [b.contiguous() for b in stacks.b], k.slots,
+                                      k.offsets, k.rows, k.ranks, k.scales)
     p = plan.padded
     if p is not None and not p.slots.isdisjoint(slots):
         xs = x.index_select(0, p.gather).view(p.hi - p.lo, p.max_rows, x.shape[1])

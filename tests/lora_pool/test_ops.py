@@ -6,6 +6,7 @@ import pytest
 import torch
 from tests.lora_pool.lora_reference import CASES, random_case, reference
 
+from engine.cpu_build import cpu_kernels_loaded
 from lora_pool import ops
 
 RANKS = [3, 8, 5]
@@ -60,13 +61,25 @@ def test_long_runs_get_their_own_matmuls_and_the_rest_share_a_padded_bmm():
 
 
 
+@pytest.fixture(scope="module")
+def rows_kernel():
+    """torch.ops.tiergate.lora_rows_, built with the engine's other C++ kernels."""
+    assert cpu_kernels_loaded(), "the CPU kernels did not build on this machine (see the log)"
+    assert ops.rows_kernel() is not None
+    return ops.rows_kernel()
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_group_in_the_cpu_layout_matches_each_projection_reference(case):
+def test_fused_group_in_the_cpu_layout_matches_each_projection_reference(case, kernel, request):
     """A qkv-like group (three projections of different widths sharing x) through one
-    apply_group call over cpu_stacks' fused, transposed stacks, as LoraBatch runs it."""
+    apply_group call over cpu_stacks' fused, transposed stacks, as LoraBatch runs it: on torch's
+    ops, or with the rows of adapters with few of them on the C++ kernel (lora_rows_)."""
+    if kernel:
+        request.getfixturevalue("rows_kernel")
     chunks = CASES[case]
     row_slots = [s for s, n in chunks for _ in range(n)]
-    widths = {"q": 40, "k": 16, "v": 16}
+    widths = {"q": 40, "k": 16, "v": 19}  # v: a width no vector divides
     projections = {**{p: (24, w) for p, w in widths.items()}, "o": (40, 24), "gate": (24, 32), "up": (24, 32),
                    "down": (32, 24)}
     a, b, fused_a = ops.cpu_stacks(projections, num_layers=2, num_slots=3, max_rank=8, dtype=torch.float32)
@@ -79,8 +92,31 @@ def test_fused_group_in_the_cpu_layout_matches_each_projection_reference(case):
         expected.append(reference(x, y, a_p, b_p, scales, row_slots, RANKS))
         ys.append(y)
     y = torch.cat(ys, dim=1)
-    plan = ops.plan_rows(row_slots, {s: (RANKS[s], float(scales[s])) for s in range(3)})
+    plan = ops.plan_rows(row_slots, {s: (RANKS[s], float(scales[s])) for s in range(3)}, kernel=kernel)
+    assert (plan.kernel_rows is not None) == (kernel and any(s not in plan.groups for s in row_slots if s >= 0))
     stacks = ops.layer_views(a, b, fused_a, ["qkv"])["qkv"][1]
     assert stacks.a.data_ptr() == fused_a["qkv"][1].data_ptr()  # the three A stacks are one tensor
     ops.apply_group(x, y, stacks, plan, [0, 1, 2])
     torch.testing.assert_close(y.double(), torch.cat(expected, dim=1), rtol=1e-5, atol=1e-4)
+
+
+def test_the_kernel_takes_an_adapter_with_few_rows_even_alone_and_leaves_long_runs_to_matmuls():
+    info = {0: (3, 1.0), 1: (8, 0.5), 2: (5, 1.0)}
+    plan = ops.plan_rows([2] * 9 + [0, -1, 1, 1, 0], info, kernel=True)
+    assert set(plan.groups) == {2} and plan.padded is None
+    k = plan.kernel_rows
+    assert k.slots.tolist() == [0, 1] and k.offsets.tolist() == [0, 2, 4] and k.rows.tolist() == [9, 13, 11, 12]
+    assert k.ranks.tolist() == [3, 8] and k.scales.tolist() == [1.0, 0.5]
+    alone = ops.plan_rows([0, 0, -1], {0: (3, 1.0)}, kernel=True)
+    assert alone.groups == {} and alone.kernel_rows.slots.tolist() == [0]
+
+
+def test_the_kernel_refuses_stacks_of_the_wrong_shape_without_touching_y(rows_kernel):
+    x, y = torch.randn(2, 8), torch.zeros(2, 6)
+    a, b = torch.zeros(1, 8, 4), [torch.zeros(1, 4, 5)]  # b's 5 columns, y's 6
+    k = ops.plan_rows([0, 0], {0: (4, 1.0)}, kernel=True).kernel_rows
+    with pytest.raises(RuntimeError, match="columns"):
+        rows_kernel(x, y, a, b, k.slots, k.offsets, k.rows, k.ranks, k.scales)
+    with pytest.raises(RuntimeError, match="out of range"):
+        rows_kernel(x, torch.zeros(2, 5), a, b, torch.tensor([3]), k.offsets, k.rows, k.ranks, k.scales)
+    assert y.abs().sum() == 0

@@ -149,3 +149,26 @@ def test_step_needing_an_adapter_a_prefetch_is_reading_waits_for_that_read(make_
     step.join(10)
     assert not prefetch.is_alive() and not step.is_alive()
     assert pool.loads == 1 and "a0" in pool.resident()
+
+
+def test_a_cpu_steps_decode_rows_go_to_the_kernel_with_the_torch_paths_result(make_pool, shapes, monkeypatch):
+    """Once the engine's C++ kernels are loaded, a float32 CPU batch sends the rows of adapters with few of them
+    to lora_rows_; the update equals the torch path's (the padded bmm) to float32 rounding."""
+    from engine.cpu_build import cpu_kernels_loaded
+    from lora_pool import ops
+
+    assert cpu_kernels_loaded()
+    pool = make_pool(3, max_loras=3)
+    chunks = [("a0", 1), ("a1", 1), (None, 1), ("a2", 1), ("a0", 1)]
+    batch = pool.batch_for(chunks)
+    assert batch._cpu_plan.kernel_rows is not None and batch._cpu_plan.padded is None
+    monkeypatch.setattr(ops, "rows_kernel", lambda: None)
+    torch_batch = pool.batch_for(chunks)
+    assert torch_batch._cpu_plan.kernel_rows is None and torch_batch._cpu_plan.padded is not None
+    fan_in, fan_out = shapes.projections["q"]
+    x = torch.randn(5, fan_in)
+    y, expected = torch.zeros(5, fan_out), torch.zeros(5, fan_out)
+    batch.apply(1, "q", x, y)
+    torch_batch.apply(1, "q", x, expected)
+    assert expected[[0, 1, 3, 4]].abs().min() > 0 and torch.equal(y[2], torch.zeros(fan_out))
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)

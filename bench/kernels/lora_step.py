@@ -1,0 +1,99 @@
+"""A whole decode step's LoRA work on the CPU: torch's padded bmms against the C++ kernel (lora_rows_).
+
+On the bundled SmolLM2-135M's shapes (30 layers; hook calls qkv, o, gate_up, down), ``--slots``
+adapter slots filled with random weights of ranks 8 and 16 alternating on all seven projections
+(``max_lora_rank`` 16, so the rank-8 slots are zero-padded as the pool keeps them), ``--rows``
+decode rows spread round-robin over the slots: every hook call of a step, as the engine makes
+them, through ``lora_pool.ops.apply_group``, on two paths: ``torch`` (a gather, padded bmms over
+the stacks, an index_add per call) and ``kernel`` (torch.ops.tiergate.lora_rows_,
+engine/csrc/lora_rows.cpp). The paths alternate round by round in one process, so they see the
+same machine; printed: the median step time, the stack bytes a step reads, the rate it reads
+them at, and torch's time over the kernel's.
+
+    .venv/bin/python -m bench.kernels.lora_step [--slots 16] [--rows 32] [--rounds 15] [--threads 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.common import machine
+from bench.common.report import write_json
+from engine.cpu_build import cpu_kernels_loaded
+from lora_pool import ops
+
+HIDDEN, INTERMEDIATE, LAYERS, KV = 576, 1536, 30, 192  # SmolLM2-135M
+PROJECTIONS = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV), "v": (HIDDEN, KV), "o": (HIDDEN, HIDDEN),
+               "gate": (HIDDEN, INTERMEDIATE), "up": (HIDDEN, INTERMEDIATE), "down": (INTERMEDIATE, HIDDEN)}
+HOOKS = ("qkv", "o", "gate_up", "down")
+
+
+def stacks_of(slots: int) -> tuple[dict[str, list[ops.LayerStacks]], int]:
+    """Every hook's per-layer views of random stacks (ranks 8 and 16 alternating), and their bytes."""
+    a, b, fused_a = ops.cpu_stacks(PROJECTIONS, LAYERS, slots, 16, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for proj, (fan_in, fan_out) in PROJECTIONS.items():
+        for slot in range(slots):
+            rank = 16 if slot % 2 else 8
+            a[proj][:, slot, :rank] = torch.randn(LAYERS, rank, fan_in, generator=gen) / fan_in**0.5
+            b[proj][:, slot, :, :rank] = torch.randn(LAYERS, fan_out, rank, generator=gen) * 0.01
+    nbytes = sum(t.untyped_storage().nbytes() for t in [*fused_a.values(), *b.values()])
+    nbytes += sum(a[p].untyped_storage().nbytes() for p in ("o", "down"))
+    return ops.layer_views(a, b, fused_a, list(HOOKS)), nbytes
+
+
+def step(views: dict[str, list[ops.LayerStacks]], plan: ops.CpuPlan, xs: dict[str, torch.Tensor],
+         ys: dict[str, torch.Tensor], slots: list[int]) -> None:
+    for layer in range(LAYERS):
+        for hook in HOOKS:
+            ops.apply_group(xs[hook], ys[hook], views[hook][layer], plan, slots)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    assert cpu_kernels_loaded(), "the CPU kernels did not build (see the log)"
+    row_slots = [row % args.slots for row in range(args.rows)]
+    info = {slot: (16 if slot % 2 else 8, 2.0) for slot in range(args.slots)}
+    slots = list(range(args.slots))
+    in_of = {"qkv": HIDDEN, "o": HIDDEN, "gate_up": HIDDEN, "down": INTERMEDIATE}
+    out_of = {"qkv": HIDDEN + 2 * KV, "o": HIDDEN, "gate_up": 2 * INTERMEDIATE, "down": HIDDEN}
+    xs = {hook: torch.randn(args.rows, in_of[hook]) for hook in HOOKS}
+    ys = {hook: torch.zeros(args.rows, out_of[hook]) for hook in HOOKS}
+    views, nbytes = stacks_of(args.slots)
+    paths = {name: ops.plan_rows(row_slots, info, kernel=kernel) for name, kernel in [("torch", False), ("kernel", True)]}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    with torch.no_grad():
+        for round_ in range(args.rounds + 1):
+            for name, plan in paths.items():
+                start = time.perf_counter()
+                step(views, plan, xs, ys, slots)
+                if round_:  # the first round warms up
+                    times[name].append(time.perf_counter() - start)
+    host = machine.describe()
+    print(machine.render_markdown(host))
+    print(f"{args.rows} decode rows over {args.slots} slots (ranks 8 and 16, max 16), {LAYERS} layers x "
+          f"{len(HOOKS)} hook calls, {args.threads} threads, median of {args.rounds} rounds")
+    torch_ms = statistics.median(times["torch"]) * 1e3
+    results = {}
+    for name in paths:
+        ms = statistics.median(times[name]) * 1e3
+        results[name] = {"ms": ms, "stack_mb": nbytes / 1e6, "gb_per_s": nbytes / ms / 1e6, "torch_over": torch_ms / ms}
+        print(f"{name:>12}: {ms:7.2f} ms a step, stacks {nbytes / 1e6:6.1f} MB read at {nbytes / ms / 1e6:5.1f} GB/s, "
+              f"torch/this {torch_ms / ms:4.2f}x")
+    if args.json:
+        write_json({"machine": host, "args": vars(args), "results": results}, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+// Batched LoRA for rows of many adapters at once on the CPU (punica's BGMV, for decode rows).
+//
+// Registered as torch.ops.tiergate.lora_rows_, called by lora_pool/ops.py for the rows whose
+// adapter has too few of them to amortise matmuls of its own (decodes): torch would need a gather,
+// two bmms over padded stacks, a cat and an index_add per projection group, each a dispatch that
+// costs about what its arithmetic does, thirty layers over. Here one call reads each slot's A and
+// B once and updates its rows in place, memory-bound on the stacks as the bmms were not.
+//
+// The stacks are lora_pool/ops.py's CPU layout: a [slots, in, projections * max_rank] (the group's
+// A side by side along the rank) and b_p [slots, max_rank, out_p] per projection, float32,
+// contiguous. The rows come grouped by slot: group g is slot slots[g], rows
+// rows[offsets[g]:offsets[g + 1]] of x and y, rank ranks[g] (the stack's columns past it are
+// zeros and are skipped in the expand) and scale scales[g]. y's columns are the projections'
+// outputs side by side.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "simd_lanes.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using namespace tiergate_simd;
+
+// A slot's rows go NR (1 to MAX_ROWS) at a time against NV (1 to MAX_VECS) vectors of columns,
+// their sums in registers: in the shrink, each of a's rows is loaded once for the NR rows; in the
+// expand, each of b's rows once for the NR rows' y, which stay in registers across the rank.
+constexpr int MAX_ROWS = 4, MAX_VECS = 4;
+
+// t[r, j0 : j0 + NV * LANES] = x[rows[r]] @ a[:, those columns], for NR rows.
+template <int NR, int NV>
+void shrink_block(const float* const* xr, const float* a, int64_t in, int64_t wide, int64_t j0, float* t) {
+  lanes acc[NR][NV] = {};
+  for (int64_t i = 0; i < in; ++i) {
+    const float* ai = a + i * wide + j0;
+    lanes av[NV];
+    for (int v = 0; v < NV; ++v) av[v] = load(ai + v * LANES);
+    for (int r = 0; r < NR; ++r) {
+      const float xv = xr[r][i];
+      for (int v = 0; v < NV; ++v) acc[r][v] += xv * av[v];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) store(t + r * wide + j0 + v * LANES, acc[r][v]);
+}
+
+template <int NR>
+void shrink_rows(const float* const* xr, const float* a, int64_t in, int64_t wide, float* t) {
+  int64_t j0 = 0;
+  for (; j0 + MAX_VECS * LANES <= wide; j0 += MAX_VECS * LANES) shrink_block<NR, MAX_VECS>(xr, a, in, wide, j0, t);
+  switch ((wide - j0) / LANES) {
+    case 3: shrink_block<NR, 3>(xr, a, in, wide, j0, t); break;
+    case 2: shrink_block<NR, 2>(xr, a, in, wide, j0, t); break;
+    case 1: shrink_block<NR, 1>(xr, a, in, wide, j0, t); break;
+    default: break;
+  }
+  for (int64_t j = j0 + (wide - j0) / LANES * LANES; j < wide; ++j)
+    for (int r = 0; r < NR; ++r) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < in; ++i) sum += xr[r][i] * a[i * wide + j];
+      t[r * wide + j] = sum;
+    }
+}
+
+// y[rows[r], o0 : o0 + NV * LANES] += tr[r, :rank] @ b[:rank, those columns], for NR rows.
+template <int NR, int NV>
+void expand_block(float* const* yr, const float* const* tr, const float* b, int64_t out, int64_t rank, int64_t o0) {
+  lanes acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = load(yr[r] + o0 + v * LANES);
+  for (int64_t j = 0; j < rank; ++j) {
+    const float* bj = b + j * out + o0;
+    lanes bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = load(bj + v * LANES);
+    for (int r = 0; r < NR; ++r) {
+      const float tv = tr[r][j];
+      for (int v = 0; v < NV; ++v) acc[r][v] += tv * bv[v];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) store(yr[r] + o0 + v * LANES, acc[r][v]);
+}
+
+template <int NR>
+void expand_rows(float* const* yr, const float* const* tr, const float* b, int64_t out, int64_t rank) {
+  int64_t o0 = 0;
+  for (; o0 + MAX_VECS * LANES <= out; o0 += MAX_VECS * LANES) expand_block<NR, MAX_VECS>(yr, tr, b, out, rank, o0);
+  switch ((out - o0) / LANES) {
+    case 3: expand_block<NR, 3>(yr, tr, b, out, rank, o0); break;
+    case 2: expand_block<NR, 2>(yr, tr, b, out, rank, o0); break;
+    case 1: expand_block<NR, 1>(yr, tr, b, out, rank, o0); break;
+    default: break;
+  }
+  for (int64_t o = o0 + (out - o0) / LANES * LANES; o < out; ++o)
+    for (int r = 0; r < NR; ++r) {
+      float sum = yr[r][o];
+      for (int64_t j = 0; j < rank; ++j) sum += tr[r][j] * b[j * out + o];
+      yr[r][o] = sum;
+    }
+}
+
+struct Stacks {
+  int64_t in, wide, max_rank;
+  std::vector<int64_t> widths;  // each projection's output columns
+};
+
+// Rows [first, first + NR) of the slot's group: shrink, scale, then expand into each projection's columns.
+template <int NR>
+void slot_rows(const float* x, int64_t x_stride, float* y, int64_t y_stride, const float* a_slot,
+               const std::vector<const float*>& b_slot, const Stacks& st, const int64_t* rows, int64_t rank, float scale,
+               float* t) {
+  const float* xr[NR];
+  float* yr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = x + rows[r] * x_stride, yr[r] = y + rows[r] * y_stride;
+  shrink_rows<NR>(xr, a_slot, st.in, st.wide, t);
+  for (int64_t i = 0; i < NR * st.wide; ++i) t[i] *= scale;
+  int64_t col = 0;
+  for (size_t p = 0; p < b_slot.size(); ++p) {
+    const float* tr[NR];
+    float* yc[NR];
+    for (int r = 0; r < NR; ++r) tr[r] = t + r * st.wide + p * st.max_rank, yc[r] = yr[r] + col;
+    expand_rows<NR>(yc, tr, b_slot[p], st.widths[p], rank);
+    col += st.widths[p];
+  }
+}
+
+void lora_groups(const float* x, int64_t x_stride, float* y, int64_t y_stride, const float* a, const std::vector<const float*>& b,
+                 const Stacks& st, const int64_t* slots, const int64_t* offsets, const int64_t* rows,
+                 const int64_t* ranks, const float* scales, int64_t g0, int64_t g1) {
+  std::vector<float> t(MAX_ROWS * st.wide);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t slot = slots[g];
+    const float* a_slot = a + slot * st.in * st.wide;
+    std::vector<const float*> b_slot;
+    for (size_t p = 0; p < b.size(); ++p) b_slot.push_back(b[p] + slot * st.max_rank * st.widths[p]);
+    for (int64_t r = offsets[g]; r < offsets[g + 1]; r += MAX_ROWS) {
+      const int64_t* chunk = rows + r;
+      switch (std::min<int64_t>(MAX_ROWS, offsets[g + 1] - r)) {
+        case 1: slot_rows<1>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
+        case 2: slot_rows<2>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
+        case 3: slot_rows<3>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
+        default: slot_rows<4>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
+      }
+    }
+  }
+}
+
+void lora_rows_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const std::vector<at::Tensor>& b,
+                const at::Tensor& slots, const at::Tensor& offsets, const at::Tensor& rows, const at::Tensor& ranks,
+                const at::Tensor& scales) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat,
+              "lora_rows_: float32 CPU activations only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1 && x.size(0) == y.size(0),
+              "x [rows, in] and y [rows, out] need contiguous rows");
+  TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && a.size(1) == x.size(1), "a must be contiguous [slots, in, wide]");
+  TORCH_CHECK(a.scalar_type() == at::kFloat, "lora_rows_: float32 stacks only");
+  TORCH_CHECK(!b.empty() && a.size(2) % static_cast<int64_t>(b.size()) == 0, "a's width is projections * max_rank");
+  const int64_t max_rank = a.size(2) / static_cast<int64_t>(b.size());
+  std::vector<int64_t> widths;
+  int64_t total = 0;
+  for (const at::Tensor& bp : b) {
+    TORCH_CHECK(bp.dim() == 3 && bp.is_contiguous() && bp.scalar_type() == a.scalar_type() &&
+                    bp.size(0) == a.size(0) && bp.size(1) == max_rank,
+                "each b must be contiguous float32 [slots, max_rank, out]");
+    widths.push_back(bp.size(2));
+    total += bp.size(2);
+  }
+  TORCH_CHECK(y.size(1) == total, "y has ", y.size(1), " columns, the projections ", total);
+  const int64_t groups = slots.numel();
+  for (const at::Tensor* t : {&slots, &offsets, &rows, &ranks})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "slots, offsets, rows and ranks: contiguous int64");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == groups && ranks.numel() == groups &&
+                  offsets.numel() == groups + 1, "one scale and rank per group, groups + 1 offsets");
+  const int64_t* slot_ids = slots.const_data_ptr<int64_t>();
+  const int64_t* rank_of = ranks.const_data_ptr<int64_t>();
+  const int64_t* bounds = offsets.const_data_ptr<int64_t>();
+  const int64_t* row_ids = rows.const_data_ptr<int64_t>();
+  TORCH_CHECK(bounds[0] == 0 && bounds[groups] == rows.numel(), "offsets must span rows");
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK(slot_ids[g] >= 0 && slot_ids[g] < a.size(0) && rank_of[g] >= 0 && rank_of[g] <= max_rank &&
+                    bounds[g] <= bounds[g + 1], "group ", g, ": slot, rank or offsets out of range");
+  }
+  for (int64_t i = 0; i < rows.numel(); ++i)
+    TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < x.size(0), "row ", row_ids[i], " out of range");
+  const float* scale_of = scales.const_data_ptr<float>();
+  // Groups write disjoint rows of y (a row has one adapter), so they run in parallel.
+  const Stacks st{a.size(1), a.size(2), max_rank, widths};
+  // Groups write disjoint rows of y (a row has one adapter), so they run in parallel.
+  std::vector<const float*> bs;
+  for (const at::Tensor& bp : b) bs.push_back(bp.const_data_ptr<float>());
+  // Groups write disjoint rows of y (a row has one adapter), so they run in parallel.
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    lora_groups(x.const_data_ptr<float>(), x.stride(0), y.mutable_data_ptr<float>(), y.stride(0),
+                a.const_data_ptr<float>(), bs, st, slot_ids, bounds, row_ids, rank_of, scale_of, g0, g1);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tiergate, m) {
+  m.def("lora_rows_(Tensor x, Tensor(a!) y, Tensor a, Tensor[] b, Tensor slots, Tensor offsets, Tensor rows, "
+        "Tensor ranks, Tensor scales) -> ()");
+  m.impl("lora_rows_", c10::DispatchKey::CPU, TORCH_FN(lora_rows_));
+}
