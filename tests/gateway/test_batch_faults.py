@@ -188,8 +188,19 @@ def test_three_replicas_behind_haproxy_share_one_batch_and_answer_each_line_once
     # One replica dies mid-batch; the two others take its lines over once their leases run out.
     victim = cluster.replicas[0]
     # Killed once it has answered a line and holds others: those must be taken over (a replica killed between
-    # its claims would leave nothing to take over, and the test would show nothing).
-    assert wait_for(lambda: batch_lines_run(victim) >= 1 and leased_by(url, batch_id, victim.proc.pid) > 0, 180, 0.05)
+    # its claims would leave nothing to take over, and the test would show nothing). It is stopped before its
+    # leases are counted, so it cannot answer them between the count and the kill.
+
+    def stopped_holding_leases() -> bool:
+        if batch_lines_run(victim) < 1:
+            return False
+        victim.proc.send_signal(signal.SIGSTOP)
+        if leased_by(url, batch_id, victim.proc.pid) > 0:
+            return True
+        victim.proc.send_signal(signal.SIGCONT)
+        return False
+
+    assert wait_for(stopped_holding_leases, 180, 0.05)
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(30)
     assert leased_by(url, batch_id, victim.proc.pid) > 0
