@@ -3,6 +3,7 @@ skip for a CPU feature the machine lacks."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -32,6 +33,18 @@ def gguf_derived_in_process():
     os.environ[DERIVE_IN_PROCESS] = "1"
     yield
     del os.environ[DERIVE_IN_PROCESS]
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored():
+    """The root logger's handlers and level as they were before each test. A test that runs the CLI's serve in
+    process gets its JSON handler on the root logger, bound to that test's captured stderr: later tests' logs
+    would go to that closed stream ("--- Logging error ---" in the run's output)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def _lacks_cpu_feature(report: pytest.TestReport) -> bool:
