@@ -1,9 +1,10 @@
-"""Batched LoRA on CPU in plain torch, planned once per step, applied per fused projection group.
+"""Batched LoRA on CPU, planned once per step, applied per fused projection group.
 
 Adapters with many rows in the step (prefill chunks) get their own shrink/expand matmuls,
-on slices when the rows are contiguous; adapters with few rows (decodes) share one padded
-bmm over a view of the slot stacks, so the op count per group stays constant however many
-adapters the step mixes.
+on slices when the rows are contiguous; adapters with few rows (decodes) go together to one
+C++ call, ``torch.ops.tiergate.lora_rows_`` (engine/csrc/lora_rows.cpp), which reads each slot's
+stacks once; where it was not built, they share one padded bmm over a view of the slot stacks.
+Either way the op count per group stays constant however many adapters the step mixes.
 
 Layout (`cpu_stacks`): the engine fuses q/k/v and gate/up into one matmul each, and their
 LoRA A stacks are fused the same way, along the rank: one [slots, in, 3 * rank] stack per
