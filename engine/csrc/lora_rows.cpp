@@ -109,7 +109,7 @@ struct Stacks {
   std::vector<int64_t> widths;  // each projection's output columns
 };
 
-// Rows [first, first + NR) of the slot's group: shrink, scale, then expand into each projection's columns.
+// NR rows of one slot (rows[0..NR)): shrink, scale, then expand into each projection's columns.
 template <int NR>
 void slot_rows(const float* x, int64_t x_stride, float* y, int64_t y_stride, const float* a_slot,
                const std::vector<const float*>& b_slot, const Stacks& st, const int64_t* rows, int64_t rank, float scale,
@@ -188,9 +188,7 @@ void lora_rows_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const s
   for (int64_t i = 0; i < rows.numel(); ++i)
     TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < x.size(0), "row ", row_ids[i], " out of range");
   const float* scale_of = scales.const_data_ptr<float>();
-  // Groups write disjoint rows of y (a row has one adapter), so they run in parallel.
   const Stacks st{a.size(1), a.size(2), max_rank, widths};
-  // Groups write disjoint rows of y (a row has one adapter), so they run in parallel.
   std::vector<const float*> bs;
   for (const at::Tensor& bp : b) bs.push_back(bp.const_data_ptr<float>());
   // Groups write disjoint rows of y (a row has one adapter), so they run in parallel.
