@@ -21,12 +21,15 @@ import copy
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine.families import FAMILIES, Family
 from engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    import gguf
 
 # Tensors holding rope scaling (Llama 3's rope_freqs, Phi-3's LongRoPE factors): transformers reads none.
 ROPE_FACTOR_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
@@ -49,7 +52,7 @@ class GgufMetadata:
         return cls.of_reader(gguf.GGUFReader(str(path)))
 
     @classmethod
-    def of_reader(cls, reader: Any) -> GgufMetadata:
+    def of_reader(cls, reader: gguf.GGUFReader) -> GgufMetadata:
         """From a file gguf-py's ``GGUFReader`` has parsed (seconds for a real token list: parse once)."""
         arch = reader.fields["general.architecture"].contents()
         prefix = f"{arch}."
