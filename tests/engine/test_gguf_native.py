@@ -163,9 +163,9 @@ def test_a_type_without_a_kernel_is_dequantized_with_one_warning_naming_tensors_
     assert (prompt_logits(loaded) - exact).abs().max().item() < 1e-4 * exact.abs().max().item()
 
 
-def test_the_native_weights_take_the_files_size_not_four_times_it(cache):
+def test_the_native_weights_take_the_files_size_not_four_times_it(engine_cache_dir):
     path = bundled_gguf_path()
-    loaded = load_model("bundled", cache_dir=cache, native_gguf=True)
+    loaded = load_model("bundled", cache_dir=engine_cache_dir, native_gguf=True)
     ModelRunner(loaded, num_blocks=4, block_size=16)  # prepare_weights: nothing more is packed
     size = path.stat().st_size
     assert loaded.model.weight_forms() == {"quant"}

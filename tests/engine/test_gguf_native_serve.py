@@ -23,10 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 START_S = 600  # a first start derives the config and tokenizer and may build the kernels
 
 
-def test_serve_answers_a_chat_request_on_the_bundled_gguf_in_its_own_quantization(tmp_path):
+def test_serve_answers_a_chat_request_on_the_bundled_gguf_in_its_own_quantization(tmp_path, engine_cache_dir):
+    """With the session's cache: the bundled file's metadata is derived once for every test that serves it."""
     port = free_port()
     env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{tmp_path / 'serve.db'}",
-           "TIERGATE_SPOOL_PATH": str(tmp_path / "spool.jsonl"), "TIERGATE_CACHE_DIR": str(tmp_path / "cache")}
+           "TIERGATE_SPOOL_PATH": str(tmp_path / "spool.jsonl"), "TIERGATE_CACHE_DIR": str(engine_cache_dir)}
     upgrade(env["TIERGATE_DATABASE_URL"])
     db = create_engine_for(env["TIERGATE_DATABASE_URL"])
     create_tenant(db, "acme", "premium", rpm=1000)
