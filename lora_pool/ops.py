@@ -248,8 +248,9 @@ def apply_group(x: torch.Tensor, y: torch.Tensor, stacks: LayerStacks, plan: Cpu
             y.index_add_(0, g.rows, torch.cat([part @ b for part, b in zip(parts, bs)], dim=1), alpha=g.scale)
     k = plan.kernel_rows
     if k is not None and not k.slot_set.isdisjoint(slots):
-        torch.ops.tiergate.lora_rows_(x, y, stacks.a.contiguous(), [b.contiguous() for b in stacks.b], k.slots,
-                                      k.offsets, k.rows, k.ranks, k.scales)
+        # The b stacks are always contiguous; a is not for one projection of a fused group asked alone (a copy).
+        torch.ops.tiergate.lora_rows_(x, y, stacks.a.contiguous(), stacks.b, k.slots, k.offsets, k.rows, k.ranks,
+                                      k.scales)
     p = plan.padded
     if p is not None and not p.slots.isdisjoint(slots):
         xs = x.index_select(0, p.gather).view(p.hi - p.lo, p.max_rows, x.shape[1])

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -49,17 +50,27 @@ void shrink_block(const float* const* xr, const float* a, int64_t in, int64_t wi
     for (int v = 0; v < NV; ++v) store(t + r * wide + j0 + v * LANES, acc[r][v]);
 }
 
-template <int NR>
-void shrink_rows(const float* const* xr, const float* a, int64_t in, int64_t wide, float* t) {
-  int64_t j0 = 0;
-  for (; j0 + MAX_VECS * LANES <= wide; j0 += MAX_VECS * LANES) shrink_block<NR, MAX_VECS>(xr, a, in, wide, j0, t);
-  switch ((wide - j0) / LANES) {
-    case 3: shrink_block<NR, 3>(xr, a, in, wide, j0, t); break;
-    case 2: shrink_block<NR, 2>(xr, a, in, wide, j0, t); break;
-    case 1: shrink_block<NR, 1>(xr, a, in, wide, j0, t); break;
+// Calls block(NV, c0) over columns [0, n) in whole vectors, MAX_VECS at a time and then the 1 to 3
+// left (NV as a std::integral_constant, for the templates); returns where the columns left to
+// scalar code begin.
+template <typename Block>
+int64_t vector_blocks(int64_t n, Block block) {
+  int64_t c0 = 0;
+  for (; c0 + MAX_VECS * LANES <= n; c0 += MAX_VECS * LANES) block(std::integral_constant<int, MAX_VECS>{}, c0);
+  switch ((n - c0) / LANES) {
+    case 3: block(std::integral_constant<int, 3>{}, c0); break;
+    case 2: block(std::integral_constant<int, 2>{}, c0); break;
+    case 1: block(std::integral_constant<int, 1>{}, c0); break;
     default: break;
   }
-  for (int64_t j = j0 + (wide - j0) / LANES * LANES; j < wide; ++j)
+  return c0 + (n - c0) / LANES * LANES;
+}
+
+template <int NR>
+void shrink_rows(const float* const* xr, const float* a, int64_t in, int64_t wide, float* t) {
+  const int64_t tail = vector_blocks(
+      wide, [&](auto nv, int64_t j0) { shrink_block<NR, decltype(nv)::value>(xr, a, in, wide, j0, t); });
+  for (int64_t j = tail; j < wide; ++j)
     for (int r = 0; r < NR; ++r) {
       float sum = 0.f;
       for (int64_t i = 0; i < in; ++i) sum += xr[r][i] * a[i * wide + j];
@@ -88,15 +99,9 @@ void expand_block(float* const* yr, const float* const* tr, const float* b, int6
 
 template <int NR>
 void expand_rows(float* const* yr, const float* const* tr, const float* b, int64_t out, int64_t rank) {
-  int64_t o0 = 0;
-  for (; o0 + MAX_VECS * LANES <= out; o0 += MAX_VECS * LANES) expand_block<NR, MAX_VECS>(yr, tr, b, out, rank, o0);
-  switch ((out - o0) / LANES) {
-    case 3: expand_block<NR, 3>(yr, tr, b, out, rank, o0); break;
-    case 2: expand_block<NR, 2>(yr, tr, b, out, rank, o0); break;
-    case 1: expand_block<NR, 1>(yr, tr, b, out, rank, o0); break;
-    default: break;
-  }
-  for (int64_t o = o0 + (out - o0) / LANES * LANES; o < out; ++o)
+  const int64_t tail = vector_blocks(
+      out, [&](auto nv, int64_t o0) { expand_block<NR, decltype(nv)::value>(yr, tr, b, out, rank, o0); });
+  for (int64_t o = tail; o < out; ++o)
     for (int r = 0; r < NR; ++r) {
       float sum = yr[r][o];
       for (int64_t j = 0; j < rank; ++j) sum += tr[r][j] * b[j * out + o];
