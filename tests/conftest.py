@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterator
 
 import pytest
+
+
+def _environ_unless_set(name: str, value: Callable[[], str]) -> Iterator[str]:
+    """Sets ``name`` to ``value()`` for the session unless the caller's environment already sets it."""
+    if name in os.environ:
+        yield os.environ[name]
+        return
+    os.environ[name] = value()
+    yield os.environ[name]
+    del os.environ[name]
 
 
 @pytest.fixture(scope="session", autouse=True)
 def kernel_build_dir(tmp_path_factory: pytest.TempPathFactory):
     """The engine's JIT-built C++ kernels go to this session's tmp dir (built once per run), not the user's cache."""
-    if "TORCH_EXTENSIONS_DIR" in os.environ:
-        yield os.environ["TORCH_EXTENSIONS_DIR"]
-        return
-    folder = str(tmp_path_factory.mktemp("torch-extensions"))
-    os.environ["TORCH_EXTENSIONS_DIR"] = folder
-    yield folder
-    del os.environ["TORCH_EXTENSIONS_DIR"]
+    yield from _environ_unless_set("TORCH_EXTENSIONS_DIR", lambda: str(tmp_path_factory.mktemp("torch-extensions")))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,12 +32,7 @@ def gguf_derived_in_process():
     dozens of tiny files, and a spawned child's start costs seconds each. One test pins the child path."""
     from engine.gguf_cache import DERIVE_IN_PROCESS
 
-    if DERIVE_IN_PROCESS in os.environ:
-        yield
-        return
-    os.environ[DERIVE_IN_PROCESS] = "1"
-    yield
-    del os.environ[DERIVE_IN_PROCESS]
+    yield from _environ_unless_set(DERIVE_IN_PROCESS, lambda: "1")
 
 
 @pytest.fixture(autouse=True)
