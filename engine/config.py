@@ -76,6 +76,8 @@ class EngineConfig:
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 16
+    # The adapters' weights: "float32", "bfloat16" or None (Engine.lora_stack_dtype decides).
+    lora_dtype: str | None = None
     cache_dir: str = field(default_factory=default_cache_dir)
     seed: int = 0  # for dummy weights
 
@@ -84,6 +86,8 @@ class EngineConfig:
             raise ValueError("speculative 'draft' needs a draft model, and a draft model needs speculative 'draft'")
         if self.draft_num_kv_blocks is not None and (self.draft_model is None or self.draft_num_kv_blocks < 1):
             raise ValueError("draft_num_kv_blocks is a positive block count, for a draft model")
+        if self.lora_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"lora_dtype must be float32 or bfloat16, not {self.lora_dtype!r}")
 
     def scheduler_config(self, num_blocks: int, max_model_len: int, long_context_after: int | None = None
                          ) -> SchedulerConfig:

@@ -11,6 +11,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
 from tokenizers import Tokenizer
 
 from engine.choices import ChoiceGroup
@@ -227,7 +228,21 @@ class Engine:
             max_lora_rank=config.max_lora_rank,
             device=config.device,
             dtype=self.dtype,
+            stack_dtype=self._lora_stack_dtype(config),
         )
+
+    def _lora_stack_dtype(self, config: EngineConfig) -> torch.dtype:
+        """The adapters' weights' dtype: ``config.lora_dtype`` if given (LoraPool refuses what it cannot
+        run); else bfloat16 on CPU over quantized projections, whose own rounding is far coarser than
+        bfloat16's, where the LoRA kernel reads them at half float32's bytes; else the model's dtype."""
+        if config.lora_dtype is not None:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.lora_dtype]
+        from lora_pool import ops
+
+        quantized = "quant" in self.runner.model.weight_forms()
+        if self.dtype == torch.float32 and quantized and ops.rows_kernel() is not None:
+            return torch.bfloat16
+        return self.dtype
 
     # ---- taking a request ------------------------------------------------
     def _accept_request(self, request: EngineRequest, sink: Callable[[Delta], None]) -> None:

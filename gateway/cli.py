@@ -81,6 +81,8 @@ def build_parser() -> OneLineParser:
     s.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_k"],
                    help="HF checkpoints: quantize the projections at load (CPU); a GGUF is served in its own "
                         "quantization")
+    s.add_argument("--lora-dtype", choices=["float32", "bfloat16"],
+                   help="the adapters' weights (default: bfloat16 on CPU over a quantized model, else the model's dtype)")
     s.add_argument("--kv-cache-memory", metavar="SIZE",
                    help="KV pool size, e.g. 512MiB or 2GB (default: half the memory left after the weights, "
                         "capped at a quarter context per batch slot)")
@@ -150,7 +152,7 @@ def build_parser() -> OneLineParser:
 def _settings(args: argparse.Namespace) -> Settings:
     names = ("database_url", "model", "device", "dtype", "host", "port", "scheduler_policy", "premium_ttft_slo_s",
              "quantize", "kv_cache_memory", "kv_cache_tokens", "speculative", "num_speculative_tokens",
-             "draft_model", "draft_kv_blocks")
+             "draft_model", "draft_kv_blocks", "lora_dtype")
     return load_settings({n: getattr(args, n, None) for n in names})
 
 

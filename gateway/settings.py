@@ -79,6 +79,9 @@ class Settings:
     port: int = 8000
     max_model_len: int = 2048
     max_loras: int = 4
+    # Adapters' weights: float32 or bfloat16. None: bfloat16 on CPU over a quantized model (their
+    # rounding is far finer than the model's own; half the bytes a step reads), else the model's dtype.
+    lora_dtype: str | None = None
     default_max_tokens: int = 256  # when a request names none: bounds what TPM reserves for it
     max_body_bytes: int = 1 << 20
     tokenizer_threads: int = 2  # long prompts are tokenized on this many threads, off the event loop
@@ -134,6 +137,8 @@ class Settings:
             raise SettingsError("quantize is served by the CPU kernels only: on CUDA serve the checkpoint as it is")
         if self.quantize is not None and self.dtype not in (None, "float32"):
             raise SettingsError("quantize computes activations in float32: leave dtype unset or float32")
+        if self.lora_dtype not in (None, "float32", "bfloat16"):
+            raise SettingsError(f"lora_dtype must be float32 or bfloat16, not {self.lora_dtype!r}")
         if self.kv_cache_memory is not None and self.kv_cache_tokens is not None:
             raise SettingsError("give kv_cache_memory or kv_cache_tokens, not both")
         if self.kv_cache_memory is not None:

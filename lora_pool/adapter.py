@@ -11,6 +11,7 @@ result locally, so a refused adapter leaves nothing behind.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -92,7 +93,7 @@ class AdapterSpec:
     # (layer, proj) -> the peft module holding it and its rows of that module's B.
     sources: dict[tuple[int, str], tuple[str, int, int]] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property  # asked for every projection of every step's batch
     def targets(self) -> frozenset[str]:
         return frozenset(proj for _, proj in self.modules)
 

@@ -63,8 +63,10 @@ class SlotStacks:
 
 
 class LoraBatch:
-    def __init__(self, stacks: SlotStacks, chunk_slots: list[tuple[int, int]], specs: dict[int, AdapterSpec]):
-        """`chunk_slots`: each chunk's (slot, or -1 without adapter, number of rows) in row order."""
+    def __init__(self, stacks: SlotStacks, chunk_slots: list[tuple[int, int]], specs: dict[int, AdapterSpec],
+                 cpu_kernel: bool = False):
+        """`chunk_slots`: each chunk's (slot, or -1 without adapter, number of rows) in row order;
+        `cpu_kernel`: the CPU rows run on ``ops.rows_kernel`` (the pool checked it is there)."""
         self._a = stacks.a
         self._b = stacks.b
         self._cpu_views = stacks.cpu_views
@@ -83,8 +85,8 @@ class LoraBatch:
             self._kernel_plan = KernelPlan.build(chunk_slots, stacks.scales, stacks.max_rank, stacks.device)
         else:
             self._kernel_plan = None
-            kernel = ops.rows_kernel() is not None and stacks.dtype == torch.float32  # its only dtype
-            self._cpu_plan = ops.plan_rows(row_slots, {s: (spec.rank, spec.scale) for s, spec in specs.items()}, kernel)
+            self._cpu_plan = ops.plan_rows(row_slots, {s: (spec.rank, spec.scale) for s, spec in specs.items()},
+                                           cpu_kernel)
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """In place: y += (x @ A[slot].T) @ B[slot].T * scale[slot] for each row with an adapter.

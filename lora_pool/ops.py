@@ -1,10 +1,12 @@
 """Batched LoRA on CPU, planned once per step, applied per fused projection group.
 
-Adapters with many rows in the step (prefill chunks) get their own shrink/expand matmuls,
-on slices when the rows are contiguous; adapters with few rows (decodes) go together to one
-C++ call, ``torch.ops.tiergate.lora_rows_`` (engine/csrc/lora_rows.cpp), which reads each slot's
-stacks once; where it was not built, they share one padded bmm over a view of the slot stacks.
-Either way the op count per group stays constant however many adapters the step mixes.
+Where the engine's C++ kernels are loaded, every row of the step goes to one C++ call per group,
+``torch.ops.tiergate.lora_rows_`` (engine/csrc/lora_rows.cpp), which reads each slot's stacks once
+per few rows, in float32 or bfloat16 (the pool's stack dtype), on float32 activations. Where it was
+not built, torch serves: adapters with many rows in the step (prefill chunks) get their own
+shrink/expand matmuls, on slices when the rows are contiguous; adapters with few rows (decodes)
+share one padded bmm over a view of the slot stacks. Either way the op count per group stays
+constant however many adapters the step mixes.
 
 Layout (`cpu_stacks`): the engine fuses q/k/v and gate/up into one matmul each, and their
 LoRA A stacks are fused the same way, along the rank: one [slots, in, 3 * rank] stack per
@@ -121,7 +123,7 @@ class PaddedRows:
 
 @dataclass(frozen=True)
 class KernelRows:
-    """Few rows each of one or more adapters, grouped by slot for ``torch.ops.tiergate.lora_rows_``
+    """The step's rows with an adapter, grouped by slot for ``torch.ops.tiergate.lora_rows_``
     (engine/csrc/lora_rows.cpp): group g is slot ``slots[g]``, rows ``rows[offsets[g]:offsets[g + 1]]``."""
 
     slots: torch.Tensor  # int64 [groups]
@@ -165,14 +167,14 @@ def _own_matmuls(rows: list[int]) -> bool:
 
 def plan_rows(row_slots: list[int], slot_info: dict[int, tuple[int, float]], kernel: bool = False) -> CpuPlan:
     """Group the step's rows by slot; `slot_info` maps slot -> (rank, scale). With `kernel` (`rows_kernel`
-    present and float32 stacks), the adapters with few rows go to it, even one alone."""
+    present), every row goes to it: it beats torch's matmuls on decode rows and prefill chunks alike."""
     positions: dict[int, list[int]] = {}
     for row, slot in enumerate(row_slots):
         if slot >= 0:
             positions.setdefault(slot, []).append(row)
+    if kernel:
+        return CpuPlan({}, None, _kernel_rows(positions, slot_info) if positions else None)
     small = {slot: rows for slot, rows in positions.items() if not _own_matmuls(rows)}
-    if kernel and small:
-        return CpuPlan(_own_groups(positions, small, slot_info), None, _kernel_rows(small, slot_info))
     if len(small) < 2:
         small = {}
     return CpuPlan(_own_groups(positions, small, slot_info), _padded(small, slot_info) if small else None)
@@ -189,13 +191,13 @@ def _own_groups(positions: dict[int, list[int]], small: dict[int, list[int]],
     return groups
 
 
-def _kernel_rows(small: dict[int, list[int]], slot_info: dict[int, tuple[int, float]]) -> KernelRows:
-    order = sorted(small)
+def _kernel_rows(positions: dict[int, list[int]], slot_info: dict[int, tuple[int, float]]) -> KernelRows:
+    order = sorted(positions)
     offsets = [0]
     for slot in order:
-        offsets.append(offsets[-1] + len(small[slot]))
+        offsets.append(offsets[-1] + len(positions[slot]))
     return KernelRows(torch.tensor(order, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64),
-                      torch.tensor([row for slot in order for row in small[slot]], dtype=torch.int64),
+                      torch.tensor([row for slot in order for row in positions[slot]], dtype=torch.int64),
                       torch.tensor([slot_info[slot][0] for slot in order], dtype=torch.int64),
                       torch.tensor([slot_info[slot][1] for slot in order], dtype=torch.float32), frozenset(order))
 
@@ -222,6 +224,13 @@ def apply_group(x: torch.Tensor, y: torch.Tensor, stacks: LayerStacks, plan: Cpu
     `y`'s columns are the stacks' projections' outputs in order. Rank columns past a
     slot's rank are zero, so the padded bmm runs at max_rank for all its slots.
     """
+    k = plan.kernel_rows
+    if k is not None:  # the kernel's plan holds every row
+        if not k.slot_set.isdisjoint(slots):
+            # The b stacks are always contiguous; a is not for one projection of a fused group asked alone (a copy).
+            torch.ops.tiergate.lora_rows_(x, y, stacks.a.contiguous(), stacks.b, k.slots, k.offsets, k.rows, k.ranks,
+                                          k.scales)
+        return
     max_rank = stacks.b[0].shape[1]
     num_rows = x.shape[0]
     for slot in slots:
@@ -246,11 +255,6 @@ def apply_group(x: torch.Tensor, y: torch.Tensor, stacks: LayerStacks, plan: Cpu
                 col += b.shape[1]
         else:
             y.index_add_(0, g.rows, torch.cat([part @ b for part, b in zip(parts, bs)], dim=1), alpha=g.scale)
-    k = plan.kernel_rows
-    if k is not None and not k.slot_set.isdisjoint(slots):
-        # The b stacks are always contiguous; a is not for one projection of a fused group asked alone (a copy).
-        torch.ops.tiergate.lora_rows_(x, y, stacks.a.contiguous(), stacks.b, k.slots, k.offsets, k.rows, k.ranks,
-                                      k.scales)
     p = plan.padded
     if p is not None and not p.slots.isdisjoint(slots):
         xs = x.index_select(0, p.gather).view(p.hi - p.lo, p.max_rows, x.shape[1])

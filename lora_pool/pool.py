@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from lora_pool.adapter import AdapterError, AdapterSpec, AdapterWeights, BaseShapes, inspect_adapter, load_adapter
+from lora_pool import ops
 from lora_pool.batch import LoraBatch, SlotStacks
 from lora_pool.host_cache import HostCache
 
@@ -29,7 +30,11 @@ class TooManyAdaptersError(RuntimeError):
 
 class LoraPool:
     def __init__(self, shapes: BaseShapes, max_loras: int, max_cpu_loras: int, max_lora_rank: int,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 stack_dtype: torch.dtype | None = None):
+        """``dtype``: the activations'. ``stack_dtype``: the adapters' weights, in the slots and the host
+        cache (default ``dtype``). bfloat16 stacks under float32 activations run on the CPU kernel
+        (``ops.rows_kernel``), which reads half the bytes of float32 ones; without it they are refused."""
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras}, {max_lora_rank}")
         if max_cpu_loras < max_loras:
@@ -39,8 +44,13 @@ class LoraPool:
         self.max_lora_rank = max_lora_rank
         self.device = torch.device(device)
         self.dtype = dtype
+        self.stack_dtype = dtype if stack_dtype is None else stack_dtype
+        self.cpu_kernel = self.device.type == "cpu" and dtype == torch.float32 and ops.rows_kernel() is not None
+        if self.stack_dtype != dtype and not (self.cpu_kernel and self.stack_dtype == torch.bfloat16):
+            raise ValueError(f"adapter weights in {self.stack_dtype} under {dtype} activations need the CPU LoRA "
+                             "kernel (bfloat16 weights, float32 activations), which is not loaded here")
         self.stacks = SlotStacks.allocate(shapes.projections, shapes.num_layers, max_loras, max_lora_rank,
-                                          self.device, dtype)
+                                          self.device, self.stack_dtype)
         self._specs: dict[str, AdapterSpec] = {}
         self._host = HostCache(max_cpu_loras)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recent first
@@ -97,7 +107,7 @@ class LoraPool:
     # --- loading --------------------------------------------------------------------------
 
     def _read(self, spec: AdapterSpec) -> AdapterWeights:
-        weights = load_adapter(spec, self.shapes, self.dtype)
+        weights = load_adapter(spec, self.shapes, self.stack_dtype)
         if self.device.type == "cuda":  # page-locked, so the slot copy can run asynchronously
             weights.a = {p: t.pin_memory() for p, t in weights.a.items()}
             weights.b = {p: t.pin_memory() for p, t in weights.b.items()}
@@ -144,7 +154,7 @@ class LoraPool:
             slot_of = {name: self._make_resident(name) for name in names}
             chunk_slots = [(slot_of[name] if name is not None else -1, rows) for name, rows in chunks]
             specs = {slot_of[name]: self._slot_spec[slot_of[name]] for name in names}
-            return LoraBatch(self.stacks, chunk_slots, specs)
+            return LoraBatch(self.stacks, chunk_slots, specs, self.cpu_kernel)
 
     def _make_resident(self, name: str) -> int:
         if name in self._slot_of:

@@ -4,11 +4,12 @@ On the bundled SmolLM2-135M's shapes (30 layers; hook calls qkv, o, gate_up, dow
 adapter slots filled with random weights of ranks 8 and 16 alternating on all seven projections
 (``max_lora_rank`` 16, so the rank-8 slots are zero-padded as the pool keeps them), ``--rows``
 decode rows spread round-robin over the slots: every hook call of a step, as the engine makes
-them, through ``lora_pool.ops.apply_group``, on two paths: ``torch`` (a gather, padded bmms over
-the stacks, an index_add per call) and ``kernel`` (torch.ops.tiergate.lora_rows_,
-engine/csrc/lora_rows.cpp). The paths alternate round by round in one process, so they see the
-same machine; printed: the median step time, the stack bytes a step reads, the rate it reads
-them at, and torch's time over the kernel's.
+them, through ``lora_pool.ops.apply_group``, on three paths: ``torch`` (a gather, padded bmms over
+float32 stacks, an index_add per call), ``kernel`` (torch.ops.tiergate.lora_rows_,
+engine/csrc/lora_rows.cpp, on float32 stacks) and ``kernel bf16`` (the same on bfloat16 stacks, as
+the engine keeps them over a quantized model). The paths alternate round by round in one process,
+so they see the same machine; printed: the median step time, the stacks' bytes, the rate a step
+reads them at, and torch's time over each path's.
 
     .venv/bin/python -m bench.kernels.lora_step [--slots 16] [--rows 32] [--rounds 15] [--threads 2] [--json PATH]
 """
@@ -32,15 +33,15 @@ PROJECTIONS = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV), "v": (HIDDEN, KV), "o":
 HOOKS = ("qkv", "o", "gate_up", "down")
 
 
-def stacks_of(slots: int) -> tuple[dict[str, list[ops.LayerStacks]], int]:
+def stacks_of(slots: int, dtype: torch.dtype) -> tuple[dict[str, list[ops.LayerStacks]], int]:
     """Every hook's per-layer views of random stacks (ranks 8 and 16 alternating), and their bytes."""
-    a, b, fused_a = ops.cpu_stacks(PROJECTIONS, LAYERS, slots, 16, torch.float32)
+    a, b, fused_a = ops.cpu_stacks(PROJECTIONS, LAYERS, slots, 16, dtype)
     gen = torch.Generator().manual_seed(0)
     for proj, (fan_in, fan_out) in PROJECTIONS.items():
         for slot in range(slots):
             rank = 16 if slot % 2 else 8
-            a[proj][:, slot, :rank] = torch.randn(LAYERS, rank, fan_in, generator=gen) / fan_in**0.5
-            b[proj][:, slot, :, :rank] = torch.randn(LAYERS, fan_out, rank, generator=gen) * 0.01
+            a[proj][:, slot, :rank] = (torch.randn(LAYERS, rank, fan_in, generator=gen) / fan_in**0.5).to(dtype)
+            b[proj][:, slot, :, :rank] = (torch.randn(LAYERS, fan_out, rank, generator=gen) * 0.01).to(dtype)
     nbytes = sum(t.untyped_storage().nbytes() for t in [*fused_a.values(), *b.values()])
     nbytes += sum(a[p].untyped_storage().nbytes() for p in ("o", "down"))
     return ops.layer_views(a, b, fused_a, list(HOOKS)), nbytes
@@ -70,14 +71,15 @@ def main() -> None:
     out_of = {"qkv": HIDDEN + 2 * KV, "o": HIDDEN, "gate_up": 2 * INTERMEDIATE, "down": HIDDEN}
     xs = {hook: torch.randn(args.rows, in_of[hook]) for hook in HOOKS}
     ys = {hook: torch.zeros(args.rows, out_of[hook]) for hook in HOOKS}
-    views, nbytes = stacks_of(args.slots)
-    paths = {name: ops.plan_rows(row_slots, info, kernel=kernel) for name, kernel in [("torch", False), ("kernel", True)]}
+    stacks = {dtype: stacks_of(args.slots, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    paths = {"torch": (torch.float32, False), "kernel": (torch.float32, True), "kernel bf16": (torch.bfloat16, True)}
+    plans = {kernel: ops.plan_rows(row_slots, info, kernel=kernel) for kernel in (False, True)}
     times: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
         for round_ in range(args.rounds + 1):
-            for name, plan in paths.items():
+            for name, (dtype, kernel) in paths.items():
                 start = time.perf_counter()
-                step(views, plan, xs, ys, slots)
+                step(stacks[dtype][0], plans[kernel], xs, ys, slots)
                 if round_:  # the first round warms up
                     times[name].append(time.perf_counter() - start)
     host = machine.describe()
@@ -86,8 +88,9 @@ def main() -> None:
           f"{len(HOOKS)} hook calls, {args.threads} threads, median of {args.rounds} rounds")
     torch_ms = statistics.median(times["torch"]) * 1e3
     results = {}
-    for name in paths:
+    for name, (dtype, _) in paths.items():
         ms = statistics.median(times[name]) * 1e3
+        nbytes = stacks[dtype][1]
         results[name] = {"ms": ms, "stack_mb": nbytes / 1e6, "gb_per_s": nbytes / ms / 1e6, "torch_over": torch_ms / ms}
         print(f"{name:>12}: {ms:7.2f} ms a step, stacks {nbytes / 1e6:6.1f} MB read at {nbytes / ms / 1e6:5.1f} GB/s, "
               f"torch/this {torch_ms / ms:4.2f}x")

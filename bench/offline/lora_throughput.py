@@ -93,9 +93,10 @@ def peft_run(model, prompts: list[list[int]], adapters: list[str], max_tokens: i
     return generated / (time.perf_counter() - started)
 
 
-def cold_load_seconds(shapes: BaseShapes, path: Path, dtype: torch.dtype) -> tuple[float, float]:
+def cold_load_seconds(shapes: BaseShapes, path: Path, dtype: torch.dtype, stack_dtype: torch.dtype
+                      ) -> tuple[float, float]:
     """(disk -> host cache, host cache -> device slot) seconds for an adapter never seen before."""
-    pool = LoraPool(shapes, max_loras=1, max_cpu_loras=1, max_lora_rank=16, dtype=dtype)
+    pool = LoraPool(shapes, max_loras=1, max_cpu_loras=1, max_lora_rank=16, dtype=dtype, stack_dtype=stack_dtype)
     pool.register("cold", path)
     started = time.perf_counter()
     pool.prefetch("cold")
@@ -111,6 +112,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2, help="rounds of engine runs over all mixes, best kept")
     parser.add_argument("--skip-peft", action="store_true", help="only the engine runs")
+    parser.add_argument("--lora-dtype", choices=["float32", "bfloat16"],
+                        help="the adapters' weights (default: the engine's choice, bfloat16 over the quantized model)")
     parser.add_argument("--peft-groups", type=int, default=4,
                         help="HF peft: measure this many adapters' batches per mix (0: all)")
     parser.add_argument("--json", type=Path, help="also write the results here (bench.run_all)")
@@ -124,7 +127,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, tmp: Path) -> dict:
     config = EngineConfig(model="bundled", max_loras=16, max_cpu_loras=32, max_lora_rank=16,
-                          max_num_seqs=args.requests, max_num_batched_tokens=2048)
+                          max_num_seqs=args.requests, max_num_batched_tokens=2048, lora_dtype=args.lora_dtype)
     with Engine(config) as engine:
         shapes = BaseShapes.from_model_config(engine.model_config)
         names = [f"rand{i}-r{8 if i % 2 == 0 else 16}" for i in range(max(ADAPTER_COUNTS))]
@@ -147,12 +150,14 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                     engine_run(engine, prompts[:n], adapters[:n], 2)  # adapters resident, as in steady state
                 rates[n] = max(rates[n], engine_run(engine, prompts, adapters, args.max_tokens))
         base, ours = rates.pop(0), rates
+        print(f"adapters' weights in {engine.lora_pool.stack_dtype}")
         print(f"base model alone: {base:.1f} tokens/s ({len(prompts)} requests, {args.max_tokens} tokens each)")
         for n in ADAPTER_COUNTS:
             print(f"tiergate, {n:>2} adapters: {ours[n]:.1f} tokens/s = {ours[n] / base:.2f} x base-only")
-        read, to_slot = cold_load_seconds(shapes, paths[names[1]], engine.dtype)
+        read, to_slot = cold_load_seconds(shapes, paths[names[1]], engine.dtype, engine.lora_pool.stack_dtype)
         print(f"cold rank-16 adapter: disk -> host {read * 1e3:.0f} ms, host -> slot {to_slot * 1e3:.1f} ms")
     result = {"requests": len(prompts), "max_tokens": args.max_tokens, "base_tokens_per_s": base,
+              "lora_dtype": str(engine.lora_pool.stack_dtype),
               "tiergate_tokens_per_s": ours, "ratio_to_base": {n: ours[n] / base for n in ours},
               "cold_load_ms": {"disk_to_host": read * 1e3, "host_to_slot": to_slot * 1e3}}
     if args.skip_peft:

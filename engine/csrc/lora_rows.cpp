@@ -1,14 +1,16 @@
-// Batched LoRA for rows of many adapters at once on the CPU (punica's BGMV, for decode rows).
+// Batched LoRA for rows of many adapters at once on the CPU (punica's BGMV and its prefill form).
 //
-// Registered as torch.ops.tiergate.lora_rows_, called by lora_pool/ops.py for the rows whose
-// adapter has too few of them to amortise matmuls of its own (decodes): torch would need a gather,
-// two bmms over padded stacks, a cat and an index_add per projection group, each a dispatch that
-// costs about what its arithmetic does, thirty layers over. Here one call reads each slot's A and
-// B once and updates its rows in place, memory-bound on the stacks as the bmms were not.
+// Registered as torch.ops.tiergate.lora_rows_, called by lora_pool/ops.py for every row of a step
+// that has an adapter: torch would need a gather, two bmms over padded stacks, a cat and an
+// index_add per projection group for the decode rows (each a dispatch that costs about what its
+// arithmetic does, thirty layers over) and a matmul pair per adapter for the prefill chunks. Here
+// one call reads each slot's A and B once per few rows and updates the rows in place, memory-bound
+// on the stacks as the bmms were not.
 //
 // The stacks are lora_pool/ops.py's CPU layout: a [slots, in, projections * max_rank] (the group's
-// A side by side along the rank) and b_p [slots, max_rank, out_p] per projection, float32,
-// contiguous. The rows come grouped by slot: group g is slot slots[g], rows
+// A side by side along the rank) and b_p [slots, max_rank, out_p] per projection, contiguous, in
+// float32 or bfloat16 (half the bytes, widened to float32 as they load; the activations and sums
+// stay float32). The rows come grouped by slot: group g is slot slots[g], rows
 // rows[offsets[g]:offsets[g + 1]] of x and y, rank ranks[g] (the stack's columns past it are
 // zeros and are skipped in the expand) and scale scales[g]. y's columns are the projections'
 // outputs side by side.
@@ -34,11 +36,11 @@ using namespace tiergate_simd;
 constexpr int MAX_ROWS = 4, MAX_VECS = 4;
 
 // t[r, j0 : j0 + NV * LANES] = x[rows[r]] @ a[:, those columns], for NR rows.
-template <int NR, int NV>
-void shrink_block(const float* const* xr, const float* a, int64_t in, int64_t wide, int64_t j0, float* t) {
+template <int NR, int NV, typename W>
+void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t wide, int64_t j0, float* t) {
   lanes acc[NR][NV] = {};
   for (int64_t i = 0; i < in; ++i) {
-    const float* ai = a + i * wide + j0;
+    const W* ai = a + i * wide + j0;
     lanes av[NV];
     for (int v = 0; v < NV; ++v) av[v] = load(ai + v * LANES);
     for (int r = 0; r < NR; ++r) {
@@ -66,26 +68,26 @@ int64_t vector_blocks(int64_t n, Block block) {
   return c0 + (n - c0) / LANES * LANES;
 }
 
-template <int NR>
-void shrink_rows(const float* const* xr, const float* a, int64_t in, int64_t wide, float* t) {
+template <int NR, typename W>
+void shrink_rows(const float* const* xr, const W* a, int64_t in, int64_t wide, float* t) {
   const int64_t tail = vector_blocks(
       wide, [&](auto nv, int64_t j0) { shrink_block<NR, decltype(nv)::value>(xr, a, in, wide, j0, t); });
   for (int64_t j = tail; j < wide; ++j)
     for (int r = 0; r < NR; ++r) {
       float sum = 0.f;
-      for (int64_t i = 0; i < in; ++i) sum += xr[r][i] * a[i * wide + j];
+      for (int64_t i = 0; i < in; ++i) sum += xr[r][i] * static_cast<float>(a[i * wide + j]);
       t[r * wide + j] = sum;
     }
 }
 
 // y[rows[r], o0 : o0 + NV * LANES] += tr[r, :rank] @ b[:rank, those columns], for NR rows.
-template <int NR, int NV>
-void expand_block(float* const* yr, const float* const* tr, const float* b, int64_t out, int64_t rank, int64_t o0) {
+template <int NR, int NV, typename W>
+void expand_block(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t rank, int64_t o0) {
   lanes acc[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = load(yr[r] + o0 + v * LANES);
   for (int64_t j = 0; j < rank; ++j) {
-    const float* bj = b + j * out + o0;
+    const W* bj = b + j * out + o0;
     lanes bv[NV];
     for (int v = 0; v < NV; ++v) bv[v] = load(bj + v * LANES);
     for (int r = 0; r < NR; ++r) {
@@ -97,14 +99,14 @@ void expand_block(float* const* yr, const float* const* tr, const float* b, int6
     for (int v = 0; v < NV; ++v) store(yr[r] + o0 + v * LANES, acc[r][v]);
 }
 
-template <int NR>
-void expand_rows(float* const* yr, const float* const* tr, const float* b, int64_t out, int64_t rank) {
+template <int NR, typename W>
+void expand_rows(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t rank) {
   const int64_t tail = vector_blocks(
       out, [&](auto nv, int64_t o0) { expand_block<NR, decltype(nv)::value>(yr, tr, b, out, rank, o0); });
   for (int64_t o = tail; o < out; ++o)
     for (int r = 0; r < NR; ++r) {
       float sum = yr[r][o];
-      for (int64_t j = 0; j < rank; ++j) sum += tr[r][j] * b[j * out + o];
+      for (int64_t j = 0; j < rank; ++j) sum += tr[r][j] * static_cast<float>(b[j * out + o]);
       yr[r][o] = sum;
     }
 }
@@ -115,9 +117,9 @@ struct Stacks {
 };
 
 // NR rows of one slot (rows[0..NR)): shrink, scale, then expand into each projection's columns.
-template <int NR>
-void slot_rows(const float* x, int64_t x_stride, float* y, int64_t y_stride, const float* a_slot,
-               const std::vector<const float*>& b_slot, const Stacks& st, const int64_t* rows, int64_t rank, float scale,
+template <int NR, typename W>
+void slot_rows(const float* x, int64_t x_stride, float* y, int64_t y_stride, const W* a_slot,
+               const std::vector<const W*>& b_slot, const Stacks& st, const int64_t* rows, int64_t rank, float scale,
                float* t) {
   const float* xr[NR];
   float* yr[NR];
@@ -134,18 +136,36 @@ void slot_rows(const float* x, int64_t x_stride, float* y, int64_t y_stride, con
   }
 }
 
-void lora_groups(const float* x, int64_t x_stride, float* y, int64_t y_stride, const float* a, const std::vector<const float*>& b,
-                 const Stacks& st, const int64_t* slots, const int64_t* offsets, const int64_t* rows,
-                 const int64_t* ranks, const float* scales, int64_t g0, int64_t g1) {
+// A run of one group's rows, the unit the threads share: a prefill chunk of one adapter is many
+// pieces, so it spreads over the threads as the decode rows of many adapters do. Each piece reads
+// its slot's stacks once per MAX_ROWS of its rows; a thread's pieces are consecutive, so the pieces
+// of one group mostly find that slot's stacks in its caches.
+struct Piece {
+  int64_t group, begin, end;
+};
+constexpr int64_t PIECE_ROWS = 4 * MAX_ROWS;
+
+std::vector<Piece> pieces_of(const int64_t* offsets, int64_t groups) {
+  std::vector<Piece> pieces;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t r = offsets[g]; r < offsets[g + 1]; r += PIECE_ROWS)
+      pieces.push_back({g, r, std::min(r + PIECE_ROWS, offsets[g + 1])});
+  return pieces;
+}
+
+template <typename W>
+void lora_pieces(const float* x, int64_t x_stride, float* y, int64_t y_stride, const W* a, const std::vector<const W*>& b,
+                 const Stacks& st, const int64_t* slots, const int64_t* rows, const int64_t* ranks, const float* scales,
+                 const Piece* pieces, int64_t count) {
   std::vector<float> t(MAX_ROWS * st.wide);
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t slot = slots[g];
-    const float* a_slot = a + slot * st.in * st.wide;
-    std::vector<const float*> b_slot;
-    for (size_t p = 0; p < b.size(); ++p) b_slot.push_back(b[p] + slot * st.max_rank * st.widths[p]);
-    for (int64_t r = offsets[g]; r < offsets[g + 1]; r += MAX_ROWS) {
+  std::vector<const W*> b_slot(b.size());
+  for (const Piece* piece = pieces; piece < pieces + count; ++piece) {
+    const int64_t g = piece->group, slot = slots[g];
+    const W* a_slot = a + slot * st.in * st.wide;
+    for (size_t p = 0; p < b.size(); ++p) b_slot[p] = b[p] + slot * st.max_rank * st.widths[p];
+    for (int64_t r = piece->begin; r < piece->end; r += MAX_ROWS) {
       const int64_t* chunk = rows + r;
-      switch (std::min<int64_t>(MAX_ROWS, offsets[g + 1] - r)) {
+      switch (std::min<int64_t>(MAX_ROWS, piece->end - r)) {
         case 1: slot_rows<1>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
         case 2: slot_rows<2>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
         case 3: slot_rows<3>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
@@ -163,7 +183,8 @@ void lora_rows_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const s
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1 && x.size(0) == y.size(0),
               "x [rows, in] and y [rows, out] need contiguous rows");
   TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && a.size(1) == x.size(1), "a must be contiguous [slots, in, wide]");
-  TORCH_CHECK(a.scalar_type() == at::kFloat, "lora_rows_: float32 stacks only");
+  TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16,
+              "lora_rows_: float32 or bfloat16 stacks only");
   TORCH_CHECK(!b.empty() && a.size(2) % static_cast<int64_t>(b.size()) == 0, "a's width is projections * max_rank");
   const int64_t max_rank = a.size(2) / static_cast<int64_t>(b.size());
   std::vector<int64_t> widths;
@@ -171,7 +192,7 @@ void lora_rows_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const s
   for (const at::Tensor& bp : b) {
     TORCH_CHECK(bp.dim() == 3 && bp.is_contiguous() && bp.scalar_type() == a.scalar_type() &&
                     bp.size(0) == a.size(0) && bp.size(1) == max_rank,
-                "each b must be contiguous float32 [slots, max_rank, out]");
+                "each b must be contiguous [slots, max_rank, out] of a's dtype");
     widths.push_back(bp.size(2));
     total += bp.size(2);
   }
@@ -190,17 +211,29 @@ void lora_rows_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const s
     TORCH_CHECK(slot_ids[g] >= 0 && slot_ids[g] < a.size(0) && rank_of[g] >= 0 && rank_of[g] <= max_rank &&
                     bounds[g] <= bounds[g + 1], "group ", g, ": slot, rank or offsets out of range");
   }
-  for (int64_t i = 0; i < rows.numel(); ++i)
+  std::vector<bool> seen(x.size(0));
+  for (int64_t i = 0; i < rows.numel(); ++i) {
     TORCH_CHECK(row_ids[i] >= 0 && row_ids[i] < x.size(0), "row ", row_ids[i], " out of range");
+    TORCH_CHECK(!seen[row_ids[i]], "row ", row_ids[i], " listed twice");  // the threads' rows must not meet
+    seen[row_ids[i]] = true;
+  }
   const float* scale_of = scales.const_data_ptr<float>();
   const Stacks st{a.size(1), a.size(2), max_rank, widths};
-  std::vector<const float*> bs;
-  for (const at::Tensor& bp : b) bs.push_back(bp.const_data_ptr<float>());
-  // Groups write disjoint rows of y (a row has one adapter), so they run in parallel.
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    lora_groups(x.const_data_ptr<float>(), x.stride(0), y.mutable_data_ptr<float>(), y.stride(0),
-                a.const_data_ptr<float>(), bs, st, slot_ids, bounds, row_ids, rank_of, scale_of, g0, g1);
-  });
+  auto run = [&](auto weight) {
+    using W = decltype(weight);
+    std::vector<const W*> bs;
+    for (const at::Tensor& bp : b) bs.push_back(bp.const_data_ptr<W>());
+    const std::vector<Piece> pieces = pieces_of(bounds, groups);
+    // Pieces write disjoint rows of y (a row is in one group once), so they run in parallel.
+    at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
+      lora_pieces<W>(x.const_data_ptr<float>(), x.stride(0), y.mutable_data_ptr<float>(), y.stride(0),
+                     a.const_data_ptr<W>(), bs, st, slot_ids, row_ids, rank_of, scale_of, pieces.data() + p0, p1 - p0);
+    });
+  };
+  if (a.scalar_type() == at::kBFloat16)
+    run(c10::BFloat16{});
+  else
+    run(float{});
 }
 
 }  // namespace

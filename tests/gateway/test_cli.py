@@ -212,3 +212,16 @@ def test_the_premium_slo_and_reserve_come_from_settings_into_the_engines_tiers()
         load_settings(environ={"TIERGATE_PREMIUM_TTFT_SLO_S": "soon"})
     with pytest.raises(SettingsError, match="premium_kv_reserve"):
         load_settings(environ={"TIERGATE_PREMIUM_KV_RESERVE": "1.5"})
+
+
+def test_the_adapters_dtype_comes_from_the_flag_or_environment_into_the_engine_config():
+    from gateway.cli import build_parser, _settings
+    from gateway.server import engine_config
+    from gateway.settings import SettingsError, load_settings
+
+    assert engine_config(load_settings(environ={})).lora_dtype is None  # the engine decides
+    assert engine_config(load_settings(environ={"TIERGATE_LORA_DTYPE": "float32"})).lora_dtype == "float32"
+    args = build_parser().parse_args(["serve", "--lora-dtype", "bfloat16"])
+    assert engine_config(_settings(args)).lora_dtype == "bfloat16"
+    with pytest.raises(SettingsError, match="lora_dtype"):
+        load_settings(environ={"TIERGATE_LORA_DTYPE": "int8"})

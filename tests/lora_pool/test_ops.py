@@ -69,12 +69,14 @@ def rows_kernel():
     return ops.rows_kernel()
 
 
-@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+@pytest.mark.parametrize("kernel, stack_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)],
+                         ids=["torch", "kernel", "kernel_bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_group_in_the_cpu_layout_matches_each_projection_reference(case, kernel, request):
+def test_fused_group_in_the_cpu_layout_matches_each_projection_reference(case, kernel, stack_dtype, request):
     """A qkv-like group (three projections of different widths sharing x) through one
     apply_group call over cpu_stacks' fused, transposed stacks, as LoraBatch runs it: on torch's
-    ops, or with the rows of adapters with few of them on the C++ kernel (lora_rows_)."""
+    ops, or every row on the C++ kernel (lora_rows_), over float32 stacks or bfloat16 ones (against
+    the reference of the weights rounded to bfloat16: the kernel adds no rounding of its own)."""
     if kernel:
         request.getfixturevalue("rows_kernel")
     chunks = CASES[case]
@@ -82,33 +84,38 @@ def test_fused_group_in_the_cpu_layout_matches_each_projection_reference(case, k
     widths = {"q": 40, "k": 16, "v": 19}  # v: a width no vector divides
     projections = {**{p: (24, w) for p, w in widths.items()}, "o": (40, 24), "gate": (24, 32), "up": (24, 32),
                    "down": (32, 24)}
-    a, b, fused_a = ops.cpu_stacks(projections, num_layers=2, num_slots=3, max_rank=8, dtype=torch.float32)
+    a, b, fused_a = ops.cpu_stacks(projections, num_layers=2, num_slots=3, max_rank=8, dtype=stack_dtype)
     x, _, _, _, scales = random_case(chunks, fan_in=24, fan_out=1, ranks=RANKS, max_rank=8)
     expected, ys = [], []
     for seed, (proj, width) in enumerate(widths.items(), start=1):
         _, y, a_p, b_p, _ = random_case(chunks, fan_in=24, fan_out=width, ranks=RANKS, max_rank=8, seed=seed)
+        a_p, b_p = a_p.to(stack_dtype).float(), b_p.to(stack_dtype).float()
         a[proj][1].copy_(a_p)
         b[proj][1].copy_(b_p)
         expected.append(reference(x, y, a_p, b_p, scales, row_slots, RANKS))
         ys.append(y)
     y = torch.cat(ys, dim=1)
     plan = ops.plan_rows(row_slots, {s: (RANKS[s], float(scales[s])) for s in range(3)}, kernel=kernel)
-    assert (plan.kernel_rows is not None) == (kernel and any(s not in plan.groups for s in row_slots if s >= 0))
+    assert (plan.kernel_rows is not None) == kernel and (not kernel or plan.groups == {})
     stacks = ops.layer_views(a, b, fused_a, ["qkv"])["qkv"][1]
     assert stacks.a.data_ptr() == fused_a["qkv"][1].data_ptr()  # the three A stacks are one tensor
     ops.apply_group(x, y, stacks, plan, [0, 1, 2])
     torch.testing.assert_close(y.double(), torch.cat(expected, dim=1), rtol=1e-5, atol=1e-4)
 
 
-def test_the_kernel_takes_an_adapter_with_few_rows_even_alone_and_leaves_long_runs_to_matmuls():
+def test_the_kernel_takes_every_row_with_an_adapter_grouped_by_slot_and_the_torch_path_splits_them():
     info = {0: (3, 1.0), 1: (8, 0.5), 2: (5, 1.0)}
-    plan = ops.plan_rows([2] * 9 + [0, -1, 1, 1, 0], info, kernel=True)
-    assert set(plan.groups) == {2} and plan.padded is None
+    row_slots = [2] * 9 + [0, -1, 1, 1, 0]
+    plan = ops.plan_rows(row_slots, info, kernel=True)
+    assert plan.groups == {} and plan.padded is None
     k = plan.kernel_rows
-    assert k.slots.tolist() == [0, 1] and k.offsets.tolist() == [0, 2, 4] and k.rows.tolist() == [9, 13, 11, 12]
-    assert k.ranks.tolist() == [3, 8] and k.scales.tolist() == [1.0, 0.5]
-    alone = ops.plan_rows([0, 0, -1], {0: (3, 1.0)}, kernel=True)
-    assert alone.groups == {} and alone.kernel_rows.slots.tolist() == [0]
+    assert k.slots.tolist() == [0, 1, 2] and k.offsets.tolist() == [0, 2, 4, 13]
+    assert k.rows.tolist() == [9, 13, 11, 12, *range(9)]
+    assert k.ranks.tolist() == [3, 8, 5] and k.scales.tolist() == [1.0, 0.5, 1.0]
+    assert ops.plan_rows([-1, -1], info, kernel=True).kernel_rows is None
+    # Without the kernel the long run gets its own matmuls and the few-row adapters share a padded bmm.
+    torch_plan = ops.plan_rows(row_slots, info)
+    assert set(torch_plan.groups) == {2} and torch_plan.padded.slots == {0, 1} and torch_plan.kernel_rows is None
 
 
 def test_the_kernel_refuses_stacks_of_the_wrong_shape_without_touching_y(rows_kernel):
@@ -119,4 +126,8 @@ def test_the_kernel_refuses_stacks_of_the_wrong_shape_without_touching_y(rows_ke
         rows_kernel(x, y, a, b, k.slots, k.offsets, k.rows, k.ranks, k.scales)
     with pytest.raises(RuntimeError, match="out of range"):
         rows_kernel(x, torch.zeros(2, 5), a, b, torch.tensor([3]), k.offsets, k.rows, k.ranks, k.scales)
+    with pytest.raises(RuntimeError, match="listed twice"):  # two threads would add into one row at once
+        rows_kernel(x, torch.zeros(2, 5), a, b, k.slots, k.offsets, torch.tensor([1, 1]), k.ranks, k.scales)
+    with pytest.raises(RuntimeError, match="dtype"):
+        rows_kernel(x, torch.zeros(2, 5), a.bfloat16(), b, k.slots, k.offsets, k.rows, k.ranks, k.scales)
     assert y.abs().sum() == 0

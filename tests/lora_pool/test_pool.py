@@ -151,24 +151,74 @@ def test_step_needing_an_adapter_a_prefetch_is_reading_waits_for_that_read(make_
     assert pool.loads == 1 and "a0" in pool.resident()
 
 
-def test_a_cpu_steps_decode_rows_go_to_the_kernel_with_the_torch_paths_result(make_pool, shapes, monkeypatch):
-    """Once the engine's C++ kernels are loaded, a float32 CPU batch sends the rows of adapters with few of them
-    to lora_rows_; the update equals the torch path's (the padded bmm) to float32 rounding."""
+CHUNKS = [("a0", 1), ("a1", 1), (None, 1), ("a2", 9), ("a0", 1)]  # decodes and a prefill chunk
+
+
+@pytest.fixture
+def cpu_kernels():
     from engine.cpu_build import cpu_kernels_loaded
+
+    assert cpu_kernels_loaded(), "the CPU kernels did not build on this machine (see the log)"
+
+
+def lora_update(pool: LoraPool, x: torch.Tensor) -> torch.Tensor:
+    """What the pool's batch of CHUNKS adds to zeros on layer 1's q projection."""
+    y = torch.zeros(x.shape[0], pool.shapes.projections["q"][1])
+    pool.batch_for(CHUNKS).apply(1, "q", x, y)
+    return y
+
+
+def reference_update(pool: LoraPool, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The same update in float64 from the adapters' weights rounded to ``dtype``."""
+    y = torch.zeros(x.shape[0], pool.shapes.projections["q"][1], dtype=torch.float64)
+    row = 0
+    for name, rows in CHUNKS:
+        if name is not None:
+            weights = load_adapter(pool.spec(name), pool.shapes, dtype)
+            a, b = weights.a["q"][1].double(), weights.b["q"][1].double()
+            y[row: row + rows] = x[row: row + rows].double() @ a.T @ b.T * weights.spec.scale
+        row += rows
+    return y
+
+
+def test_a_cpu_steps_rows_all_go_to_the_kernel_with_the_torch_paths_result(make_pool, shapes, cpu_kernels,
+                                                                            monkeypatch):
+    """Once the engine's C++ kernels are loaded, a float32 CPU batch sends every row with an adapter, decodes
+    and prefill chunks alike, to lora_rows_; the update equals the torch path's to float32 rounding."""
     from lora_pool import ops
 
-    assert cpu_kernels_loaded()
     pool = make_pool(3, max_loras=3)
-    chunks = [("a0", 1), ("a1", 1), (None, 1), ("a2", 1), ("a0", 1)]
-    batch = pool.batch_for(chunks)
-    assert batch._cpu_plan.kernel_rows is not None and batch._cpu_plan.padded is None
+    batch = pool.batch_for(CHUNKS)
+    assert pool.cpu_kernel and batch._cpu_plan.kernel_rows.slots.numel() == 3 and batch._cpu_plan.groups == {}
+    x = torch.randn(13, shapes.projections["q"][0])
+    y = lora_update(pool, x)
     monkeypatch.setattr(ops, "rows_kernel", lambda: None)
-    torch_batch = pool.batch_for(chunks)
-    assert torch_batch._cpu_plan.kernel_rows is None and torch_batch._cpu_plan.padded is not None
-    fan_in, fan_out = shapes.projections["q"]
-    x = torch.randn(5, fan_in)
-    y, expected = torch.zeros(5, fan_out), torch.zeros(5, fan_out)
-    batch.apply(1, "q", x, y)
-    torch_batch.apply(1, "q", x, expected)
-    assert expected[[0, 1, 3, 4]].abs().min() > 0 and torch.equal(y[2], torch.zeros(fan_out))
+    torch_pool = make_pool(3, max_loras=3)
+    assert not torch_pool.cpu_kernel and torch_pool.batch_for(CHUNKS)._cpu_plan.kernel_rows is None
+    expected = lora_update(torch_pool, x)
+    assert expected[[0, 1, *range(3, 13)]].abs().min() > 0 and torch.equal(y[2], torch.zeros_like(y[2]))
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_stacks_on_the_kernel_add_no_rounding_past_their_weights(adapter_dir, shapes, cpu_kernels):
+    """Adapters kept in bfloat16 under float32 activations: the update is the float64 one of the weights
+    rounded to bfloat16, which differs from the float32 weights' (so the comparison can fail)."""
+    pool = LoraPool(shapes, max_loras=3, max_cpu_loras=3, max_lora_rank=8, stack_dtype=torch.bfloat16)
+    for i in range(3):
+        pool.register(f"a{i}", adapter_dir(f"a{i}", seed=i, r=2 + i % 3))
+    assert pool.stacks.dtype == torch.bfloat16 and pool.cpu_kernel
+    x = torch.randn(13, shapes.projections["q"][0])
+    y = lora_update(pool, x).double()
+    torch.testing.assert_close(y, reference_update(pool, x, torch.bfloat16), rtol=1e-5, atol=1e-5)
+    assert (y - reference_update(pool, x, torch.float32)).abs().max() > 1e-4
+
+
+def test_bfloat16_stacks_are_refused_where_the_kernel_cannot_run_them(shapes, monkeypatch):
+    from lora_pool import ops
+
+    with pytest.raises(ValueError, match="CPU LoRA kernel"):  # the kernel takes float32 activations only
+        LoraPool(shapes, max_loras=1, max_cpu_loras=1, max_lora_rank=8, dtype=torch.bfloat16,
+                 stack_dtype=torch.float32)
+    monkeypatch.setattr(ops, "rows_kernel", lambda: None)
+    with pytest.raises(ValueError, match="CPU LoRA kernel"):
+        LoraPool(shapes, max_loras=1, max_cpu_loras=1, max_lora_rank=8, stack_dtype=torch.bfloat16)

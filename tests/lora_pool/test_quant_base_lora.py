@@ -13,6 +13,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+import engine.model
 import engine.quant_linear
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -42,6 +43,14 @@ KERNEL_RTOL = 0.12
 # The AMX panel path (many rows, csrc/quant_dequant_panel.cpp) rounds the weights too, each value and each
 # activation to bfloat16's 8 significant bits, three layers deep.
 PANEL_RTOL = 0.15
+
+
+@pytest.fixture
+def exact_fallback(monkeypatch):
+    """The quantized projections on their exact fallback, as where the kernels did not build: the model
+    asks too (it fixes the kernels' switches at load), whatever test ran before."""
+    for module in (engine.quant_linear, engine.model):
+        monkeypatch.setattr(module, "quant_kernels_present", lambda: False)
 
 
 @pytest.fixture(scope="module", params=["q8_0", "q4_0"])
@@ -90,8 +99,7 @@ def run_mixed_batch(base_dir: Path, adapter_dirs: dict, peft_models: dict, kind:
 
 
 def test_adapters_over_a_quantized_base_match_peft_over_its_dequantized_values(base_dir, adapter_dirs,  # noqa: F811
-                                                                               peft_models, kind, monkeypatch):
-    monkeypatch.setattr(engine.quant_linear, "quant_kernels_present", lambda: False)
+                                                                               peft_models, kind, exact_fallback):
     for adapter, ours, expected in run_mixed_batch(base_dir, adapter_dirs, peft_models, kind):
         assert (ours - expected).abs().max().item() < 1e-3, f"adapter {adapter}"
     # The adapters change the model, so the comparison can fail.
@@ -113,8 +121,7 @@ def test_adapters_over_a_quantized_base_on_the_kernels_stay_within_the_activatio
 
 
 def test_an_engine_configured_to_quantize_serves_adapters_with_peft_greedy_tokens(base_dir, adapter_dirs,  # noqa: F811
-                                                                                  peft_models, kind, monkeypatch):
-    monkeypatch.setattr(engine.quant_linear, "quant_kernels_present", lambda: False)
+                                                                                  peft_models, kind, exact_fallback):
     config = EngineConfig(model=str(base_dir), quantize=kind, max_loras=4, max_cpu_loras=4, max_lora_rank=16,
                           num_kv_blocks=128, block_size=4)
     with Engine(config) as served:
@@ -126,3 +133,21 @@ def test_an_engine_configured_to_quantize_serves_adapters_with_peft_greedy_token
                                               for i, ((name, _), ids) in enumerate(zip(REQUESTS, prompts()))])
     for (name, _), ids, (_, tokens) in zip(REQUESTS, prompts(), results):
         assert tokens == peft_greedy(peft_models[name], ids, 5)[0], f"adapter {name}"
+
+
+@pytest.mark.parametrize("quantize, lora_dtype, expected", [
+    ("q8_0", None, torch.bfloat16),  # a quantized model: adapters in bfloat16 on the kernel
+    (None, None, torch.float32),  # the exact path keeps peft's values
+    ("q8_0", "float32", torch.float32),  # asked for
+])
+def test_an_engine_keeps_adapters_in_bfloat16_over_a_quantized_model_unless_asked_otherwise(
+        base_dir, quantize, lora_dtype, expected):  # noqa: F811
+    config = EngineConfig(model=str(base_dir), quantize=quantize, lora_dtype=lora_dtype, max_loras=2,
+                          max_cpu_loras=2, num_kv_blocks=16, block_size=4)
+    with Engine(config) as served:
+        assert served.lora_pool.stack_dtype == expected and served.lora_pool.cpu_kernel
+
+
+def test_an_engine_refuses_an_unknown_adapter_dtype():
+    with pytest.raises(ValueError, match="lora_dtype"):
+        EngineConfig(lora_dtype="float16")
