@@ -11,7 +11,11 @@ the engine keeps them over a quantized model). The paths alternate round by roun
 so they see the same machine; printed: the median step time, the stacks' bytes, the rate a step
 reads them at, and torch's time over each path's.
 
-    .venv/bin/python -m bench.kernels.lora_step [--slots 16] [--rows 32] [--rounds 15] [--threads 2] [--json PATH]
+With ``--prefill`` each slot's rows are one run, as prefill chunks are (torch's path then gives each
+its own matmul pair, as it does in the engine without the kernel).
+
+    .venv/bin/python -m bench.kernels.lora_step [--slots 16] [--rows 32] [--prefill] [--rounds 15] [--threads 2]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -60,11 +64,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill", action="store_true",
+                        help="each slot's rows in one run (prefill chunks: torch's path gives each its own matmuls)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     assert cpu_kernels_loaded(), "the CPU kernels did not build (see the log)"
-    row_slots = [row % args.slots for row in range(args.rows)]
+    if args.prefill:  # each slot's rows one run, as a prefill chunk's
+        row_slots = [row * args.slots // args.rows for row in range(args.rows)]
+    else:
+        row_slots = [row % args.slots for row in range(args.rows)]
     info = {slot: (16 if slot % 2 else 8, 2.0) for slot in range(args.slots)}
     slots = list(range(args.slots))
     in_of = {"qkv": HIDDEN, "o": HIDDEN, "gate_up": HIDDEN, "down": INTERMEDIATE}
@@ -84,7 +93,7 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
     host = machine.describe()
     print(machine.render_markdown(host))
-    print(f"{args.rows} decode rows over {args.slots} slots (ranks 8 and 16, max 16), {LAYERS} layers x "
+    print(f"{args.rows} {'prefill' if args.prefill else 'decode'} rows over {args.slots} slots (ranks 8 and 16, max 16), {LAYERS} layers x "
           f"{len(HOOKS)} hook calls, {args.threads} threads, median of {args.rounds} rounds")
     torch_ms = statistics.median(times["torch"]) * 1e3
     results = {}
