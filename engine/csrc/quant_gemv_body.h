@@ -159,53 +159,72 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
   }
 }
 
+// Inputs 128h + 32s + l (l < 32) of a Q6_K super-block: nibble s / 2 of ql byte 64h + 32(s % 2) + l,
+// bits 2s of qh byte 32h + l. H and S are template arguments so every shift and mask is a constant:
+// as loop counters they left the compiler a variable shift and a choice of nibble per step.
+template <int ROWS, int H, int S>
+void q6_k_part(const GemvJob& j, const uint8_t* ql, const uint8_t* qh, const uint8_t* scales, int64_t sb,
+               int64_t lanes_at, F (&sums)[ROWS]) {
+  constexpr int sub = 8 * H + 2 * S;  // the 16-input sub-blocks of l < 16 and l >= 16
+  I first[ROWS], second[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    const int32_t* xs = j.xs16 + r * (j.in / 16) + 16 * sb + sub;
+    first[r] = V::set1_32(-32 * xs[0]);
+    second[r] = V::set1_32(-32 * xs[1]);
+  }
+  const I nibble_mask = V::set1_8(0x0F), top_mask = V::set1_8(0x30);
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    const I low = V::load(ql + (16 * H + 8 * (S % 2) + k) * 64 + lanes_at);
+    const I high = V::load(qh + (8 * H + k) * 64 + lanes_at);
+    const I nib = V::and_(S / 2 ? V::srli16(low, 4) : low, nibble_mask);
+    // Bits 2S, 2S + 1 of each qh byte to bits 4, 5 (shifts within a 32-bit lane; the mask drops what
+    // crossed from the neighbouring byte).
+    const I top = V::and_(S == 0 ? V::slli32(high, 4) : S == 1 ? V::slli32(high, 2) : S == 2 ? high : V::srli32(high, 2),
+                          top_mask);
+    const I v = V::or_(nib, top);
+    for (int r = 0; r < ROWS; ++r) {
+      const int32_t* x = words(j, r) + 64 * sb + 32 * H + 8 * S;
+      if (k < 4) first[r] = V::dot(first[r], v, V::set1_32(x[k]));
+      else second[r] = V::dot(second[r], v, V::set1_32(x[k]));
+    }
+  }
+  // int8 scales sub and sub + 1: bytes sub % 4 and sub % 4 + 1 of piece sub / 4, sign-extended.
+  const I sc = V::load(scales + (sub / 4) * 64 + lanes_at);
+  const F sc0 = V::cvt(V::srai32(V::slli32(sc, 24 - 8 * (sub % 4)), 24));
+  const F sc1 = V::cvt(V::srai32(V::slli32(sc, 24 - 8 * (sub % 4 + 1)), 24));
+  for (int r = 0; r < ROWS; ++r) {
+    const F xd = V::set1_ps(j.xd[r * (j.in / 32) + 8 * sb + 4 * H + S]);
+    sums[r] = V::fmadd(V::cvt(first[r]), V::mul(sc0, xd), sums[r]);
+    sums[r] = V::fmadd(V::cvt(second[r]), V::mul(sc1, xd), sums[r]);
+  }
+}
+
 template <int ROWS>
 void q6_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
   const int64_t supers = j.in / 256, tb = PACK_ROWS * 210;
   const int64_t lanes_at = slice * V::BYTES;
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* t = group + sb * tb;
+    // The parts read ql and qh in turns, jumping back and forth within the tile, and the hardware's
+    // prefetchers did not follow them from memory: one row ran at a third of Q4_K's bytes a second.
+    // The tile two super-blocks ahead is asked for into L2 (into L1 the prefetches stalled, the
+    // line fill buffers full); past the group's end they fetch the next group's tiles.
+    for (int64_t at = 0; at < tb; at += 64) __builtin_prefetch(t + 2 * tb + at, 0, 2);
     const F d = V::halves(t + slice * V::LANES * 2);
     const uint8_t* scales = t + 32;  // 4 pieces: lane r holds row r's int8 scales 4i..4i+3
     const uint8_t* ql = t + 32 + 256;
     const uint8_t* qh = ql + 2048;
     F sums[ROWS];
     for (int r = 0; r < ROWS; ++r) sums[r] = V::zero_ps();
-    // Inputs 128h + 32s + l (l < 32): nibble s / 2 of ql byte 64h + 32(s % 2) + l, bits 2s of qh byte 32h + l.
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h)
-#pragma GCC unroll 4
-      for (int s = 0; s < 4; ++s) {
-        const int sub = 8 * h + 2 * s;  // the 16-input sub-blocks of l < 16 and l >= 16
-        I first[ROWS], second[ROWS];
-        for (int r = 0; r < ROWS; ++r) {
-          const int32_t* xs = j.xs16 + r * (j.in / 16) + 16 * sb + sub;
-          first[r] = V::set1_32(-32 * xs[0]);
-          second[r] = V::set1_32(-32 * xs[1]);
-        }
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) {
-          const I low = V::load(ql + (16 * h + 8 * (s % 2) + k) * 64 + lanes_at);
-          const I high = V::load(qh + (8 * h + k) * 64 + lanes_at);
-          const I nib = s / 2 ? nibbles_high(low) : nibbles_low(low);
-          const I top = V::slli32(V::and_(V::srli32(high, 2 * s), V::set1_8(0x03)), 4);
-          const I v = V::or_(nib, top);
-          for (int r = 0; r < ROWS; ++r) {
-            const int32_t* x = words(j, r) + 64 * sb + 32 * h + 8 * s;
-            if (k < 4) first[r] = V::dot(first[r], v, V::set1_32(x[k]));
-            else second[r] = V::dot(second[r], v, V::set1_32(x[k]));
-          }
-        }
-        // int8 scales sub and sub + 1: byte sub % 4 of piece sub / 4, sign-extended.
-        const I sc = V::load(scales + (sub / 4) * 64 + lanes_at);
-        const F sc0 = V::cvt(V::srai32(V::slli32(sc, 24 - 8 * (sub % 4)), 24));
-        const F sc1 = V::cvt(V::srai32(V::slli32(sc, 24 - 8 * (sub % 4 + 1)), 24));
-        for (int r = 0; r < ROWS; ++r) {
-          const F xd = V::set1_ps(j.xd[r * (j.in / 32) + 8 * sb + 4 * h + s]);
-          sums[r] = V::fmadd(V::cvt(first[r]), V::mul(sc0, xd), sums[r]);
-          sums[r] = V::fmadd(V::cvt(second[r]), V::mul(sc1, xd), sums[r]);
-        }
-      }
+    q6_k_part<ROWS, 0, 0>(j, ql, qh, scales, sb, lanes_at, sums);
+    q6_k_part<ROWS, 0, 1>(j, ql, qh, scales, sb, lanes_at, sums);
+    q6_k_part<ROWS, 0, 2>(j, ql, qh, scales, sb, lanes_at, sums);
+    q6_k_part<ROWS, 0, 3>(j, ql, qh, scales, sb, lanes_at, sums);
+    q6_k_part<ROWS, 1, 0>(j, ql, qh, scales, sb, lanes_at, sums);
+    q6_k_part<ROWS, 1, 1>(j, ql, qh, scales, sb, lanes_at, sums);
+    q6_k_part<ROWS, 1, 2>(j, ql, qh, scales, sb, lanes_at, sums);
+    q6_k_part<ROWS, 1, 3>(j, ql, qh, scales, sb, lanes_at, sums);
     for (int r = 0; r < ROWS; ++r) acc[r] = V::fmadd(d, sums[r], acc[r]);
   }
 }
