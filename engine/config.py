@@ -76,7 +76,7 @@ class EngineConfig:
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 16
-    # The adapters' weights: "float32", "bfloat16" or None (Engine.lora_stack_dtype decides).
+    # The adapters' weights: "float32", "bfloat16" or None (Engine._lora_stack_dtype decides).
     lora_dtype: str | None = None
     cache_dir: str = field(default_factory=default_cache_dir)
     seed: int = 0  # for dummy weights

@@ -82,7 +82,8 @@ def build_parser() -> OneLineParser:
                    help="HF checkpoints: quantize the projections at load (CPU); a GGUF is served in its own "
                         "quantization")
     s.add_argument("--lora-dtype", choices=["float32", "bfloat16"],
-                   help="the adapters' weights (default: bfloat16 on CPU over a quantized model, else the model's dtype)")
+                   help="the adapters' weights (default: bfloat16 on CPU over a quantized model, else the "
+                        "model's dtype)")
     s.add_argument("--kv-cache-memory", metavar="SIZE",
                    help="KV pool size, e.g. 512MiB or 2GB (default: half the memory left after the weights, "
                         "capped at a quarter context per batch slot)")

@@ -93,7 +93,8 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
     host = machine.describe()
     print(machine.render_markdown(host))
-    print(f"{args.rows} {'prefill' if args.prefill else 'decode'} rows over {args.slots} slots (ranks 8 and 16, max 16), {LAYERS} layers x "
+    kind = "prefill" if args.prefill else "decode"
+    print(f"{args.rows} {kind} rows over {args.slots} slots (ranks 8 and 16, max 16), {LAYERS} layers x "
           f"{len(HOOKS)} hook calls, {args.threads} threads, median of {args.rounds} rounds")
     torch_ms = statistics.median(times["torch"]) * 1e3
     results = {}
