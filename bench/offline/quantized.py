@@ -6,7 +6,8 @@ own quantizer). On each file, tiergate (the engine, serving the file as its load
 names the weight forms it got) and llama.cpp (llama-cpp-python's ``llama_decode``) each run in a
 subprocess of their own, so peak RSS is each engine's own:
 
-- single-stream greedy decode of a fixed real-text prompt, tokens/s after the first token;
+- single-stream greedy decode of a fixed real-text prompt, tokens/s after the first token (the better of two
+  runs, so both engines are measured warm);
 - 32 concurrent streams (llama.cpp: one ``llama_batch`` holding every sequence's token, a KV stream
   per sequence, as llama-server's slots): decode tokens/s while all streams run, and end to end;
 - pp512: the time to first token of one 512-token prompt, as tokens/s.
