@@ -28,6 +28,13 @@ inline const int32_t* words(const GemvJob& j, int r) { return j.xq + r * (j.in /
 inline I nibbles_low(I v) { return V::and_(v, V::set1_8(0x0F)); }
 inline I nibbles_high(I v) { return V::and_(V::srli16(v, 4), V::set1_8(0x0F)); }
 
+// Asks for a tile ahead of the walk into L2 (prefetcht1), where the hardware's prefetchers fall
+// behind it: into L1 the prefetches stalled, the line fill buffers full. Past the group's end
+// they fetch the next group's tiles; past the weight's, nothing faults.
+inline void tile_to_l2(const uint8_t* tile, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(tile + at, 0, 2);
+}
+
 template <int ROWS>
 void store(const GemvJob& j, const GemvPart& p, int64_t first, F (&acc)[ROWS]) {
   const int64_t count = std::min<int64_t>(V::LANES, p.out_features - first);
@@ -51,10 +58,7 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
   const int quants = high_bits + (FIVE ? 64 : 0);  // ... and the nibbles or int8 values follow them
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* t = group + b * tb;
-    // As in q4_k: past one row the hardware's prefetchers fell behind the walk; the tile eight blocks
-    // ahead (2-4 KB) is asked for into L2.
-    if (ROWS > 1)
-      for (int64_t at = 0; at < tb; at += 64) __builtin_prefetch(t + 8 * tb + at, 0, 2);
+    if (ROWS > 1) tile_to_l2(t + 8 * tb, tb);  // past one row the dot products slow the walk (as in q4_k)
     const F d = V::halves(t + slice * V::LANES * 2);
     const F m = MIN ? V::halves(t + 32 + slice * V::LANES * 2) : V::zero_ps();
     I sum[CHAINS][ROWS];
@@ -124,10 +128,8 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* t = group + sb * tb;
     // Past one row the dot products slow the walk enough that the hardware's prefetchers fell
-    // behind; the tile two super-blocks ahead is asked for into L2 (one row reads at memory speed
-    // without it, and lost a little with it).
-    if (ROWS > 1)
-      for (int64_t at = 0; at < tb; at += 64) __builtin_prefetch(t + 2 * tb + at, 0, 2);
+    // behind (one row reads at memory speed without the prefetch, and lost a little with it).
+    if (ROWS > 1) tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2), dmin = V::halves(t + 32 + slice * V::LANES * 2);
     // quant_formats.h's scale_min_k4 on 16 rows at once: lane r of w0..w2 is row r's scale bytes 0-11.
     const I w0 = V::load(t + 64 + lanes_at), w1 = V::load(t + 128 + lanes_at), w2 = V::load(t + 192 + lanes_at);
@@ -217,9 +219,7 @@ void q6_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
     const uint8_t* t = group + sb * tb;
     // The parts read ql and qh in turns, jumping back and forth within the tile, and the hardware's
     // prefetchers did not follow them from memory: one row ran at a third of Q4_K's bytes a second.
-    // The tile two super-blocks ahead is asked for into L2 (into L1 the prefetches stalled, the
-    // line fill buffers full); past the group's end they fetch the next group's tiles.
-    for (int64_t at = 0; at < tb; at += 64) __builtin_prefetch(t + 2 * tb + at, 0, 2);
+    tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2);
     const uint8_t* scales = t + 32;  // 4 pieces: lane r holds row r's int8 scales 4i..4i+3
     const uint8_t* ql = t + 32 + 256;
