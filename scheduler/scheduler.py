@@ -255,16 +255,8 @@ class Scheduler:
             # need. (Under fair share a less-served tenant of the same queue may still go first.)
             step.admission_closed = True
 
-    def _admit_waiting(
-        self,
-        queued: deque[Sequence],
-        step: StepBuilder,
-        keep: int,
-        may_preempt: bool,
-        skipped: set[str],
-        before: Sequence | None = None,
-        headroom: int | None = None,
-    ) -> None:
+    def _admit_waiting(self, queued: deque[Sequence], step: StepBuilder, keep: int, may_preempt: bool,
+                       skipped: set[str], before: Sequence | None = None, headroom: int | None = None) -> None:
         """Admit ``queued`` in the policy's order (only those that go ``before`` a running prefill); a
         spare-capacity queue's (``headroom`` given) each beside its whole prompt with that many blocks free."""
         while not step.admission_closed and step.budget - keep > 0:
@@ -354,8 +346,8 @@ class Scheduler:
             step.plan.preempted.append(seq)
 
     def add_drafts(self, plan: StepPlan, chunk: ScheduledChunk, drafts: list[int]) -> int:
-        """Speculative decoding: ``chunk``, a decode of ``plan``, also computes the leading ``drafts`` that fit
-        without preempting anybody (scheduler/drafts.py); how many."""
+        """How many leading ``drafts`` the decode ``chunk`` of ``plan`` also computes: those that fit without
+        preempting anybody (scheduler/drafts.py)."""
         return fit_drafts(self.config, self.block_manager, plan, chunk, drafts)
 
     def update(self, plan: StepPlan, sampled: dict[str, int], accepted: dict[str, list[int]] | None = None) -> None:

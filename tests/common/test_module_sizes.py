@@ -1,0 +1,20 @@
+"""No product module grows past 400 lines: one module, one job, each readable in one sitting (issue 36).
+
+Applied migrations are history, not code to read: they stay as written and are not counted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("billing", "engine", "gateway", "lora_pool", "scheduler", "tiergate_common")
+MAX_LINES = 400
+
+
+def test_no_product_module_is_longer_than_400_lines():
+    modules = [path for package in PRODUCT for path in sorted((ROOT / package).rglob("*.py"))]
+    assert len(modules) > 100, "the product's packages were not found"
+    too_long = {str(path.relative_to(ROOT)): n for path in modules
+                if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not too_long, f"modules past {MAX_LINES} lines: {too_long}"
