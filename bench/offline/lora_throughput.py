@@ -112,7 +112,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds over all mixes, each mix paired with a base-only run")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="rounds over all mixes, each mix paired with a base-only run")
     parser.add_argument("--skip-peft", action="store_true", help="only the engine runs")
     parser.add_argument("--lora-dtype", choices=["float32", "bfloat16"],
                         help="the adapters' weights (default: the engine's choice, bfloat16 over the quantized model)")
@@ -142,8 +143,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
 
         engine_run(engine, prompts[:4], [None] * 4, 4)  # warm-up
         mixes = {n: [names[i % n] for i in range(len(prompts))] for n in ADAPTER_COUNTS}
-        runs = {0: [None] * len(prompts), **mixes}  # 0: the base model alone
-        rates: dict[int, float] = dict.fromkeys(runs, 0.0)  # the best of the rounds
+        base_only = [None] * len(prompts)
+        rates: dict[int, float] = dict.fromkeys([0, *mixes], 0.0)  # the best of the rounds; 0: the base model alone
         paired: dict[int, list[float]] = {n: [] for n in mixes}
         # Each mix runs right after a base-only run, and its ratio to that run is the round's figure:
         # the shared box's speed drifts by tens of percent over minutes, so neighbouring runs compare
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         for _ in range(args.repeats):
             for n, adapters in mixes.items():
                 engine_run(engine, prompts[:n], adapters[:n], 2)  # adapters resident, as in steady state
-                base_rate = engine_run(engine, prompts, runs[0], args.max_tokens)
+                base_rate = engine_run(engine, prompts, base_only, args.max_tokens)
                 mix_rate = engine_run(engine, prompts, adapters, args.max_tokens)
                 rates[0], rates[n] = max(rates[0], base_rate), max(rates[n], mix_rate)
                 paired[n].append(mix_rate / base_rate)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.common.test_import_graph import PRODUCT
+
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("billing", "engine", "gateway", "lora_pool", "scheduler", "tiergate_common")
 MAX_LINES = 400
 
 
