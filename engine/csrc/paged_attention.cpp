@@ -4,8 +4,9 @@
 // Registered as torch.ops.tiergate.paged_decode_attention, for float32 and bfloat16
 // caches (scores, softmax and sums in float32 either way). Work is split over
 // sequences (or (sequence, kv head) pairs when there are fewer sequences than
-// threads) with at::parallel_for, so it runs on the calling thread's torch thread
-// count. One pass over the context a block at a time, blocks outermost, so each
+// threads, and contexts into parts joined after when those items do not share out
+// evenly, as flash-decoding splits them) with at::parallel_for, so it runs on the
+// calling thread's torch thread count. One pass over the context a block at a time, blocks outermost, so each
 // block is read from memory once for every query head sharing its KV heads while
 // it is in cache; per block and query head: the scores, their exponentials (a
 // vectorised exp, a vector at a time), an online-softmax rescale, and the weighted sum of
@@ -42,13 +43,25 @@ struct Shapes {
   int64_t kv_stride, token_stride;  // elements from a token's keys to its values, and to the next token
 };
 
-// One work item: sequence `seq`, query heads [first_row, first_row + rows), which share
-// KV heads from first_kv_head on. State per query head: its scaled query, running max,
-// running sum and output, each head's output kept in registers while a block is summed.
+// One work item: sequence `seq`'s query heads from `first_kv_head`'s first on, over its context blocks
+// [block0, block1). `slot` >= 0: one part of a context split between threads, its result left
+// unnormalised in the partials (combine_parts joins them); -1: the whole context, written out.
+struct Item {
+  int64_t seq, first_kv_head, block0, block1, slot;
+};
+
+// A sequence's KV-head group whose context was split into `parts` items, in partials slots
+// [first_slot, first_slot + parts).
+struct Split {
+  int64_t seq, first_row, first_slot, parts;
+};
+
+// One item's `rows` query heads. State per query head: its scaled query, running max, running sum
+// and output, each head's output kept in registers while a block is summed.
 template <typename scalar_t, int VECS>
 void attend_item(const Shapes& s, const scalar_t* q_seq, int64_t q_head, const scalar_t* cache, const int64_t* table,
-                 int64_t ctx, int64_t window, float scale, float cap, int64_t first_kv_head, int64_t rows,
-                 scalar_t* dst, std::vector<float>& scratch) {
+                 int64_t ctx, int64_t first, const Item& item, float scale, float cap, int64_t rows, scalar_t* dst,
+                 float* partial, std::vector<float>& scratch) {
   const int64_t padded_block = (s.block_size + LANES - 1) / LANES * LANES, padded_dim = VECS * LANES + s.tail;
   scratch.resize(rows * (2 * padded_dim + 2) + padded_block);
   float* query = scratch.data();                    // [rows, padded_dim]
@@ -63,23 +76,24 @@ void attend_item(const Shapes& s, const scalar_t* q_seq, int64_t q_head, const s
   }
   std::fill(acc, acc + rows * padded_dim, 0.f);
   const int64_t row_bytes = s.token_stride * int64_t(sizeof(scalar_t));
-  // The window keeps positions [first, ctx): HF's kv_idx > q_idx - window with q_idx = ctx - 1.
-  const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+  const int64_t end = std::min(ctx, item.block1 * s.block_size);
 
-  for (int64_t start = first - first % s.block_size; start < ctx; start += s.block_size) {
+  for (int64_t start = item.block0 * s.block_size; start < end; start += s.block_size) {
     const scalar_t* block = cache + table[start / s.block_size] * s.block_size * s.token_stride;
     const int64_t n = std::min(s.block_size, ctx - start);
     const int64_t skip = std::max<int64_t>(0, first - start);  // positions before the window
     // The hardware prefetcher does not follow the block table: ask for the next block, a
     // share of its token rows before each query head's turn, so the requests spread over the block.
-    const int64_t next = start + s.block_size, next_n = std::min(s.block_size, ctx - next);
+    // Into L2 (prefetcht1): into L1 a block's requests overran the fill buffers, and decodes over
+    // long contexts ran slower (bench/RESULTS.md).
+    const int64_t next = start + s.block_size, next_n = std::min(s.block_size, end - next);
     const int64_t rows_per_turn = (next_n + rows - 1) / std::max<int64_t>(rows, 1);
     const char* next_block = next_n > 0 ? reinterpret_cast<const char*>(
         cache + table[next / s.block_size] * s.block_size * s.token_stride) : nullptr;
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t t = r * rows_per_turn; t < std::min(next_n, (r + 1) * rows_per_turn); ++t)
-        for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(next_block + t * row_bytes + byte);
-      const int64_t head_offset = (first_kv_head + r / s.group) * s.head_dim;
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(next_block + t * row_bytes + byte, 0, 2);
+      const int64_t head_offset = (item.first_kv_head + r / s.group) * s.head_dim;
       lanes qv[VECS];
       for (int j = 0; j < VECS; ++j) qv[j] = load(query + r * padded_dim + j * LANES);
       std::fill(weights, weights + padded_block, NEG_INF);
@@ -118,10 +132,46 @@ void attend_item(const Shapes& s, const scalar_t* q_seq, int64_t q_head, const s
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
+    if (partial != nullptr) {  // [rows, 2 + head_dim]: max, sum, output
+      float* p = partial + r * (2 + s.head_dim);
+      p[0] = peak[r], p[1] = total[r];
+      std::copy_n(acc + r * padded_dim, s.head_dim, p + 2);
+      continue;
+    }
     const float norm = 1.f / total[r];
     for (int64_t d = 0; d < s.head_dim; ++d)
       dst[r * s.head_dim + d] = static_cast<scalar_t>(acc[r * padded_dim + d] * norm);
   }
+}
+
+// The parts of one split context as one softmax: each part's sums rescaled to the largest max.
+template <typename scalar_t>
+void combine_parts(const Shapes& s, const Split& split, int64_t rows, const float* partials, scalar_t* dst) {
+  const int64_t stride = rows * (2 + s.head_dim);
+  std::vector<float> out(s.head_dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* first = partials + split.first_slot * stride + r * (2 + s.head_dim);
+    float peak = NEG_INF, total = 0.f;
+    for (int64_t p = 0; p < split.parts; ++p) peak = std::max(peak, first[p * stride]);
+    std::fill(out.begin(), out.end(), 0.f);
+    for (int64_t p = 0; p < split.parts; ++p) {
+      const float* part = first + p * stride;
+      const float weight = std::exp(part[0] - peak);
+      total += part[1] * weight;
+      for (int64_t d = 0; d < s.head_dim; ++d) out[d] += part[2 + d] * weight;
+    }
+    for (int64_t d = 0; d < s.head_dim; ++d) dst[r * s.head_dim + d] = static_cast<scalar_t>(out[d] / total);
+  }
+}
+
+// Context blocks per part where a call's work items leave a thread idle part of the time: fewer than
+// ITEMS_PER_THREAD a thread, not a multiple of the threads (0: no split). A split costs a second pass
+// over the parts' outputs and another parallel region, which cost more than they saved where the
+// items already shared out evenly; parts are at least MIN_PART_BLOCKS blocks.
+constexpr int64_t ITEMS_PER_THREAD = 4, MIN_PART_BLOCKS = 2;
+int64_t blocks_per_part(int64_t items, int64_t total_blocks, int64_t threads) {
+  if (threads <= 1 || items >= ITEMS_PER_THREAD * threads || items % threads == 0) return 0;
+  return std::max(MIN_PART_BLOCKS, (total_blocks + ITEMS_PER_THREAD * threads - 1) / (ITEMS_PER_THREAD * threads));
 }
 
 template <typename scalar_t, int VECS>
@@ -137,20 +187,52 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
-  // A work item is one sequence with all its KV heads, so each block is read front
-  // to back as the hardware prefetcher likes; with fewer sequences than threads, a
-  // sequence is split by KV head instead so that every thread has work.
-  const int64_t splits = batch >= at::get_num_threads() ? 1 : kv_heads;
+  // A work item is one sequence with all its KV heads, so each block is read front to back as the
+  // hardware prefetcher likes; with fewer sequences than threads, a sequence is split by KV head,
+  // and where that still leaves a thread idle part of the time, its context into parts as well
+  // (one sequence's three KV heads on two threads kept one of them waiting a third of the call).
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = batch >= threads ? 1 : kv_heads;
   const int64_t heads_per_item = kv_heads / splits, rows = heads_per_item * s.group;
-  at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
+  // A window keeps positions [first, ctx): HF's kv_idx > q_idx - window with q_idx = ctx - 1.
+  auto first_of = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : int64_t(0); };
+  int64_t total_blocks = 0;
+  for (int64_t seq = 0; seq < batch; ++seq)
+    total_blocks += splits * ((lens[seq] + s.block_size - 1) / s.block_size - first_of(seq) / s.block_size);
+  const int64_t part_blocks = blocks_per_part(batch * splits, total_blocks, threads);
+  std::vector<Item> items;
+  std::vector<Split> split_contexts;
+  int64_t slots = 0;
+  for (int64_t seq = 0; seq < batch; ++seq) {
+    const int64_t b0 = first_of(seq) / s.block_size, b1 = (lens[seq] + s.block_size - 1) / s.block_size;
+    const int64_t parts =
+        part_blocks > 0 ? std::max<int64_t>(1, std::min((b1 - b0 + part_blocks - 1) / part_blocks, b1 - b0)) : 1;
+    for (int64_t split = 0; split < splits; ++split) {
+      for (int64_t p = 0; p < parts; ++p)
+        items.push_back({seq, split * heads_per_item, b0 + p * (b1 - b0) / parts, b0 + (p + 1) * (b1 - b0) / parts,
+                         parts > 1 ? slots + p : -1});
+      if (parts > 1) split_contexts.push_back({seq, split * heads_per_item * s.group, slots, parts});
+      slots += parts > 1 ? parts : 0;
+    }
+  }
+  std::vector<float> partials(slots * rows * (2 + head_dim));
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / splits, first_kv_head = (item % splits) * heads_per_item;
-      const int64_t first_row = first_kv_head * s.group;
-      attend_item<scalar_t, VECS>(s, q_data + seq * q.stride(0) + first_row * q.stride(1), q.stride(1), cache,
-                                  tables + seq * block_tables.stride(0), lens[seq], window, static_cast<float>(scale),
-                                  static_cast<float>(softcap), first_kv_head, rows,
-                                  out_data + (seq * num_heads + first_row) * head_dim, scratch);
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& item = items[i];
+      const int64_t first_row = item.first_kv_head * s.group;
+      attend_item<scalar_t, VECS>(s, q_data + item.seq * q.stride(0) + first_row * q.stride(1), q.stride(1), cache,
+                                  tables + item.seq * block_tables.stride(0), lens[item.seq], first_of(item.seq), item,
+                                  static_cast<float>(scale), static_cast<float>(softcap), rows,
+                                  out_data + (item.seq * num_heads + first_row) * head_dim,
+                                  item.slot >= 0 ? partials.data() + item.slot * rows * (2 + head_dim) : nullptr, scratch);
+    }
+  });
+  if (split_contexts.empty()) return;
+  at::parallel_for(0, int64_t(split_contexts.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Split& split = split_contexts[i];
+      combine_parts(s, split, rows, partials.data(), out_data + (split.seq * num_heads + split.first_row) * head_dim);
     }
   });
 }

@@ -26,17 +26,22 @@ def kernel():
     return kernel
 
 
+def on_threads(threads: int, kernel, data) -> torch.Tensor:
+    """The kernel's output for ``data`` (its window and soft-cap included) on ``threads`` torch threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return kernel(data.q, data.kv_cache, data.block_tables, data.context_lens, data.scale, data.window, data.softcap)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("case", list(CASES))
 def test_cpu_kernel_matches_float64_reference(kernel, case, threads):
     lens, heads, kv_heads, head_dim, block_size = CASES[case]
     data = random_case(lens, heads, kv_heads, head_dim, block_size, seed=len(case))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = kernel(data.q, data.kv_cache, data.block_tables, data.context_lens, data.scale)
-    finally:
-        torch.set_num_threads(before)
+    out = on_threads(threads, kernel, data)
     assert out.shape == (len(lens), heads * head_dim) and out.dtype == torch.float32
     assert (out.double() - reference(data)).abs().max().item() < 1e-5
 
@@ -45,16 +50,22 @@ def test_cpu_kernel_matches_float64_reference(kernel, case, threads):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_cpu_kernel_applies_sliding_windows_and_soft_caps_as_the_reference(kernel, variant, threads):
     data = variant_case(variant)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = kernel(data.q, data.kv_cache, data.block_tables, data.context_lens, data.scale, data.window, data.softcap)
-    finally:
-        torch.set_num_threads(before)
+    out = on_threads(threads, kernel, data)
     assert (out.double() - reference(data)).abs().max().item() < 1e-5
     # Without them the output differs, so the comparison above can fail.
     plain = kernel(data.q, data.kv_cache, data.block_tables, data.context_lens, data.scale)
     assert (plain.double() - reference(data)).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (100, 0.0), (30, 2.0)])
+@pytest.mark.parametrize("lens", [[700], [1, 250, 700], [40, 17]], ids=["one_long", "three_uneven", "two_short"])
+def test_contexts_split_between_threads_join_into_one_softmax(kernel, lens, window, softcap, threads):
+    """Where a call's sequences (or one sequence's KV heads) do not share out evenly over the threads, their
+    contexts are cut into parts attended apart and joined after: the same attention as the reference."""
+    data = random_case(lens, 9, 3, 64, 16, seed=threads, window=window, softcap=softcap)
+    out = on_threads(threads, kernel, data)
+    assert (out.double() - reference(data)).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
