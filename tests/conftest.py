@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,12 @@ def gguf_derived_in_process():
     from engine.gguf_cache import DERIVE_IN_PROCESS
 
     yield from _environ_unless_set(DERIVE_IN_PROCESS, lambda: "1")
+
+
+@pytest.fixture(scope="session")
+def engine_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where GGUF conversions land; shared by the session so the bundled model converts once."""
+    return tmp_path_factory.mktemp("tiergate-cache")
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,8 @@ from billing import adapters as billing_adapters
 from billing.db import create_engine_for, upgrade
 from billing.keys import create_key
 from billing.tenants import create_tenant
+from engine.gguf_cache import metadata_dir
+from engine.loader import bundled_gguf_path
 from gateway.adapter_dirs import read_adapter_dir
 from lora_pool.demo_adapters import demo_adapters
 from tests.cluster.cluster import (
@@ -42,8 +44,11 @@ TENANTS = {
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory, engine_cache_dir) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("cluster")
+    # Derived here once (or found, derived by an earlier test of the session), rather than by the three
+    # replicas at once on two cores, each parsing the file's metadata.
+    metadata_dir(bundled_gguf_path(), engine_cache_dir)
     schema = create_schema()
     database_url = schema_url(schema)
     upgrade(database_url)
@@ -60,6 +65,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         **os.environ,
         "PYTHONPATH": str(REPO),
         "TIERGATE_DATABASE_URL": database_url,
+        "TIERGATE_CACHE_DIR": str(engine_cache_dir),
         "TIERGATE_REDIS_URL": REDIS_URL,
         "TIERGATE_REDIS_KEY_PREFIX": key_prefix,
         "TIERGATE_CONCURRENCY_LEASE_S": str(LEASE_S),

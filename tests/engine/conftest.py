@@ -197,12 +197,6 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 
 @pytest.fixture(scope="session")
-def engine_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where GGUF conversions land; shared by the session so the bundled model converts once."""
-    return tmp_path_factory.mktemp("tiergate-cache")
-
-
-@pytest.fixture(scope="session")
 def bundled_model(engine_cache_dir: Path):
     from engine.loader import load_model
 
