@@ -3,9 +3,14 @@ a newcomer can read any module knowing only the ones below it (docs/architecture
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import grimp
 
-PRODUCT = ("billing", "engine", "gateway", "lora_pool", "scheduler", "tiergate_common")
+# The product's packages as import-linter's contracts name them (pyproject.toml), the one list of them.
+PRODUCT = tuple(sorted(tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+                       ["tool"]["importlinter"]["root_packages"]))
 
 
 def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
