@@ -73,8 +73,10 @@ def banner(setup: DemoSetup, host: str, port: int, model_name: str, loaded: list
         "Try:",
         f"  curl {base}/v1/chat/completions \\",
         f"    -H 'Authorization: Bearer {setup.keys['acme']}' -H 'Content-Type: application/json' \\",
-        f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital "
-        "of France?\"}], \"max_tokens\": 32}'",
+        # The bundled Q4_1 file answers "What is the capital of France?" in French lists, greedy, as llama.cpp
+        # does on the same file: a first try should show an answer.
+        f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Name three "
+        "colors.\"}], \"max_tokens\": 32}'",
         "",
     ]
     return "\n".join(lines)
