@@ -6,14 +6,15 @@
 // sequences (or (sequence, kv head) pairs when there are fewer sequences than
 // threads, and contexts into parts joined after when those items do not share out
 // evenly, as flash-decoding splits them) with at::parallel_for, so it runs on the
-// calling thread's torch thread count. One pass over the context a block at a time, blocks outermost, so each
-// block is read from memory once for every query head sharing its KV heads while
-// it is in cache; per block and query head: the scores, their exponentials (a
-// vectorised exp, a vector at a time), an online-softmax rescale, and the weighted sum of
-// the values with the head's running output held in registers. Head dims up to
-// 256 plus a partial vector (263 with AVX2). A sliding window (window > 0)
-// starts the pass at the first position the window keeps; soft-capping
-// (softcap > 0) bends each score through softcap * tanh(score / softcap) first.
+// calling thread's torch thread count. One pass over the context a block at a time,
+// blocks outermost, so each block is read from memory once for every query head
+// sharing its KV heads while it is in cache; per block and query head: the scores,
+// their exponentials (a vectorised exp, a vector at a time), an online-softmax
+// rescale, and the weighted sum of the values with the head's running output held
+// in registers. Head dims up to 256 plus a partial vector (263 with AVX2). A sliding
+// window (window > 0) starts the pass at the first position the window keeps;
+// soft-capping (softcap > 0) bends each score through softcap * tanh(score / softcap)
+// first.
 // Written by hand because no library op reads a paged pool in place on the CPU
 // (torch's SDPA needs the context contiguous).
 
