@@ -7,13 +7,15 @@ steps at position ``--prompt``, each step run once through the kernel and once
 through the gathered path (order alternating, so both see the same load), both
 in this process on the same weights and KV cache. Then the same for one
 layer's attention call alone (cache flushed between calls, as the rest of a
-step flushes it). Prints median times and the gathered / kernel ratio; a ratio
+step flushes it). ``--long-prompt N``: the first sequence's context is N tokens
+instead, a long context among short ones (how the kernel shares uneven work
+among its threads). Prints median times and the gathered / kernel ratio; a ratio
 above 1 means the kernel is faster. Last, one layer's causal attention of a
 whole prompt of each ``--prefill-lengths`` length, the prefill kernel
 (csrc/prefill_attention.cpp) against SDPA, alternating the same way.
 
     .venv/bin/python -m bench.kernels.paged_attention [--concurrency 1,8,32] [--prompt 250]
-        [--prefill-lengths 64,250,1000] [--steps 30] [--threads N] [--json PATH]
+        [--long-prompt N] [--prefill-lengths 64,250,1000] [--steps 30] [--threads N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -41,23 +43,27 @@ BLOCK_SIZE = 16  # EngineConfig's default
 PREFILL_TOKENS_PER_STEP = 512  # EngineConfig's max_num_batched_tokens
 
 
-def _prefilled(runner: ModelRunner, count: int, prompt_len: int, seed: int) -> list[Sequence]:
-    """``count`` sequences of ``prompt_len + 1`` tokens, all but the last in the cache."""
+def _prefilled(runner: ModelRunner, lengths: list[int], seed: int) -> list[Sequence]:
+    """A sequence of ``n + 1`` tokens for each ``n`` of ``lengths``, all but the last in the cache."""
     rng = random.Random(seed)
     vocab = runner.config.vocab_size
-    per_seq = (prompt_len + BLOCK_SIZE) // BLOCK_SIZE
-    blocks = list(range(count * per_seq))
+    per_seq = [(n + BLOCK_SIZE) // BLOCK_SIZE for n in lengths]
+    blocks = list(range(sum(per_seq)))
     rng.shuffle(blocks)
     seqs = []
-    for i in range(count):
-        seq = Sequence(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_len + 1)])
-        seq.block_table = blocks[i * per_seq : (i + 1) * per_seq]
+    for i, n in enumerate(lengths):
+        seq = Sequence(f"s{i}", [rng.randrange(vocab) for _ in range(n + 1)])
+        seq.block_table = blocks[sum(per_seq[:i]) : sum(per_seq[: i + 1])]
         seqs.append(seq)
-    per_step = max(1, PREFILL_TOKENS_PER_STEP // prompt_len)
-    for i in range(0, count, per_step):
-        runner.execute(StepPlan([ScheduledChunk(seq=s, start=0, num_tokens=prompt_len) for s in seqs[i : i + per_step]]))
-    for seq in seqs:
-        seq.num_computed_tokens = prompt_len
+    step: list[ScheduledChunk] = []
+    for seq, n in zip(seqs, lengths):
+        if step and sum(c.num_tokens for c in step) + n > PREFILL_TOKENS_PER_STEP:
+            runner.execute(StepPlan(step))
+            step = []
+        step.append(ScheduledChunk(seq=seq, start=0, num_tokens=n))
+    runner.execute(StepPlan(step))
+    for seq, n in zip(seqs, lengths):
+        seq.num_computed_tokens = n
     return seqs
 
 
@@ -121,17 +127,18 @@ def run(args: argparse.Namespace) -> dict:
     if kernel is None:
         raise SystemExit("the C++ paged attention kernel did not build here; see the warning above")
     loaded = load_model("bundled")
-    needed = max(args.concurrency) * ((args.prompt + BLOCK_SIZE) // BLOCK_SIZE)
+    lengths = [args.long_prompt or args.prompt] + [args.prompt] * (max(args.concurrency) - 1)
+    needed = sum((n + BLOCK_SIZE) // BLOCK_SIZE for n in lengths)
     runner = ModelRunner(loaded, num_blocks=needed, block_size=BLOCK_SIZE, decode_kernel=kernel)
     # One fixed thread count for both paths: the tuner's trials would otherwise mix counts.
     runner.thread_tuner = ThreadTuner([args.threads])
     torch.set_num_threads(args.threads)
-    seqs = _prefilled(runner, max(args.concurrency), args.prompt, seed=0)
+    seqs = _prefilled(runner, lengths, seed=0)
 
     rows = []
     for concurrency in args.concurrency:
-        # Each step recomputes position --prompt of every sequence, so the context stays put.
-        plan = StepPlan([ScheduledChunk(seq=s, start=args.prompt, num_tokens=1) for s in seqs[:concurrency]])
+        # Each step recomputes every sequence's last position, so the contexts stay put.
+        plan = StepPlan([ScheduledChunk(seq=s, start=n, num_tokens=1) for s, n in zip(seqs[:concurrency], lengths)])
         step = _interleaved({"kernel": lambda: _run(runner, plan, kernel), "gathered": lambda: _run(runner, plan, None)},
                             args.steps, args.warmup)
         alone = _attention_alone(runner, plan, kernel, rounds=5 * args.steps)
@@ -147,12 +154,13 @@ def run(args: argparse.Namespace) -> dict:
         prefill.append({"tokens": length, "kernel_ms": alone["kernel"] * 1e3, "sdpa_ms": alone["sdpa"] * 1e3,
                         "ratio": alone["sdpa"] / alone["kernel"], "kernel_gflop_per_s": flops / alone["kernel"] / 1e9,
                         "sdpa_gflop_per_s": flops / alone["sdpa"] / 1e9})
-    return {"machine": machine.describe(), "threads": args.threads, "prompt": args.prompt, "steps": args.steps,
-            "rows": rows, "prefill": prefill}
+    return {"machine": machine.describe(), "threads": args.threads, "prompt": args.prompt,
+            "long_prompt": args.long_prompt, "steps": args.steps, "rows": rows, "prefill": prefill}
 
 
 def render(result: dict) -> str:
-    lines = [f"{result['prompt']}-token contexts, {result['threads']} thread(s), A/B interleaved, medians "
+    long = f" (the first sequence's {result['long_prompt']})" if result.get("long_prompt") else ""
+    lines = [f"{result['prompt']}-token contexts{long}, {result['threads']} thread(s), A/B interleaved, medians "
              f"({result['steps']} decode steps; {5 * result['steps']} attention calls)",
              f"{'':>11}  {'decode step (ms)':^36}  {'one layer attention (ms)':^36}",
              f"{'concurrency':>11}  {'kernel':>9} {'gathered':>9} {'ratio':>15}  {'kernel':>9} {'gathered':>9} {'ratio':>15}"]
@@ -173,14 +181,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompt", type=int, default=250)
+    parser.add_argument("--long-prompt", type=int, default=None,
+                        help="the first sequence's context instead of --prompt")
     parser.add_argument("--prefill-lengths", default="64,250,1000", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
-    if min(args.concurrency) < 1 or args.prompt < 1 or args.steps < 1 or args.threads < 1:
-        parser.error("concurrency, prompt, steps and threads must be positive")
+    counts = args.concurrency + [args.prompt, args.steps, args.threads]
+    if min(counts) < 1 or (args.long_prompt is not None and args.long_prompt < 1):
+        parser.error("concurrency, prompt, long prompt, steps and threads must be positive")
     return args
 
 

@@ -93,7 +93,8 @@ void attend_item(const Shapes& s, const scalar_t* q_seq, int64_t q_head, const s
         cache + table[next / s.block_size] * s.block_size * s.token_stride) : nullptr;
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t t = r * rows_per_turn; t < std::min(next_n, (r + 1) * rows_per_turn); ++t)
-        for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(next_block + t * row_bytes + byte, 0, 2);
+        for (int64_t byte = 0; byte < row_bytes; byte += 64)
+          __builtin_prefetch(next_block + t * row_bytes + byte, 0, 2);
       const int64_t head_offset = (item.first_kv_head + r / s.group) * s.head_dim;
       lanes qv[VECS];
       for (int j = 0; j < VECS; ++j) qv[j] = load(query + r * padded_dim + j * LANES);
@@ -165,14 +166,37 @@ void combine_parts(const Shapes& s, const Split& split, int64_t rows, const floa
   }
 }
 
-// Context blocks per part where a call's work items leave a thread idle part of the time: fewer than
-// ITEMS_PER_THREAD a thread, not a multiple of the threads (0: no split). A split costs a second pass
-// over the parts' outputs and another parallel region, which cost more than they saved where the
-// items already shared out evenly; parts are at least MIN_PART_BLOCKS blocks.
+// Context blocks a part may hold (0: contexts stay whole). Where the items are few and do not share
+// out evenly over the threads (one sequence's three KV heads on two), every context is cut, into
+// parts of about total / (ITEMS_PER_THREAD * threads) blocks; where one context alone holds more than
+// a thread's share of the call's blocks (one long sequence among short ones), those longer than half
+// a share are cut into half shares. Elsewhere nothing is cut: a cut costs the join's second pass and
+// parallel region, which cost more than they saved where the items already shared out evenly.
 constexpr int64_t ITEMS_PER_THREAD = 4, MIN_PART_BLOCKS = 2;
-int64_t blocks_per_part(int64_t items, int64_t total_blocks, int64_t threads) {
-  if (threads <= 1 || items >= ITEMS_PER_THREAD * threads || items % threads == 0) return 0;
-  return std::max(MIN_PART_BLOCKS, (total_blocks + ITEMS_PER_THREAD * threads - 1) / (ITEMS_PER_THREAD * threads));
+int64_t blocks_per_part(int64_t items, int64_t total_blocks, int64_t longest, int64_t threads) {
+  if (threads <= 1) return 0;
+  if (items < ITEMS_PER_THREAD * threads && items % threads != 0)
+    return std::max(MIN_PART_BLOCKS, (total_blocks + ITEMS_PER_THREAD * threads - 1) / (ITEMS_PER_THREAD * threads));
+  const int64_t share = (total_blocks + threads - 1) / threads;
+  return longest > share ? std::max(MIN_PART_BLOCKS, (share + 1) / 2) : 0;
+}
+
+// Where each thread's run of items begins (and, last, where the items end): runs of about equal
+// blocks, so that a long context's thread is not also handed as many short ones as the others.
+std::vector<int64_t> runs_by_blocks(const std::vector<Item>& items, int64_t threads) {
+  int64_t total = 0;
+  for (const Item& item : items) total += item.block1 - item.block0;
+  std::vector<int64_t> starts(threads + 1, int64_t(items.size()));
+  starts[0] = 0;
+  int64_t done = 0, thread = 0;
+  for (int64_t i = 0; i < int64_t(items.size()); ++i) {
+    const int64_t blocks = items[i].block1 - items[i].block0;
+    // An item goes to the thread whose share holds its middle block.
+    const int64_t owner = std::min(threads - 1, (2 * done + blocks) * threads / (2 * std::max<int64_t>(total, 1)));
+    while (thread < owner) starts[++thread] = i;
+    done += blocks;
+  }
+  return starts;
 }
 
 template <typename scalar_t, int VECS>
@@ -197,10 +221,13 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
   const int64_t heads_per_item = kv_heads / splits, rows = heads_per_item * s.group;
   // A window keeps positions [first, ctx): HF's kv_idx > q_idx - window with q_idx = ctx - 1.
   auto first_of = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : int64_t(0); };
-  int64_t total_blocks = 0;
-  for (int64_t seq = 0; seq < batch; ++seq)
-    total_blocks += splits * ((lens[seq] + s.block_size - 1) / s.block_size - first_of(seq) / s.block_size);
-  const int64_t part_blocks = blocks_per_part(batch * splits, total_blocks, threads);
+  int64_t total_blocks = 0, longest = 0;
+  for (int64_t seq = 0; seq < batch; ++seq) {
+    const int64_t blocks = (lens[seq] + s.block_size - 1) / s.block_size - first_of(seq) / s.block_size;
+    total_blocks += splits * blocks;
+    longest = std::max(longest, blocks);
+  }
+  const int64_t part_blocks = blocks_per_part(batch * splits, total_blocks, longest, threads);
   std::vector<Item> items;
   std::vector<Split> split_contexts;
   int64_t slots = 0;
@@ -217,16 +244,18 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
     }
   }
   std::vector<float> partials(slots * rows * (2 + head_dim));
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> starts = runs_by_blocks(items, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
     std::vector<float> scratch;
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = starts[first_run]; i < starts[last_run]; ++i) {
       const Item& item = items[i];
       const int64_t first_row = item.first_kv_head * s.group;
       attend_item<scalar_t, VECS>(s, q_data + item.seq * q.stride(0) + first_row * q.stride(1), q.stride(1), cache,
                                   tables + item.seq * block_tables.stride(0), lens[item.seq], first_of(item.seq), item,
                                   static_cast<float>(scale), static_cast<float>(softcap), rows,
                                   out_data + (item.seq * num_heads + first_row) * head_dim,
-                                  item.slot >= 0 ? partials.data() + item.slot * rows * (2 + head_dim) : nullptr, scratch);
+                                  item.slot >= 0 ? partials.data() + item.slot * rows * (2 + head_dim) : nullptr,
+                                  scratch);
     }
   });
   if (split_contexts.empty()) return;

@@ -59,12 +59,14 @@ def test_cpu_kernel_applies_sliding_windows_and_soft_caps_as_the_reference(kerne
 
 @pytest.mark.parametrize("threads", [2, 3, 4])
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (100, 0.0), (30, 2.0)])
-@pytest.mark.parametrize("lens", [[700], [1, 250, 700], [40, 17]], ids=["one_long", "three_uneven", "two_short"])
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("lens", [[700], [1, 250, 700], [40, 17], [900] + [60] * 7],
+                         ids=["one_long", "three_uneven", "two_short", "one_long_among_short"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)],
+                         ids=["float32", "bfloat16"])
 def test_contexts_split_between_threads_join_into_one_softmax(kernel, lens, window, softcap, threads, dtype, tolerance):
-    """Where a call's sequences (or one sequence's KV heads) do not share out evenly over the threads, their
-    contexts are cut into parts attended apart and joined after (in float32, whatever the cache's dtype):
-    the same attention as the reference."""
+    """Where a call's sequences (or one sequence's KV heads) do not share out evenly over the threads, or one
+    context holds more than a thread's share, contexts are cut into parts attended apart and joined after (in
+    float32, whatever the cache's dtype): the same attention as the reference."""
     data = random_case(lens, 9, 3, 64, 16, dtype=dtype, seed=threads, window=window, softcap=softcap)
     out = on_threads(threads, kernel, data)
     assert out.dtype == dtype
