@@ -68,15 +68,16 @@ def banner(setup: DemoSetup, host: str, port: int, model_name: str, loaded: list
     if setup.admin_token:
         lines.append(f"  admin token: {setup.admin_token}")
     model = served[0] if served else model_name
+    # The bundled Q4_1 file answers the capital question with a list in French when greedy (llama.cpp on the
+    # same file too); the first demo adapter, `french`, answers it as asked.
+    question = "What is the capital of France?" if served else "Name three colors."
     lines += [
         "",
         "Try:",
         f"  curl {base}/v1/chat/completions \\",
         f"    -H 'Authorization: Bearer {setup.keys['acme']}' -H 'Content-Type: application/json' \\",
-        # The bundled Q4_1 file answers "What is the capital of France?" in French lists, greedy, as llama.cpp
-        # does on the same file: a first try should show an answer.
-        f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Name three "
-        "colors.\"}], \"max_tokens\": 32}'",
+        f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{question}\"}}], "
+        "\"max_tokens\": 32}'",
         "",
     ]
     return "\n".join(lines)
