@@ -43,17 +43,21 @@ BLOCK_SIZE = 16  # EngineConfig's default
 PREFILL_TOKENS_PER_STEP = 512  # EngineConfig's max_num_batched_tokens
 
 
+def _blocks_for(length: int) -> int:
+    """KV blocks of a sequence whose context is ``length`` tokens, with room for the token it decodes."""
+    return (length + BLOCK_SIZE) // BLOCK_SIZE
+
+
 def _prefilled(runner: ModelRunner, lengths: list[int], seed: int) -> list[Sequence]:
     """A sequence of ``n + 1`` tokens for each ``n`` of ``lengths``, all but the last in the cache."""
     rng = random.Random(seed)
     vocab = runner.config.vocab_size
-    per_seq = [(n + BLOCK_SIZE) // BLOCK_SIZE for n in lengths]
-    blocks = list(range(sum(per_seq)))
+    blocks = list(range(sum(_blocks_for(n) for n in lengths)))
     rng.shuffle(blocks)
     seqs = []
     for i, n in enumerate(lengths):
         seq = Sequence(f"s{i}", [rng.randrange(vocab) for _ in range(n + 1)])
-        seq.block_table = blocks[sum(per_seq[:i]) : sum(per_seq[: i + 1])]
+        seq.block_table, blocks = blocks[: _blocks_for(n)], blocks[_blocks_for(n) :]
         seqs.append(seq)
     step: list[ScheduledChunk] = []
     for seq, n in zip(seqs, lengths):
@@ -128,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("the C++ paged attention kernel did not build here; see the warning above")
     loaded = load_model("bundled")
     lengths = [args.long_prompt or args.prompt] + [args.prompt] * (max(args.concurrency) - 1)
-    needed = sum((n + BLOCK_SIZE) // BLOCK_SIZE for n in lengths)
+    needed = sum(_blocks_for(n) for n in lengths)
     runner = ModelRunner(loaded, num_blocks=needed, block_size=BLOCK_SIZE, decode_kernel=kernel)
     # One fixed thread count for both paths: the tuner's trials would otherwise mix counts.
     runner.thread_tuner = ThreadTuner([args.threads])
@@ -138,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for concurrency in args.concurrency:
         # Each step recomputes every sequence's last position, so the contexts stay put.
-        plan = StepPlan([ScheduledChunk(seq=s, start=n, num_tokens=1) for s, n in zip(seqs[:concurrency], lengths)])
+        plan = StepPlan([ScheduledChunk(seq=s, start=s.num_computed_tokens, num_tokens=1) for s in seqs[:concurrency]])
         step = _interleaved({"kernel": lambda: _run(runner, plan, kernel), "gathered": lambda: _run(runner, plan, None)},
                             args.steps, args.warmup)
         alone = _attention_alone(runner, plan, kernel, rounds=5 * args.steps)
