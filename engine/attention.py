@@ -72,6 +72,8 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
     num_tokens: int
+    # Every row is a decode (no prefill chunk in the step): rope_decode_attention may serve it.
+    decode_only: bool = False
     # The metadata of the layers with a sliding window, when the model has them.
     windowed: AttentionMetadata | None = None
     # Causal attention for chunks that start at 0 (engine/attention_kernels.py); None: SDPA.
@@ -166,7 +168,8 @@ class AttentionMetadata:
                 mask &= key_pos > q_pos - window
             context = [table[p // block_size] * block_size + p % block_size for p in range(first, end)]
             prefills.append(PrefillChunk(rows=rows, context_slots=as_tensor(context), mask=mask, starts_at_zero=start == 0))
-        return cls(slot_mapping=as_tensor(slots), decode=decode, prefills=prefills, num_tokens=row)
+        return cls(slot_mapping=as_tensor(slots), decode=decode, prefills=prefills, num_tokens=row,
+                   decode_only=decode is not None and not prefills)
 
 
 def paged_attention(
@@ -221,6 +224,20 @@ def paged_attention(
             return o
         out[p.rows] = o
     return out
+
+
+def rope_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                          meta: AttentionMetadata, layer: LayerAttention, num_heads: int) -> torch.Tensor:
+    """``paged_attention`` for a step of decodes only on the CPU kernel, from the fused q|k|v projection
+    ``[T, (heads + 2 * kv_heads) * d]`` before RoPE: the rotation (all of each head, tables from
+    engine/rope.py), the KV write and the attention in one call (csrc/paged_attention.cpp). Returns
+    ``[T, heads * d]``; rotates ``qkv``'s query and key heads in place, as the unfused path does."""
+    if layer.window is not None:
+        meta = meta.windowed
+    d = meta.decode
+    return torch.ops.tiergate.rope_decode_attention(qkv, cos, sin, kv_cache, meta.slot_mapping, d.block_tables,
+                                                    d.context_lens, num_heads, layer.scale, layer.window or 0,
+                                                    layer.softcap or 0.0)
 
 
 def _gathered_decode(

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, LayerAttention, paged_attention
+from engine.attention import AttentionMetadata, LayerAttention, paged_attention, rope_decode_attention
 from engine.kv_cache import KVCache
 from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
@@ -43,6 +43,9 @@ class LayerInputs:
     rope: dict[str, RopeTables]  # by a layer's ``rope_tables``: "global", "local"
     lora: LoraBatchLike | None
     fused: bool  # the fused CPU kernels (norms, RoPE, the SiLU gate) or torch's ops, all together
+    # Every row decodes on the CPU's paged kernel, with the fused kernels: a layer whose RoPE is
+    # plain makes its rotation, KV write and attention one call (attention.rope_decode_attention).
+    fused_decode: bool = False
 
 
 # Projections are kept transposed, [in, out]: the plain path's torch.mm reads them faster so
@@ -81,6 +84,8 @@ class DecoderLayer(nn.Module):
         self.qk_norm = "head" if family.qk_norm else "whole" if full else None
         self.rope_tables = None if index in cfg.nope_layers else "local" if index in cfg.local_rope_layers else "global"
         self.rotary_dim = cfg.rotary_dim if cfg.rotary_dim < cfg.head_dim else None
+        # Whole heads rotated and nothing between the projection and RoPE: rope_decode_attention serves.
+        self.plain_rope = self.qk_norm is None and self.rope_tables is not None and self.rotary_dim is None
         self.attn = LayerAttention(cfg.attn_scale or cfg.head_dim**-0.5,
                                    cfg.sliding_window if index in cfg.sliding_layers else None, cfg.attn_logit_softcap)
         self.pre_norms = family.pre_norms
@@ -98,13 +103,27 @@ class DecoderLayer(nn.Module):
 
     def attention(self, x: torch.Tensor, h: torch.Tensor, step: LayerInputs) -> torch.Tensor:
         """Self-attention over the paged KV cache, added into ``h``; returns the MLP's input."""
-        tokens, lora, i = x.shape[0], step.lora, self.index
-        heads, head_dim, q_size, qk_size = self.heads, self.head_dim, self.q_size, self.qk_size
+        lora, i = step.lora, self.index
         qkv = linear(x, self.qkv)
         if self.has_qkv_bias:
             qkv.add_(self.qkv_bias)
         if lora is not None:
             lora.apply(i, "qkv", x, qkv)
+        if step.fused_decode and self.plain_rope:
+            attn = rope_decode_attention(qkv, *step.rope[self.rope_tables], step.kv_cache.layers[i], step.meta,
+                                         self.attn, self.heads)
+        else:
+            attn = self._attend(qkv, step)
+        o = linear(attn, self.o)
+        if lora is not None:
+            lora.apply(i, "o", attn, o)
+        return self._join(h, o, self.attn_out_norm if self.sandwich_norms else None,
+                          self.post_norm if self.pre_norms else None, step.fused)
+
+    def _attend(self, qkv: torch.Tensor, step: LayerInputs) -> torch.Tensor:
+        """The fused projection's heads through q/k norms and RoPE, then paged attention: ``[T, heads * d]``."""
+        tokens, i = qkv.shape[0], self.index
+        heads, head_dim, q_size, qk_size = self.heads, self.head_dim, self.q_size, self.qk_size
         qk = qkv[:, :qk_size].view(tokens, heads + self.kv_heads, head_dim)
         if self.qk_norm == "head":
             qk[:, :heads] = F.rms_norm(qk[:, :heads], (head_dim,), self.q_norm, self.eps)
@@ -117,12 +136,7 @@ class DecoderLayer(nn.Module):
             apply_rope_(qk if self.rotary_dim is None else qk[..., :self.rotary_dim], cos, sin, step.fused)
         q = qkv[:, :q_size].view(tokens, heads, head_dim)
         kv = qkv[:, q_size:].view(tokens, 2, self.kv_heads, head_dim)
-        attn = paged_attention(q, kv, step.kv_cache.layers[i], step.meta, self.attn)
-        o = linear(attn, self.o)
-        if lora is not None:
-            lora.apply(i, "o", attn, o)
-        return self._join(h, o, self.attn_out_norm if self.sandwich_norms else None,
-                          self.post_norm if self.pre_norms else None, step.fused)
+        return paged_attention(q, kv, step.kv_cache.layers[i], step.meta, self.attn)
 
     def mlp(self, x: torch.Tensor, h: torch.Tensor, step: LayerInputs, next_norm: torch.Tensor | None) -> torch.Tensor:
         """The gated MLP, added into ``h``; returns the next layer's input (``next_norm``: its norm)."""

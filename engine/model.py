@@ -301,7 +301,8 @@ class DecoderModel(nn.Module):
         cfg, fused = self.cfg, self.fused_norms
         tables = self.rope.tables(positions, self.dtype, long_rows)
         local_tables = tables if self.local_rope is None else self.local_rope.tables(positions, self.dtype)
-        step = LayerInputs(meta, kv_cache, {"global": tables, "local": local_tables}, lora, fused)
+        step = LayerInputs(meta, kv_cache, {"global": tables, "local": local_tables}, lora, fused,
+                           fused_decode=fused and meta.decode_only and meta.decode.kernel is not None)
         h = self.embed.dequantize_rows(input_ids) if isinstance(self.embed, PackedWeight) else F.embedding(input_ids, self.embed)
         if self.family.embed_scale:
             h = h * torch.tensor(cfg.hidden_size**0.5, dtype=h.dtype)

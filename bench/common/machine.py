@@ -28,6 +28,14 @@ def _simd_flags() -> list[str]:
     return sorted(f for f in flags if f.startswith(SIMD_FLAG_PREFIXES))
 
 
+def _cpu_model() -> str:
+    """The model name, with the family and model numbers: some guests name only the vendor's line
+    ("AMD EPYC"), which says nothing of the generation (family 25 model 1 is a Zen 3, model 17 a Zen 4)."""
+    name = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    family, model = _proc_field("/proc/cpuinfo", "cpu family"), _proc_field("/proc/cpuinfo", "model")
+    return f"{name} (family {family}, model {model})" if family and model else name
+
+
 def describe() -> dict:
     mem_kb = _proc_field("/proc/meminfo", "MemTotal")
     versions = {"python": sys.version.split()[0]}
@@ -38,7 +46,7 @@ def describe() -> dict:
             versions[name] = None
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
+        "cpu": _cpu_model(),
         # The SIMD the kernels can use decides most of the engine numbers (AVX-512, bf16, VNNI...).
         "cpu_flags": _simd_flags(),
         "cores": os.cpu_count(),

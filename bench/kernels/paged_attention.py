@@ -5,7 +5,9 @@ The bundled SmolLM2-135M on this CPU: 32 sequences prefill a prompt of
 churn); then, for each concurrency level, the first N of them take decode
 steps at position ``--prompt``, each step run once through the kernel and once
 through the gathered path (order alternating, so both see the same load), both
-in this process on the same weights and KV cache. Then the same for one
+in this process on the same weights and KV cache, and a third time through the kernel with each
+layer's RoPE, KV write and attention as separate calls ("separate"; the kernel's step makes them one
+call, attention.rope_decode_attention). Then the same for one
 layer's attention call alone (cache flushed between calls, as the rest of a
 step flushes it). ``--long-prompt N``: the first sequence's context is N tokens
 instead, a long context among short ones (how the kernel shares uneven work
@@ -14,8 +16,10 @@ above 1 means the kernel is faster. Last, one layer's causal attention of a
 whole prompt of each ``--prefill-lengths`` length, the prefill kernel
 (csrc/prefill_attention.cpp) against SDPA, alternating the same way.
 
+``--native``: the bundled file's weights as the engine serves them (quantized), not dequantized.
+
     .venv/bin/python -m bench.kernels.paged_attention [--concurrency 1,8,32] [--prompt 250]
-        [--long-prompt N] [--prefill-lengths 64,250,1000] [--steps 30] [--threads N] [--json PATH]
+        [--long-prompt N] [--prefill-lengths 64,250,1000] [--steps 30] [--threads N] [--native] [--json PATH]
 """
 
 from __future__ import annotations
@@ -71,8 +75,12 @@ def _prefilled(runner: ModelRunner, lengths: list[int], seed: int) -> list[Seque
     return seqs
 
 
-def _run(runner: ModelRunner, plan: StepPlan, kernel) -> None:
+def _run(runner: ModelRunner, plan: StepPlan, kernel, one_call: list[bool]) -> None:
+    """One decode step; a layer whose ``one_call`` is False keeps its RoPE, KV write and attention as
+    separate calls (``DecoderLayer.plain_rope`` lets a layer make them one)."""
     runner.decode_kernel = kernel
+    for layer, plain in zip(runner.model.layers, one_call):
+        layer.plain_rope = plain
     runner.execute(plan)
 
 
@@ -130,12 +138,14 @@ def run(args: argparse.Namespace) -> dict:
     kernel = cpu_decode_kernel()
     if kernel is None:
         raise SystemExit("the C++ paged attention kernel did not build here; see the warning above")
-    loaded = load_model("bundled")
+    loaded = load_model("bundled", native_gguf=args.native)
     lengths = [args.long_prompt or args.prompt] + [args.prompt] * (max(args.concurrency) - 1)
     needed = sum(_blocks_for(n) for n in lengths)
     runner = ModelRunner(loaded, num_blocks=needed, block_size=BLOCK_SIZE, decode_kernel=kernel)
     # One fixed thread count for both paths: the tuner's trials would otherwise mix counts.
     runner.thread_tuner = ThreadTuner([args.threads])
+    one_call = [layer.plain_rope for layer in runner.model.layers]
+    apart = [False] * len(one_call)
     torch.set_num_threads(args.threads)
     seqs = _prefilled(runner, lengths, seed=0)
 
@@ -143,12 +153,14 @@ def run(args: argparse.Namespace) -> dict:
     for concurrency in args.concurrency:
         # Each step recomputes every sequence's last position, so the contexts stay put.
         plan = StepPlan([ScheduledChunk(seq=s, start=s.num_computed_tokens, num_tokens=1) for s in seqs[:concurrency]])
-        step = _interleaved({"kernel": lambda: _run(runner, plan, kernel), "gathered": lambda: _run(runner, plan, None)},
-                            args.steps, args.warmup)
+        step = _interleaved({"kernel": lambda: _run(runner, plan, kernel, one_call),
+                             "gathered": lambda: _run(runner, plan, None, one_call),
+                             "separate": lambda: _run(runner, plan, kernel, apart)}, args.steps, args.warmup)
         alone = _attention_alone(runner, plan, kernel, rounds=5 * args.steps)
         rows.append({"concurrency": concurrency,
                      "kernel_ms": step["kernel"] * 1e3, "gathered_ms": step["gathered"] * 1e3,
-                     "ratio": step["gathered"] / step["kernel"],
+                     "ratio": step["gathered"] / step["kernel"], "separate_ms": step["separate"] * 1e3,
+                     "one_call_ratio": step["separate"] / step["kernel"],
                      "attention_kernel_ms": alone["kernel"] * 1e3, "attention_gathered_ms": alone["gathered"] * 1e3,
                      "attention_ratio": alone["gathered"] / alone["kernel"]})
     prefill = []
@@ -158,20 +170,24 @@ def run(args: argparse.Namespace) -> dict:
         prefill.append({"tokens": length, "kernel_ms": alone["kernel"] * 1e3, "sdpa_ms": alone["sdpa"] * 1e3,
                         "ratio": alone["sdpa"] / alone["kernel"], "kernel_gflop_per_s": flops / alone["kernel"] / 1e9,
                         "sdpa_gflop_per_s": flops / alone["sdpa"] / 1e9})
-    return {"machine": machine.describe(), "threads": args.threads, "prompt": args.prompt,
+    return {"machine": machine.describe(), "threads": args.threads, "prompt": args.prompt, "native": args.native,
             "long_prompt": args.long_prompt, "steps": args.steps, "rows": rows, "prefill": prefill}
 
 
 def render(result: dict) -> str:
     long = f" (the first sequence's {result['long_prompt']})" if result.get("long_prompt") else ""
-    lines = [f"{result['prompt']}-token contexts{long}, {result['threads']} thread(s), A/B interleaved, medians "
+    weights = "quantized weights as served" if result.get("native") else "weights dequantized to float32"
+    lines = [f"{result['prompt']}-token contexts{long}, {weights}, {result['threads']} thread(s), A/B interleaved, medians "
              f"({result['steps']} decode steps; {5 * result['steps']} attention calls)",
-             f"{'':>11}  {'decode step (ms)':^36}  {'one layer attention (ms)':^36}",
-             f"{'concurrency':>11}  {'kernel':>9} {'gathered':>9} {'ratio':>15}  {'kernel':>9} {'gathered':>9} {'ratio':>15}"]
+             f"{'':>11}  {'decode step (ms)':^56}  {'one layer attention (ms)':^36}",
+             f"{'concurrency':>11}  {'kernel':>9} {'gathered':>9} {'ratio':>9} {'separate':>9} {'one call':>15}"
+             f"  {'kernel':>9} {'gathered':>9} {'ratio':>15}"]
     for r in result["rows"]:
-        lines.append(f"{r['concurrency']:>11}  {r['kernel_ms']:>9.2f} {r['gathered_ms']:>9.2f} {r['ratio']:>14.2f}x"
+        lines.append(f"{r['concurrency']:>11}  {r['kernel_ms']:>9.2f} {r['gathered_ms']:>9.2f} {r['ratio']:>8.2f}x"
+                     f" {r['separate_ms']:>9.2f} {r['one_call_ratio']:>14.2f}x"
                      f"  {r['attention_kernel_ms']:>9.3f} {r['attention_gathered_ms']:>9.3f} {r['attention_ratio']:>14.2f}x")
-    lines.append("ratio = gathered / kernel: above 1, the in-place kernel is faster")
+    lines.append("ratio = gathered / kernel: above 1, the in-place kernel is faster; one call = separate / kernel: "
+                 "above 1, a layer's RoPE, KV write and attention in one call (the kernel's path) beat them apart")
     lines += ["", "one layer's causal attention over a whole prompt (ms; GFLOP/s of the causal half)",
               f"{'tokens':>11}  {'kernel':>15} {'sdpa':>15} {'ratio':>9}"]
     for r in result.get("prefill", []):
@@ -191,6 +207,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--native", action="store_true", help="the file's quantized weights, as the engine serves them")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
     counts = args.concurrency + [args.prompt, args.steps, args.threads]

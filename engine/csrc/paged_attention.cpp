@@ -24,6 +24,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "rope_rotate.h"
 #include "simd_lanes.h"
 
 #include <algorithm>
@@ -305,10 +306,55 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+// A decode step's attention from the fused q|k|v projection [batch, (heads + 2 * kv_heads) * head_dim],
+// float32: each row's query and key heads rotated in place (RoPE; cos and the sign-folded sin
+// [batch, 1, head_dim] as rope_ takes them), its keys and values written to its slot of the pool, then
+// paged_decode_attention. One call where the Python around it made six (the slices, the rotation, the
+// write): at a decode step each of those cost more to dispatch than to compute, thirty layers over.
+at::Tensor rope_decode_attention(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache,
+                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                 const at::Tensor& context_lens, int64_t num_heads, double scale, int64_t window,
+                                 double softcap) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rope_decode_attention: float32 CPU tensors only");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(2) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [blocks, block_size, 2, kv_heads, head_dim]");
+  const int64_t batch = qkv.size(0), kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
+  const int64_t rotated = num_heads + kv_heads, kv_row = 2 * kv_heads * head_dim;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * kv_heads) * head_dim &&
+                  head_dim % 2 == 0, "qkv must be [batch, (heads + 2 * kv_heads) * even head_dim], rows contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == batch * head_dim &&
+                  sin.numel() == batch * head_dim, "cos and sin must be contiguous [batch, 1, head_dim]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == batch,
+              "slot_mapping must be int64 [batch]");
+  const int64_t slots = kv_cache.size(0) * kv_cache.size(1), half = head_dim / 2;
+  const int64_t* slot = slot_mapping.const_data_ptr<int64_t>();
+  for (int64_t row = 0; row < batch; ++row)
+    TORCH_CHECK(slot[row] >= 0 && slot[row] < slots, "slot ", slot[row], " is outside the pool");
+  float* data = qkv.mutable_data_ptr<float>();
+  float* cache = kv_cache.mutable_data_ptr<float>();
+  const float* c = cos.const_data_ptr<float>();
+  const float* sn = sin.const_data_ptr<float>();
+  for (int64_t row = 0; row < batch; ++row) {
+    float* heads = data + row * qkv.stride(0);
+    const float* ct = c + row * head_dim;
+    const float* st = sn + row * head_dim;
+    for (int64_t h = 0; h < rotated; ++h) tiergate_rope::rotate_head(heads + h * head_dim, ct, st, half);
+    std::memcpy(cache + slot[row] * kv_row, heads + num_heads * head_dim, kv_row * sizeof(float));
+  }
+  const at::Tensor q = qkv.as_strided({batch, num_heads, head_dim}, {qkv.stride(0), head_dim, 1});
+  return paged_decode_attention(q, kv_cache, block_tables, context_lens, scale, window, softcap);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tiergate, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale, "
         "int window=0, float softcap=0.0) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+  m.def("rope_decode_attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, int num_heads, float scale, int window=0, float softcap=0.0) "
+        "-> Tensor");
+  m.impl("rope_decode_attention", c10::DispatchKey::CPU, TORCH_FN(rope_decode_attention));
 }

@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "rope_rotate.h"
 #include "simd_lanes.h"
 
 #include <algorithm>
@@ -39,15 +40,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     for (int64_t t = begin; t < end; ++t) {
       const float* ct = c + t * dim;
       const float* st = s + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* v = data + t * row + h * head;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half];
-          v[i] = a * ct[i] + b * st[i];
-          v[i + half] = b * ct[i + half] + a * st[i + half];
-        }
-      }
+      for (int64_t h = 0; h < heads; ++h) tiergate_rope::rotate_head(data + t * row + h * head, ct, st, half);
     }
   });
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import decoder_layer
 from engine.loader import load_model
 from engine.attention_kernels import decode_kernel_for, prefill_kernel_for
 from engine.runner import ModelRunner
@@ -109,6 +110,28 @@ def test_a_decode_batch_of_different_context_lengths_gives_hf_greedy_tokens_and_
             diff = (torch.log_softmax(row, dim=-1) - expected).abs().max().item()
             assert diff < 1e-3, f"seq of {seq.num_prompt_tokens} prompt tokens: logprobs differ by {diff}"
         finish_step(plan, logits)
+
+
+def test_steps_of_decodes_only_rotate_write_and_attend_in_one_call_and_match_hf(setup, assert_matches_hf, monkeypatch):
+    """With the CPU kernels, every layer of a step of decodes only goes through attention.rope_decode_attention
+    (RoPE, the KV write and the attention in one call), and no layer of a step that holds a prefill does;
+    without them no layer does. The logits are HF's either way."""
+    runner, ref, pool = setup
+    calls = []
+    one_call = decoder_layer.rope_decode_attention
+    monkeypatch.setattr(decoder_layer, "rope_decode_attention", lambda *args: calls.append(1) or one_call(*args))
+    a, b = Sequence("a", _prompt(6, 21)), Sequence("b", _prompt(5, 22))
+    plan = StepPlan([chunk(a, 0, 6, pool, BLOCK_SIZE)])
+    finish_step(plan, runner.execute(plan))
+    plan = StepPlan([chunk(a, 6, 1, pool, BLOCK_SIZE), chunk(b, 0, 5, pool, BLOCK_SIZE)])
+    assert_matches_hf(ref, plan, logits := runner.execute(plan))
+    finish_step(plan, logits)
+    assert calls == []
+    plan = StepPlan([chunk(a, 7, 1, pool, BLOCK_SIZE), chunk(b, 5, 1, pool, BLOCK_SIZE)])
+    assert_matches_hf(ref, plan, runner.execute(plan))
+    # Layers that norm q and k (qwen3), rotate part of each head or take no RoPE (smollm3's) keep the calls apart.
+    plain_rope_layers = [layer for layer in runner.model.layers if layer.plain_rope]
+    assert len(calls) == (len(plain_rope_layers) if runner.decode_kernel is not None else 0)
 
 
 def test_prefix_cached_blocks_computed_by_another_sequence_are_reused(setup, assert_matches_hf):

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, LayerAttention, paged_attention
+from engine.attention import AttentionMetadata, LayerAttention, paged_attention, rope_decode_attention
 from engine.attention_kernels import cpu_decode_kernel
-from tests.engine.paged_attention_reference import CASES, VARIANTS, random_case, reference, variant_case
+from engine.rope import apply_rope_
+from tests.engine.paged_attention_reference import CASES, VARIANTS, DecodeCase, random_case, reference, variant_case
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -156,3 +157,66 @@ def test_paged_attention_off_keeps_the_gathered_path(monkeypatch):
 
     monkeypatch.setenv("TIERGATE_PAGED_ATTENTION", "off")
     assert decode_kernel_for("cpu") is None
+
+
+def _rope_tables(tokens: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin ``[tokens, 1, head_dim]``, as engine/rope.py's ``Rope.tables`` builds them."""
+    angles = torch.rand(tokens, head_dim // 2, generator=torch.Generator().manual_seed(seed)) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", ["smollm2_gqa", "odd_block_size", "single_sequence", "mha",
+                                  "window_across_blocks", "window_and_softcap"])
+def test_rope_decode_attention_rotates_writes_and_attends_as_the_separate_calls_do(kernel, case, threads):
+    """The one-call decode path (attention.rope_decode_attention) against what it replaces: qkv's query and
+    key heads rotated in place, the values left, each row's keys and values in its slot and nothing else
+    in the pool changed, and the attention over that pool equal to the float64 reference."""
+    if case in VARIANTS:
+        data = variant_case(case)
+    else:
+        lens, heads, kv_heads, head_dim, block_size = CASES[case]
+        data = random_case(lens, heads, kv_heads, head_dim, block_size, seed=5)
+    batch, heads, head_dim = data.q.shape
+    kv_heads, block_size = data.kv_cache.shape[3], data.kv_cache.shape[1]
+    lens = data.context_lens.tolist()
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(7))
+    cos, sin = _rope_tables(batch, head_dim, seed=len(case))
+    expected_qkv = qkv.double().clone()
+    apply_rope_(expected_qkv[:, : (heads + kv_heads) * head_dim].view(batch, heads + kv_heads, head_dim),
+                cos.double(), sin.double())
+    slots = [int(data.block_tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+             for i, n in enumerate(lens)]
+    expected_cache = data.kv_cache.double().clone()
+    expected_cache.view(-1, 2 * kv_heads * head_dim)[slots] = expected_qkv[:, heads * head_dim:]
+    expected = reference(DecodeCase(expected_qkv[:, : heads * head_dim].view(batch, heads, head_dim), expected_cache,
+                                    data.block_tables, data.context_lens, data.window, data.softcap))
+
+    chunks = [(n - 1, 1, data.block_tables[i].tolist()) for i, n in enumerate(lens)]
+    meta = AttentionMetadata.build(chunks, block_size, "cpu", kernel, data.window or None)
+    assert meta.decode_only
+    layer = LayerAttention(head_dim**-0.5, data.window or None, data.softcap or None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = rope_decode_attention(qkv, cos, sin, data.kv_cache, meta, layer, heads)
+    finally:
+        torch.set_num_threads(before)
+    assert (qkv.double() - expected_qkv).abs().max().item() < 1e-5
+    assert (data.kv_cache.double() - expected_cache).abs().max().item() < 1e-5
+    assert (out.double() - expected).abs().max().item() < 1e-5
+
+
+def test_rope_decode_attention_refuses_slots_outside_the_pool_and_other_dtypes(kernel):
+    data = random_case([5], 4, 2, 16, 4)
+    qkv = torch.randn(1, (4 + 2 * 2) * 16)
+    cos, sin = _rope_tables(1, 16, seed=0)
+    call = torch.ops.tiergate.rope_decode_attention
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        call(qkv, cos, sin, data.kv_cache, torch.tensor([data.kv_cache.shape[0] * 4]), data.block_tables,
+             data.context_lens, 4, 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        call(qkv.double(), cos, sin, data.kv_cache, torch.tensor([0]), data.block_tables, data.context_lens, 4, 0.25)
+    with pytest.raises(RuntimeError, match="heads \\+ 2 \\* kv_heads"):
+        call(qkv[:, :-16], cos, sin, data.kv_cache, torch.tensor([0]), data.block_tables, data.context_lens, 4, 0.25)
