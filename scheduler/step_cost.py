@@ -35,6 +35,10 @@ OUTLIER_FACTOR = 1.5
 # each one: a clip needs no precision, and a solve per step is a visible share of a small model's
 # single-stream decode step (docs/performance.md).
 CLIP_REFIT_STEPS = 16
+# Observations wait in a list and join the weighted sums this many at a time (or before a solve): one
+# small matrix product instead of three numpy operations a step, which after a forward that streamed
+# the weights through the caches cost a small model's decode step more than the arithmetic suggests.
+FOLD_STEPS = 16
 # The fit is one set of coefficients for every kind of step, so it can sit low for the kind a latency
 # bound cuts (a stream's decode beside a chunk deep in a long prompt), and each such step then runs
 # past its bound. ``overrun()`` is how far they did: the OVERRUN_QUANTILE of duration over prediction
@@ -71,6 +75,7 @@ class StepCostModel:
         self._ridge = PRIOR_STEPS * _SCALES**2
         self._xtx = np.zeros((_N, _N))
         self._xty = np.zeros(_N)
+        self._pending: list[tuple[float, ...]] = []  # (features..., duration) observed, not yet in the sums
         self._fit: StepCost | None = prior
         self._clip_fit = prior
         self._clip_fit_at = 0
@@ -80,16 +85,28 @@ class StepCostModel:
     def observe(self, features: StepFeatures, duration_s: float) -> None:
         if duration_s < 0:
             raise ValueError("a step's duration must not be negative")
-        x = np.array(features.row())
         y = duration_s
         if self.observed >= WARMUP_STEPS:
             if self.observed - self._clip_fit_at >= CLIP_REFIT_STEPS:
                 self._clip_fit, self._clip_fit_at = self.coefficients(), self.observed
             y = min(y, OUTLIER_FACTOR * max(predict(self._clip_fit, features), 1e-6))
-        self._xtx = self.decay * self._xtx + np.outer(x, x)
-        self._xty = self.decay * self._xty + x * y
+        self._pending.append((*features.row(), y))
+        if len(self._pending) >= FOLD_STEPS:
+            self._fold()
         self._fit = None
         self.observed += 1
+
+    def _fold(self) -> None:
+        """The pending observations into the decayed sums, each weighted as if added one step at a time."""
+        if not self._pending:
+            return
+        rows = np.array(self._pending)
+        self._pending.clear()
+        x, y = rows[:, :_N], rows[:, _N]
+        weighted = x * (self.decay ** np.arange(len(rows) - 1, -1, -1))[:, None]
+        older = self.decay ** len(rows)
+        self._xtx = older * self._xtx + weighted.T @ x
+        self._xty = older * self._xty + weighted.T @ y
 
     def observe_step(self, plan: StepPlan, duration_s: float) -> None:
         """Learn from a finished step of ``plan``; one planned under a latency bound also counts in ``overrun()``."""
@@ -116,6 +133,7 @@ class StepCostModel:
         # Ridge toward the prior: minimise |y - Xc|^2 + sum(ridge * (c - prior)^2). A negative
         # coefficient is fixed at zero and the rest refitted (active set; six features, at most
         # six rounds). Written here because scipy's nnls has no ridge term and scipy is no dependency.
+        self._fold()
         a = self._xtx + np.diag(self._ridge)
         b = self._xty + self._ridge * self._prior
         active = list(range(_N))

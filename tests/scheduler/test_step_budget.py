@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
 from scheduler.config import StepCost, TierConfig
 from scheduler.plan import ScheduledChunk, attention_pairs
+from scheduler import step_cost
 from scheduler.step_budget import PLAN_TO, step_target_s
 from scheduler.step_cost import (OVERRUN_MAX, OVERRUN_MEMORY, OVERRUN_MIN_STEPS, StepCostModel, StepFeatures, predict,
                                  step_features)
@@ -368,6 +369,27 @@ def test_the_cost_model_learns_the_engines_steps_and_shrugs_off_a_stall(stall, t
         model.observe(f, predict(truth, f) * (stall if i == 350 else 1))  # one stall near the end
     for f in (StepFeatures(0, 8, 800), StepFeatures(64, 4, 3000), StepFeatures(300, 12, 5000)):
         assert model.predict(f) == pytest.approx(predict(truth, f), rel=tolerance)
+
+
+@pytest.mark.parametrize("observed", [5, 16, 37])
+def test_the_cost_model_fits_the_same_whether_steps_join_its_sums_one_by_one_or_in_batches(observed, monkeypatch):
+    """Observations wait and join the weighted sums a batch at a time (step_cost.FOLD_STEPS): each weighted as if
+    added at its step, so the fit after any number of them, a partial batch included, is the one-by-one fit."""
+    truth = StepCost(0.02, 2e-3, 3e-4, 2e-6)
+    rng = random.Random(observed)
+    steps = [StepFeatures(rng.choice([0, 16, 300]), rng.randint(0, 12), rng.randint(10, 5000)) for _ in range(observed)]
+    durations = [predict(truth, f) * rng.uniform(0.8, 1.2) for f in steps]
+
+    def fitted() -> StepCost:
+        model = StepCostModel(COST, memory_steps=20)
+        for f, duration in zip(steps, durations):
+            model.observe(f, duration)
+        return model.coefficients()
+
+    batched = fitted()
+    monkeypatch.setattr(step_cost, "FOLD_STEPS", 1)
+    assert batched.as_tuple() == pytest.approx(fitted().as_tuple(), rel=1e-9, abs=1e-15)
+    assert batched != COST  # the steps moved the fit, so the comparison can fail
 
 
 def test_the_cost_model_predicts_from_its_prior_before_any_step():
