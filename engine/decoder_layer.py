@@ -25,7 +25,7 @@ from engine.kv_cache import KVCache
 from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
 from engine.norms import add_rms_norm_, rms_norm
-from engine.packed_linear import Weight, linear
+from engine.packed_linear import Weight, linear, linear_add_rms_norm_
 from engine.rope import apply_rope_
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -44,7 +44,8 @@ class LayerInputs:
     lora: LoraBatchLike | None
     fused: bool  # the fused CPU kernels (norms, RoPE, the SiLU gate) or torch's ops, all together
     # Every row decodes on the CPU's paged kernel, with the fused kernels: a layer whose RoPE is
-    # plain makes its rotation, KV write and attention one call (attention.rope_decode_attention).
+    # plain makes its rotation, KV write and attention one call (attention.rope_decode_attention),
+    # and one whose join is plain adds and norms in its projections' calls where they can.
     fused_decode: bool = False
 
 
@@ -91,6 +92,9 @@ class DecoderLayer(nn.Module):
         self.pre_norms = family.pre_norms
         self.sandwich_norms = family.sandwich_norms
         self.residual_multiplier = cfg.residual_multiplier
+        # A block's output added into h as it is and h normed for the next block: the projection may
+        # take the add and the norm into its own call (packed_linear.linear_add_rms_norm_).
+        self.plain_join = family.pre_norms and not family.sandwich_norms and cfg.residual_multiplier == 1.0
         self.activation = ACTIVATIONS[cfg.activation]
         self.silu_gate = cfg.activation == "silu"  # the fused kernel's gate
 
@@ -114,6 +118,8 @@ class DecoderLayer(nn.Module):
                                          self.attn, self.heads)
         else:
             attn = self._attend(qkv, step)
+        if step.fused_decode and lora is None and self.plain_join:
+            return linear_add_rms_norm_(attn, self.o, h, self.post_norm, self.eps)
         o = linear(attn, self.o)
         if lora is not None:
             lora.apply(i, "o", attn, o)
@@ -148,6 +154,8 @@ class DecoderLayer(nn.Module):
             act = torch.ops.tiergate.silu_mul(gate_up, inter)
         else:
             act = self.activation(gate_up[:, :inter]) * gate_up[:, inter:]
+        if step.fused_decode and lora is None and self.plain_join and next_norm is not None:
+            return linear_add_rms_norm_(act, self.down, h, next_norm, self.eps)
         down = linear(act, self.down)
         if lora is not None:
             lora.apply(i, "down", act, down)

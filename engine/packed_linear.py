@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from engine.amx_rows import parse_min_rows
 from engine.cpu_build import cpu_kernels_loaded
+from engine.norms import add_rms_norm_
 from tiergate_common.env import BF16_AMX_ROWS, PACKED_WEIGHTS
 
 # The torch releases whose private mkldnn linear ops this module calls with these
@@ -110,6 +111,12 @@ class PackedWeight:
     def dense(self) -> torch.Tensor:
         """The plain ``[in, out]`` weight back (a new tensor, exact)."""
         raise NotImplementedError
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor | None:
+        """``residual += x @ self`` in place and its RMSNorm, where this form's kernel does both in one
+        call (quantized weights); None: it does not, and ``linear_add_rms_norm_`` makes the two calls."""
+        return None
 
     @property
     def nbytes(self) -> int:
@@ -200,6 +207,17 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     if isinstance(weight, PackedWeight):
         return weight(x)
     return torch.mm(x, weight)
+
+
+def linear_add_rms_norm_(x: torch.Tensor, weight: Weight, residual: torch.Tensor, norm: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    """``residual += x @ weight`` in place, then its RMSNorm on the fused CPU kernels: one call where the
+    weight's kernel takes the add and the norm in, the projection and ``add_rms_norm_`` otherwise."""
+    if isinstance(weight, PackedWeight):
+        out = weight.add_rms_norm_(x, residual, norm, eps)
+        if out is not None:
+            return out
+    return add_rms_norm_(residual, linear(x, weight), norm, eps, fused=True)
 
 
 HUGE_PAGE = 2 << 20

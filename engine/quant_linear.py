@@ -181,6 +181,10 @@ class QuantWeight(PackedWeight):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return quant_matmul(x, [self], self._op_args, self.switches)
 
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor | None:
+        return quant_matmul_add_rms_norm_(x, self._op_args, self.switches, residual, weight, eps)
+
     def dense(self) -> torch.Tensor:
         return _dequantize(self.blocks, self.ggml_type).t().contiguous()
 
@@ -217,6 +221,10 @@ class StackedQuantWeight(PackedWeight):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return quant_matmul(x, self.parts, self._op_args, self.switches)
 
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor | None:
+        return quant_matmul_add_rms_norm_(x, self._op_args, self.switches, residual, weight, eps)
+
     def dense(self) -> torch.Tensor:
         return torch.cat([p.dense() for p in self.parts], dim=1)
 
@@ -251,6 +259,18 @@ def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | Non
     if switches.panel_rows is not None and x.shape[0] >= switches.panel_rows:
         return torch.ops.tiergate.quant_panel_linear(x, *op_args)
     return torch.ops.tiergate.quant_linear(x, *op_args, switches.isa)
+
+
+def quant_matmul_add_rms_norm_(x: torch.Tensor, op_args: tuple, switches: KernelSwitches | None,
+                               residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``residual += x @ weights`` in place, then its RMSNorm, in one call of the kernels (``quant_matmul``'s
+    product, the same bits); None where that call does not serve and the caller adds and norms apart: switches
+    not yet set, an x the kernels would convert first, no kernels, or a row count the panel path takes."""
+    if switches is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or not quant_kernels_present():
+        return None
+    if switches.panel_rows is not None and x.shape[0] >= switches.panel_rows:
+        return None
+    return torch.ops.tiergate.quant_linear_add_rms_norm_(x, *op_args, switches.isa, residual, weight, eps)
 
 
 def _fallback_matmul(x: torch.Tensor, parts: list[QuantWeight]) -> torch.Tensor:

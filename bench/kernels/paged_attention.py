@@ -7,7 +7,8 @@ steps at position ``--prompt``, each step run once through the kernel and once
 through the gathered path (order alternating, so both see the same load), both
 in this process on the same weights and KV cache, and a third time through the kernel with each
 layer's RoPE, KV write and attention as separate calls ("separate"; the kernel's step makes them one
-call, attention.rope_decode_attention). Then the same for one
+call, attention.rope_decode_attention), and a fourth with the output and down projections' residual add
+and norm apart ("join apart"; quantized weights take them into the projection's call). Then the same for one
 layer's attention call alone (cache flushed between calls, as the rest of a
 step flushes it). ``--long-prompt N``: the first sequence's context is N tokens
 instead, a long context among short ones (how the kernel shares uneven work
@@ -75,12 +76,13 @@ def _prefilled(runner: ModelRunner, lengths: list[int], seed: int) -> list[Seque
     return seqs
 
 
-def _run(runner: ModelRunner, plan: StepPlan, kernel, one_call: list[bool]) -> None:
-    """One decode step; a layer whose ``one_call`` is False keeps its RoPE, KV write and attention as
-    separate calls (``DecoderLayer.plain_rope`` lets a layer make them one)."""
+def _run(runner: ModelRunner, plan: StepPlan, kernel, rope: list[bool], join: list[bool]) -> None:
+    """One decode step; a layer whose ``rope`` is False keeps its RoPE, KV write and attention as separate
+    calls, one whose ``join`` is False its projections' residual add and norm (``DecoderLayer.plain_rope`` and
+    ``plain_join`` let a layer make them one call each)."""
     runner.decode_kernel = kernel
-    for layer, plain in zip(runner.model.layers, one_call):
-        layer.plain_rope = plain
+    for layer, plain_rope, plain_join in zip(runner.model.layers, rope, join):
+        layer.plain_rope, layer.plain_join = plain_rope, plain_join
     runner.execute(plan)
 
 
@@ -144,8 +146,8 @@ def run(args: argparse.Namespace) -> dict:
     runner = ModelRunner(loaded, num_blocks=needed, block_size=BLOCK_SIZE, decode_kernel=kernel)
     # One fixed thread count for both paths: the tuner's trials would otherwise mix counts.
     runner.thread_tuner = ThreadTuner([args.threads])
-    one_call = [layer.plain_rope for layer in runner.model.layers]
-    apart = [False] * len(one_call)
+    rope, join = [layer.plain_rope for layer in runner.model.layers], [layer.plain_join for layer in runner.model.layers]
+    apart = [False] * len(rope)
     torch.set_num_threads(args.threads)
     seqs = _prefilled(runner, lengths, seed=0)
 
@@ -153,14 +155,16 @@ def run(args: argparse.Namespace) -> dict:
     for concurrency in args.concurrency:
         # Each step recomputes every sequence's last position, so the contexts stay put.
         plan = StepPlan([ScheduledChunk(seq=s, start=s.num_computed_tokens, num_tokens=1) for s in seqs[:concurrency]])
-        step = _interleaved({"kernel": lambda: _run(runner, plan, kernel, one_call),
-                             "gathered": lambda: _run(runner, plan, None, one_call),
-                             "separate": lambda: _run(runner, plan, kernel, apart)}, args.steps, args.warmup)
+        step = _interleaved({"kernel": lambda: _run(runner, plan, kernel, rope, join),
+                             "gathered": lambda: _run(runner, plan, None, rope, join),
+                             "separate": lambda: _run(runner, plan, kernel, apart, join),
+                             "join_apart": lambda: _run(runner, plan, kernel, rope, apart)}, args.steps, args.warmup)
         alone = _attention_alone(runner, plan, kernel, rounds=5 * args.steps)
         rows.append({"concurrency": concurrency,
                      "kernel_ms": step["kernel"] * 1e3, "gathered_ms": step["gathered"] * 1e3,
                      "ratio": step["gathered"] / step["kernel"], "separate_ms": step["separate"] * 1e3,
-                     "one_call_ratio": step["separate"] / step["kernel"],
+                     "one_call_ratio": step["separate"] / step["kernel"], "join_apart_ms": step["join_apart"] * 1e3,
+                     "join_ratio": step["join_apart"] / step["kernel"],
                      "attention_kernel_ms": alone["kernel"] * 1e3, "attention_gathered_ms": alone["gathered"] * 1e3,
                      "attention_ratio": alone["gathered"] / alone["kernel"]})
     prefill = []
@@ -179,15 +183,18 @@ def render(result: dict) -> str:
     weights = "quantized weights as served" if result.get("native") else "weights dequantized to float32"
     lines = [f"{result['prompt']}-token contexts{long}, {weights}, {result['threads']} thread(s), A/B interleaved, medians "
              f"({result['steps']} decode steps; {5 * result['steps']} attention calls)",
-             f"{'':>11}  {'decode step (ms)':^56}  {'one layer attention (ms)':^36}",
-             f"{'concurrency':>11}  {'kernel':>9} {'gathered':>9} {'ratio':>9} {'separate':>9} {'one call':>15}"
-             f"  {'kernel':>9} {'gathered':>9} {'ratio':>15}"]
+             f"{'':>11}  {'decode step (ms)':^76}  {'one layer attention (ms)':^36}",
+             f"{'concurrency':>11}  {'kernel':>9} {'gathered':>9} {'ratio':>9} {'separate':>9} {'one call':>9}"
+             f" {'join apart':>10} {'join':>7}  {'kernel':>9} {'gathered':>9} {'ratio':>15}"]
     for r in result["rows"]:
         lines.append(f"{r['concurrency']:>11}  {r['kernel_ms']:>9.2f} {r['gathered_ms']:>9.2f} {r['ratio']:>8.2f}x"
-                     f" {r['separate_ms']:>9.2f} {r['one_call_ratio']:>14.2f}x"
+                     f" {r['separate_ms']:>9.2f} {r['one_call_ratio']:>8.2f}x {r['join_apart_ms']:>10.2f}"
+                     f" {r['join_ratio']:>6.2f}x"
                      f"  {r['attention_kernel_ms']:>9.3f} {r['attention_gathered_ms']:>9.3f} {r['attention_ratio']:>14.2f}x")
     lines.append("ratio = gathered / kernel: above 1, the in-place kernel is faster; one call = separate / kernel: "
-                 "above 1, a layer's RoPE, KV write and attention in one call (the kernel's path) beat them apart")
+                 "above 1, a layer's RoPE, KV write and attention in one call (the kernel's path) beat them apart; "
+                 "join = join apart / kernel: above 1, the projections' residual add and norm in their own call "
+                 "(quantized weights, --native) beat add_rms_norm_ apart")
     lines += ["", "one layer's causal attention over a whole prompt (ms; GFLOP/s of the causal half)",
               f"{'tokens':>11}  {'kernel':>15} {'sdpa':>15} {'ratio':>9}"]
     for r in result.get("prefill", []):

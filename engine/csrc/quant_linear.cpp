@@ -301,6 +301,10 @@ bool isa_supported(int64_t isa) {
   return isa == SCALAR;
 }
 
+}  // namespace
+
+namespace tiergate_quant {
+
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
                         at::IntArrayRef out_features, int64_t isa) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
@@ -382,6 +386,10 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
   return out;
 }
 
+}  // namespace tiergate_quant
+
+namespace {
+
 // Rows of a weight in float32 [rows, in], rounded as ggml's (and gguf-py's) dequantizers round:
 // d * q + m, whose product is exact, except Q6_K's d * (q - 32), whose product may round.
 at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t type, int64_t in) {
@@ -413,7 +421,7 @@ bool quant_isa_supported(int64_t isa) { return isa_supported(isa); }
 
 TORCH_LIBRARY_FRAGMENT(tiergate, m) {
   m.def("quant_linear(Tensor x, Tensor[] blocks, int[] types, int[] out_features, int isa) -> Tensor");
-  m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
+  m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(tiergate_quant::quant_linear));
   m.def("quant_dequantize(Tensor blocks, int type, int in_features) -> Tensor");
   m.impl("quant_dequantize", c10::DispatchKey::CPU, TORCH_FN(quant_dequantize));
   m.def("quant_isa_supported(int isa) -> bool");

@@ -13,27 +13,18 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <cmath>
+#include "rms_norm_row.h"
 
 namespace {
 
-// Rows per parallel chunk: a norm of a few decode rows is cheaper than waking a thread.
-int64_t grain_rows(int64_t hidden) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(hidden, 1)); }
+using tiergate_norm::grain_rows;
+using tiergate_norm::normalize_row;
 
 void check(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, hidden] with contiguous rows");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), "weight must be [hidden]");
-}
-
-void normalize_row(const float* row, const float* weight, float* out, int64_t hidden, float eps) {
-  float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < hidden; ++i) squares += row[i] * row[i];
-  const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < hidden; ++i) out[i] = row[i] * scale * weight[i];
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -63,13 +54,8 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at
   const float* w = weight.const_data_ptr<float>();
   float* dst = out.mutable_data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = h + r * stride;
-      const float* add = d + r * delta_stride;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) row[i] += add[i];
-      normalize_row(row, w, dst + r * hidden, hidden, float(eps));
-    }
+    for (int64_t r = begin; r < end; ++r)
+      tiergate_norm::add_normalize_row(h + r * stride, d + r * delta_stride, w, dst + r * hidden, hidden, float(eps));
   });
   return out;
 }

@@ -144,6 +144,38 @@ def test_a_runner_reads_the_kernel_switches_once_for_its_quantized_weights(loade
             w.switches = None  # the module's other tests call these weights as tests do: per call
 
 
+def test_decode_steps_add_and_norm_in_the_projections_calls_with_the_separate_calls_bits(loaded, monkeypatch):
+    """In a step of decodes only, each layer's output and down projections add into the residual and norm it in
+    their own call (quant_linear_add_rms_norm_; the last layer's down keeps its plain add): logits bit for bit
+    those of the separate calls."""
+    model = loaded["q4_k_m"][0]
+    calls = []
+    one_call = engine.quant_linear.quant_matmul_add_rms_norm_
+    monkeypatch.setattr(engine.quant_linear, "quant_matmul_add_rms_norm_",
+                        lambda *args: calls.append(1) or one_call(*args))
+    runner = ModelRunner(model, num_blocks=32, block_size=4)
+    pool = BlockPool(32)
+    try:
+        seqs = [Sequence("a", PROMPT[:9]), Sequence("b", PROMPT[9:20])]
+        runner.execute(StepPlan([chunk(s, 0, s.num_tokens, pool, 4) for s in seqs]))
+        for s in seqs:
+            s.num_computed_tokens = s.num_tokens
+            s.output_token_ids.append(7)
+        assert calls == []  # a prefill step keeps the two calls
+        decode = StepPlan([chunk(s, s.num_computed_tokens, 1, pool, 4) for s in seqs])
+        joined = runner.execute(decode)
+        assert len(calls) == 2 * len(model.model.layers) - 1
+        for layer in model.model.layers:
+            layer.plain_join = False
+        assert torch.equal(runner.execute(decode), joined)
+    finally:
+        for layer in model.model.layers:
+            layer.plain_join = True
+        for w in [model.model.head] + [getattr(layer, p) for layer in model.model.layers for p in PROJECTIONS]:
+            if isinstance(w, engine.quant_linear.QuantWeight | engine.quant_linear.StackedQuantWeight):
+                w.switches = None  # as the switches test leaves them: the module's other tests read them per call
+
+
 def test_a_type_without_a_kernel_is_dequantized_with_one_warning_naming_tensors_and_type(tmp_path, cache,
                                                                                           monkeypatch):
     types = TensorTypes(projections={"attn_v": Q.Q3_K, "1.ffn_down": Q.Q2_K}, default=Q.Q8_0)

@@ -26,6 +26,9 @@ import pytest
 import torch
 
 from engine import quant_linear
+from engine.cpu_build import cpu_kernels_loaded
+from engine.norms import add_rms_norm_
+from engine.packed_linear import linear_add_rms_norm_
 from engine.quant_linear import (
     AUTO_ORDER,
     ISAS,
@@ -33,6 +36,7 @@ from engine.quant_linear import (
     REPACKED_TYPES,
     QuantWeight,
     kernel_isa,
+    kernel_switches,
     quant_kernels_present,
     quantize_weight,
     stack_outputs,
@@ -334,3 +338,40 @@ def test_auto_picks_the_widest_path_and_unknown_or_unsupported_paths_are_refused
 def test_empty_x_gives_an_empty_result():
     w = weight(T.Q4_0, 64, 5)
     assert w(torch.empty(0, 64)).shape == (0, 5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("stacked", [False, True], ids=["one", "stacked"])
+def test_a_projection_added_into_the_residual_and_normed_in_one_call_gives_the_separate_calls_bits(
+        isa, layout, rows, stacked):
+    """linear_add_rms_norm_ on a quantized weight is one call (quant_linear_add_rms_norm_); the residual and the
+    normed output are bit for bit the projection followed by add_rms_norm_, as the layer computed them before."""
+    assert cpu_kernels_loaded(), "the CPU kernels did not build on this machine (see the log)"
+    parts = [weight(T.Q4_K, 512, 40, seed=1)] + ([weight(T.Q8_0, 512, 24, seed=3)] if stacked else [])
+    w = stack_outputs(parts)
+    w.switches = kernel_switches()
+    g = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 512, generator=g), torch.randn(rows, w.out_features, generator=g)
+    norm = torch.rand(w.out_features, generator=g) + 0.5
+    before, expected_residual = residual.clone(), residual.clone()
+    expected = add_rms_norm_(expected_residual, w(x), norm, 1e-5, fused=True)
+    assert w.add_rms_norm_(x, residual.clone(), norm, 1e-5) is not None  # the one call serves here
+    out = linear_add_rms_norm_(x, w, residual, norm, 1e-5)
+    assert torch.equal(residual, expected_residual) and torch.equal(out, expected)
+    assert not torch.equal(residual, before)
+
+
+def test_the_one_call_projection_norm_leaves_what_it_does_not_serve_to_the_two_calls():
+    """Switches not yet read, or a bfloat16 x: None, and linear_add_rms_norm_ makes the two calls; a residual
+    whose width is not the weights' outputs is refused by the operator."""
+    assert cpu_kernels_loaded(), "the CPU kernels did not build on this machine (see the log)"
+    w = weight(T.Q8_0, 256, 16)
+    x, residual, norm = torch.randn(2, 256), torch.randn(2, 16), torch.ones(16)
+    assert w.add_rms_norm_(x, residual, norm, 1e-5) is None  # switches None: read per call, as tests flip them
+    w.switches = kernel_switches()
+    assert w.add_rms_norm_(x.bfloat16(), residual, norm, 1e-5) is None
+    expected_residual = residual.clone()
+    expected = add_rms_norm_(expected_residual, w(x.bfloat16()), norm, 1e-5, fused=True)
+    assert torch.equal(linear_add_rms_norm_(x.bfloat16(), w, residual, norm, 1e-5), expected)
+    with pytest.raises(RuntimeError, match="outputs"):
+        w.add_rms_norm_(x, torch.randn(2, 17), torch.ones(17), 1e-5)
