@@ -7,7 +7,8 @@ tensor work only, which matters with 30 layers and ~10 µs per eager op.
 Decode rows (chunks of one token) go to the in-place paged kernel of
 engine/attention_kernels.py when the runner has one; otherwise (the fallback)
 they share one batched SDPA call over their contexts gathered from the cache
-into ``[B, max_ctx]`` with a length mask.
+into ``[B, max_ctx]`` with a length mask. With the kernel, a chunk of a few tokens
+(``DECODE_ROWS_PER_CHUNK``: drafts to verify, a short prompt) is that many decode rows.
 Each longer chunk gets its own attention: causal over its own keys when it starts
 at position 0, otherwise over the cached context plus itself with an offset causal
 mask (later chunks of a chunked prefill, prefix-cache hits, recompute). The runner's
@@ -29,6 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_kernels import DecodeKernel, PrefillKernel
+
+
+# Chunks of up to this many tokens attend as decode rows where a paged kernel serves them (``_build``): the
+# verification of speculative drafts (k + 1 positions) is one.
+DECODE_ROWS_PER_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -125,11 +131,15 @@ class AttentionMetadata:
         row = 0
         for start, n, table in chunks:
             end = start + n
-            if n == 1:
-                slots.append(table[start // block_size] * block_size + start % block_size)
-                decode_rows.append(row)
-                decode_lens.append(end)
-                decode_tables.append(table[: (end + block_size - 1) // block_size])
+            # A chunk of a few tokens (a row's drafts to verify, a short prompt or its last piece) attends as that
+            # many decode rows, query p over positions [0, p]: the causal attention it needs, with the context read
+            # in place by the paged kernel where the prefill path would gather it first.
+            if n == 1 or (decode_kernel is not None and n <= DECODE_ROWS_PER_CHUNK):
+                for p in range(start, end):
+                    slots.append(table[p // block_size] * block_size + p % block_size)
+                    decode_rows.append(row + p - start)
+                    decode_lens.append(p + 1)
+                    decode_tables.append(table[: (p + block_size) // block_size])
             else:
                 slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
                 prefill_specs.append((row, start, end, table))

@@ -118,7 +118,9 @@ class DecoderLayer(nn.Module):
                                          self.attn, self.heads)
         else:
             attn = self._attend(qkv, step)
-        if step.fused_decode and lora is None and self.plain_join:
+        if step.fused_decode and self.plain_join:
+            if lora is not None:  # the adapters' share straight into h, before the base projection's
+                lora.apply(i, "o", attn, h)
             return linear_add_rms_norm_(attn, self.o, h, self.post_norm, self.eps)
         o = linear(attn, self.o)
         if lora is not None:
@@ -154,7 +156,9 @@ class DecoderLayer(nn.Module):
             act = torch.ops.tiergate.silu_mul(gate_up, inter)
         else:
             act = self.activation(gate_up[:, :inter]) * gate_up[:, inter:]
-        if step.fused_decode and lora is None and self.plain_join and next_norm is not None:
+        if step.fused_decode and self.plain_join and next_norm is not None:
+            if lora is not None:
+                lora.apply(i, "down", act, h)
             return linear_add_rms_norm_(act, self.down, h, next_norm, self.eps)
         down = linear(act, self.down)
         if lora is not None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import decoder_layer
+from engine.attention import DECODE_ROWS_PER_CHUNK
 from engine.loader import load_model
 from engine.attention_kernels import decode_kernel_for, prefill_kernel_for
 from engine.runner import ModelRunner
@@ -120,14 +121,15 @@ def test_steps_of_decodes_only_rotate_write_and_attend_in_one_call_and_match_hf(
     calls = []
     one_call = decoder_layer.rope_decode_attention
     monkeypatch.setattr(decoder_layer, "rope_decode_attention", lambda *args: calls.append(1) or one_call(*args))
-    a, b = Sequence("a", _prompt(6, 21)), Sequence("b", _prompt(5, 22))
-    plan = StepPlan([chunk(a, 0, 6, pool, BLOCK_SIZE)])
+    a, b = Sequence("a", _prompt(12, 21)), Sequence("b", _prompt(DECODE_ROWS_PER_CHUNK + 1, 22))
+    plan = StepPlan([chunk(a, 0, 12, pool, BLOCK_SIZE)])
     finish_step(plan, runner.execute(plan))
-    plan = StepPlan([chunk(a, 6, 1, pool, BLOCK_SIZE), chunk(b, 0, 5, pool, BLOCK_SIZE)])
+    # b's prompt is one token more than a chunk that attends as decode rows: a prefill.
+    plan = StepPlan([chunk(a, 12, 1, pool, BLOCK_SIZE), chunk(b, 0, b.num_tokens, pool, BLOCK_SIZE)])
     assert_matches_hf(ref, plan, logits := runner.execute(plan))
     finish_step(plan, logits)
     assert calls == []
-    plan = StepPlan([chunk(a, 7, 1, pool, BLOCK_SIZE), chunk(b, 5, 1, pool, BLOCK_SIZE)])
+    plan = StepPlan([chunk(a, 13, 1, pool, BLOCK_SIZE), chunk(b, b.num_computed_tokens, 1, pool, BLOCK_SIZE)])
     assert_matches_hf(ref, plan, runner.execute(plan))
     # Layers that norm q and k (qwen3), rotate part of each head or take no RoPE (smollm3's) keep the calls apart.
     plain_rope_layers = [layer for layer in runner.model.layers if layer.plain_rope]

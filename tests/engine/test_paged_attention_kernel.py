@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, LayerAttention, paged_attention, rope_decode_attention
+from engine.attention import (DECODE_ROWS_PER_CHUNK, AttentionMetadata, LayerAttention, paged_attention,
+                              rope_decode_attention)
 from engine.attention_kernels import cpu_decode_kernel
 from engine.rope import apply_rope_
 from tests.engine.paged_attention_reference import CASES, VARIANTS, DecodeCase, random_case, reference, variant_case
@@ -220,3 +221,35 @@ def test_rope_decode_attention_refuses_slots_outside_the_pool_and_other_dtypes(k
         call(qkv.double(), cos, sin, data.kv_cache, torch.tensor([0]), data.block_tables, data.context_lens, 4, 0.25)
     with pytest.raises(RuntimeError, match="heads \\+ 2 \\* kv_heads"):
         call(qkv[:, :-16], cos, sin, data.kv_cache, torch.tensor([0]), data.block_tables, data.context_lens, 4, 0.25)
+
+
+@pytest.mark.parametrize("variant", ["plain", "window_across_blocks", "window_and_softcap"])
+def test_a_chunk_of_a_few_tokens_attends_as_decode_rows_each_over_its_own_prefix(kernel, variant):
+    """Drafts to verify, or a short prompt's last piece: a chunk of up to DECODE_ROWS_PER_CHUNK tokens is that many
+    decode rows on the paged kernel, query p attending to positions [0, p] as the float64 reference does (its own
+    keys and values written first); a chunk one token longer keeps the prefill path."""
+    if variant == "plain":
+        data = random_case([20, 33, 9], 9, 3, 64, 16, seed=11)
+    else:
+        data = variant_case(variant)
+    block_size, (kv_heads, head_dim) = data.kv_cache.shape[1], data.kv_cache.shape[3:]
+    lens = data.context_lens.tolist()
+    sizes = [min(n, k) for n, k in zip(lens, [DECODE_ROWS_PER_CHUNK, 1, 5, 2, 3, 4])]  # a decode among them
+    chunks = [(n - k, k, data.block_tables[i].tolist()) for i, (n, k) in enumerate(zip(lens, sizes))]
+    rows = [(i, p) for i, (n, k) in enumerate(zip(lens, sizes)) for p in range(n - k, n)]
+    heads = data.q.shape[1]
+    q = torch.randn(len(rows), heads, head_dim, generator=torch.Generator().manual_seed(3))
+    slots = [int(data.block_tables[i, p // block_size]) * block_size + p % block_size for i, p in rows]
+    flat = data.kv_cache.view(-1, 2, kv_heads, head_dim)
+    new_kv = flat[slots].clone()
+    expected = reference(DecodeCase(q, data.kv_cache.clone(), data.block_tables[[i for i, _ in rows]],
+                                    torch.tensor([p + 1 for _, p in rows]), data.window, data.softcap))
+    flat[slots] = 0.0  # written by paged_attention itself
+    meta = AttentionMetadata.build(chunks, block_size, "cpu", kernel, data.window or None)
+    assert meta.decode_only and not meta.prefills
+    layer = LayerAttention(head_dim**-0.5, data.window or None, data.softcap or None)
+    out = paged_attention(q, new_kv, data.kv_cache, meta, layer)
+    assert (out.double() - expected).abs().max().item() < 1e-5
+    longer = [(0, DECODE_ROWS_PER_CHUNK + 1, list(range(4)))]
+    assert len(AttentionMetadata.build(longer, block_size, "cpu", kernel).prefills) == 1
+    assert len(AttentionMetadata.build(chunks, block_size, "cpu", None).prefills) == sum(k > 1 for k in sizes)
