@@ -78,7 +78,7 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
     num_tokens: int
-    # Every row is a decode (no prefill chunk in the step): rope_decode_attention may serve it.
+    # Every row attends as a decode row (no chunk takes the prefill path): rope_decode_attention may serve it.
     decode_only: bool = False
     # The metadata of the layers with a sliding window, when the model has them.
     windowed: AttentionMetadata | None = None
