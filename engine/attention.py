@@ -78,12 +78,15 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
     num_tokens: int
-    # Every row attends as a decode row (no chunk takes the prefill path): rope_decode_attention may serve it.
-    decode_only: bool = False
     # The metadata of the layers with a sliding window, when the model has them.
     windowed: AttentionMetadata | None = None
     # Causal attention for chunks that start at 0 (engine/attention_kernels.py); None: SDPA.
     prefill_kernel: PrefillKernel | None = None
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row attends as a decode row (no chunk takes the prefill path): rope_decode_attention may serve it."""
+        return self.decode is not None and not self.prefills
 
     @property
     def single_group(self) -> bool:
@@ -178,8 +181,7 @@ class AttentionMetadata:
                 mask &= key_pos > q_pos - window
             context = [table[p // block_size] * block_size + p % block_size for p in range(first, end)]
             prefills.append(PrefillChunk(rows=rows, context_slots=as_tensor(context), mask=mask, starts_at_zero=start == 0))
-        return cls(slot_mapping=as_tensor(slots), decode=decode, prefills=prefills, num_tokens=row,
-                   decode_only=decode is not None and not prefills)
+        return cls(slot_mapping=as_tensor(slots), decode=decode, prefills=prefills, num_tokens=row)
 
 
 def paged_attention(

@@ -118,15 +118,8 @@ class DecoderLayer(nn.Module):
                                          self.attn, self.heads)
         else:
             attn = self._attend(qkv, step)
-        if step.fused_decode and self.plain_join:
-            if lora is not None:  # the adapters' share straight into h, before the base projection's
-                lora.apply(i, "o", attn, h)
-            return linear_add_rms_norm_(attn, self.o, h, self.post_norm, self.eps)
-        o = linear(attn, self.o)
-        if lora is not None:
-            lora.apply(i, "o", attn, o)
-        return self._join(h, o, self.attn_out_norm if self.sandwich_norms else None,
-                          self.post_norm if self.pre_norms else None, step.fused)
+        return self._project_into(h, attn, self.o, "o", step, self.attn_out_norm if self.sandwich_norms else None,
+                                  self.post_norm if self.pre_norms else None)
 
     def _attend(self, qkv: torch.Tensor, step: LayerInputs) -> torch.Tensor:
         """The fused projection's heads through q/k norms and RoPE, then paged attention: ``[T, heads * d]``."""
@@ -156,24 +149,26 @@ class DecoderLayer(nn.Module):
             act = torch.ops.tiergate.silu_mul(gate_up, inter)
         else:
             act = self.activation(gate_up[:, :inter]) * gate_up[:, inter:]
-        if step.fused_decode and self.plain_join and next_norm is not None:
-            if lora is not None:
-                lora.apply(i, "down", act, h)
-            return linear_add_rms_norm_(act, self.down, h, next_norm, self.eps)
-        down = linear(act, self.down)
-        if lora is not None:
-            lora.apply(i, "down", act, down)
-        return self._join(h, down, self.mlp_out_norm if self.sandwich_norms else None,
-                          next_norm if self.pre_norms else None, step.fused)
+        return self._project_into(h, act, self.down, "down", step, self.mlp_out_norm if self.sandwich_norms else None,
+                                  next_norm if self.pre_norms else None)
 
-    def _join(self, h: torch.Tensor, out: torch.Tensor, out_norm: torch.Tensor | None,
-              next_norm: torch.Tensor | None, fused: bool) -> torch.Tensor:
-        """A block's output into the residual stream ``h`` (scaled, and normed first with ``out_norm``);
-        the next block's input: ``h`` through ``next_norm`` in the same pass, or ``h`` itself."""
+    def _project_into(self, h: torch.Tensor, x: torch.Tensor, weight: Weight, proj: str, step: LayerInputs,
+                      out_norm: torch.Tensor | None, next_norm: torch.Tensor | None) -> torch.Tensor:
+        """A block's output projection (``x @ weight`` and its adapters' deltas) into the residual stream ``h``
+        (scaled, and normed first with ``out_norm``); the next block's input: ``h`` through ``next_norm`` in the
+        same pass, or ``h`` itself."""
+        lora = step.lora
+        if step.fused_decode and self.plain_join and next_norm is not None:
+            if lora is not None:  # the adapters' share straight into h, before the base projection's
+                lora.apply(self.index, proj, x, h)
+            return linear_add_rms_norm_(x, weight, h, next_norm, self.eps)
+        out = linear(x, weight)
+        if lora is not None:
+            lora.apply(self.index, proj, x, out)
         if self.residual_multiplier != 1.0:
             out.mul_(self.residual_multiplier)
         if out_norm is not None:
-            out = rms_norm(out, out_norm, self.eps, fused)
+            out = rms_norm(out, out_norm, self.eps, step.fused)
         if next_norm is not None:
-            return add_rms_norm_(h, out, next_norm, self.eps, fused)
+            return add_rms_norm_(h, out, next_norm, self.eps, step.fused)
         return h.add_(out)  # without pre-norms, h itself: read by the next projections before h next changes
