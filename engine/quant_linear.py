@@ -48,7 +48,7 @@ SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, 
                                                              T.Q5_K, T.Q6_K})
 # --quantize's names for the formats it writes.
 QUANTIZE_KINDS: dict[str, gguf.GGMLQuantizationType] = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_k": T.Q4_K}
-# Kernel paths as csrc/quant_linear.cpp numbers them, and the order auto prefers them in.
+# Kernel paths as csrc/quant_kernels.h numbers them, and the order auto prefers them in.
 ISAS = ("avx512", "avx2", "scalar", "avxvnni")
 AUTO_ORDER = ("avx512", "avxvnni", "avx2", "scalar")
 # Output rows per group of csrc/quant_packed.h's layout (its PACK_ROWS).

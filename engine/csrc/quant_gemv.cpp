@@ -29,9 +29,6 @@ namespace tiergate_quant {
 
 namespace {
 
-// quant_linear.cpp's numbering of the kernel paths.
-enum Isa : int64_t { AVX512 = 0, AVX2 = 1, SCALAR = 2, AVXVNNI = 3 };
-
 struct GemvActs {
   std::vector<int32_t> q;  // int8 values written through int8_t*, read as words
   std::vector<float> d, ds;

@@ -1,5 +1,6 @@
-// What the quantized kernels' translation units share: the quantized activations and the
-// entry of the AVX-512 path that decodes weights in registers (quant_fused_avx512.cpp).
+// What the quantized kernels' translation units share: the kernel paths, the quantized activations,
+// the entry of the AVX-512 path that decodes weights in registers (quant_fused_avx512.cpp) and the
+// blocks' check (quant_blocks.cpp).
 #pragma once
 
 #include <algorithm>
@@ -12,6 +13,12 @@ class Tensor;
 }
 
 namespace tiergate_quant {
+
+// The kernel paths, as engine/quant_linear.py numbers them (TIERGATE_QUANT_ISA).
+enum Isa : int64_t { AVX512 = 0, AVX2 = 1, SCALAR = 2, AVXVNNI = 3 };
+
+// Whether this CPU runs kernel path `isa` (quant_blocks.cpp).
+bool isa_supported(int64_t isa);
 
 constexpr int64_t STEP = 64;  // inputs are padded to a multiple: one AVX-512 vector of int8
 
@@ -67,7 +74,7 @@ bool decode_avx512(int64_t type, const uint8_t* row, int64_t in, uint8_t* q, flo
 
 // Raises unless `blocks` holds `out_features` rows of format `type` over `in` inputs, as a contiguous
 // uint8 CPU tensor of ggml rows [out, bytes] or of quant_packed.h's groups [groups, blocks, tile bytes];
-// `op` names the operator in the message.
+// `op` names the operator in the message (quant_blocks.cpp).
 void check_blocks(const char* op, const at::Tensor& blocks, int64_t type, int64_t in, int64_t out_features);
 
 }  // namespace tiergate_quant
