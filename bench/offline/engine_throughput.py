@@ -3,7 +3,8 @@
 A fixed seeded workload (64 requests, prompts 20-400 tokens of real text,
 outputs 16-256 tokens, greedy, EOS ignored so every length is exact) runs at
 each concurrency level through every engine: tiergate (fcfs, continuous
-batching), HF transformers `generate` (float32; static left-padded batches
+batching, the weights in float32 as every peer here reads them; the file's
+own Q4_1 blocks against llama.cpp's are bench/offline/quantized.py's), HF transformers `generate` (float32; static left-padded batches
 above concurrency 1), llama.cpp on an F32 GGUF of the very same weights and,
 for reference only, on the Q4_1 original. Each engine runs in its own
 subprocess so its peak RSS is its own. Prints a table and tiergate's ratio to
@@ -67,7 +68,9 @@ def _make_runner(engine: str, requests: list[BenchRequest], max_concurrency: int
             os.environ["TIERGATE_CPU_THREADS"] = str(threads)
         else:
             os.environ.pop("TIERGATE_CPU_THREADS", None)
-        runner = TiergateRunner(max_concurrency, _context_per_sequence(requests))
+        # float32, the file's values exactly, as llama.cpp-F32 and HF read them: `tiergate serve` would
+        # keep the Q4_1 file in its own blocks, which is bench.offline.quantized's comparison.
+        runner = TiergateRunner(max_concurrency, _context_per_sequence(requests), dtype="float32")
         runner.name = engine
         return runner
     if engine == "hf-transformers":
@@ -117,7 +120,7 @@ def run_worker(engine: str, requests: list[BenchRequest], concurrencies: list[in
 
         out["step_cost"] = fit_step_cost(runner.steps)
         out["step_cost"]["num_layers"] = runner.engine.model_config.num_layers
-        out["step_cost"]["source"] = "tiergate engine steps of this run (bundled model, this CPU)"
+        out["step_cost"]["source"] = "tiergate engine steps of this run (bundled model in float32, this CPU)"
     if engine.startswith("tiergate"):
         runner.close()
     return out

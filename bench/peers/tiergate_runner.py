@@ -78,14 +78,16 @@ class StepRecorder:
 class TiergateRunner:
     name = "tiergate"
 
-    def __init__(self, max_concurrency: int, context_per_seq: int, model: str = "bundled", block_size: int = 16) -> None:
+    def __init__(self, max_concurrency: int, context_per_seq: int, model: str = "bundled", block_size: int = 16,
+                 dtype: str | None = None) -> None:
+        """``dtype``: as ``EngineConfig.dtype`` (None: a GGUF on CPU is served in its own quantization)."""
         # The same KV room per sequence as llama.cpp's n_ctx gets, so no run preempts.
         blocks = max_concurrency * -(-context_per_seq // block_size)
         # Every concurrency level replays the same prompts; the prefix cache
         # would serve the later levels' prefills from the earlier ones, which
         # no peer gets, so it is off here.
         self.config = EngineConfig(model=model, policy="fcfs", block_size=block_size, num_kv_blocks=blocks,
-                                   max_num_seqs=max_concurrency, enable_prefix_caching=False)
+                                   max_num_seqs=max_concurrency, enable_prefix_caching=False, dtype=dtype)
         self.engine = Engine(self.config).start()
         self.recorder = StepRecorder(self.engine, block_size)
         self.engine.add_listener(self.recorder)

@@ -20,6 +20,26 @@ def _check_timings(result):
         assert 0 <= t.issued_s <= t.first_token_s <= t.finished_s <= result.wall_s
 
 
+@pytest.mark.parametrize("engine", ["tiergate", "tiergate-plain", "tiergate-onednn"])
+def test_the_engine_bench_serves_tiergate_the_float32_weights_its_peers_read(engine, monkeypatch):
+    """llama.cpp-F32 and HF read the bundled file's weights in float32; tiergate, which keeps a GGUF
+    in its own blocks when no dtype is asked, must read them so too for the ratios to mean anything."""
+    import bench.peers.tiergate_runner as tiergate_runner
+    from bench.offline.engine_throughput import _make_runner
+
+    for name in ("TIERGATE_PACKED_WEIGHTS", "TIERGATE_PAGED_ATTENTION", "TIERGATE_FUSED_NORMS", "TIERGATE_CPU_THREADS"):
+        monkeypatch.setenv(name, "")  # restored after the test: _make_runner sets them for its worker process
+    built = {}
+
+    class Runner:
+        def __init__(self, *args, **kwargs) -> None:
+            built.update(kwargs)
+
+    monkeypatch.setattr(tiergate_runner, "TiergateRunner", Runner)
+    _make_runner(engine, REQUESTS, 2, 2)
+    assert built["dtype"] == "float32"
+
+
 def test_tiergate_runner_counts_exact_tokens_and_classifies_every_step(tiny_llama_dir):
     from bench.peers.tiergate_runner import TiergateRunner
 
