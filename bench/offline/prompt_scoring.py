@@ -55,8 +55,10 @@ def run_tiergate(prompts: list[list[int]], model: str = "bundled") -> tuple[floa
     from engine.request import EngineRequest, SamplingParams
 
     longest = max(len(p) for p in prompts) + 1
+    # float32 (the file's values exactly), as HF and llama.cpp-F32 here read them and score against:
+    # with no dtype a GGUF on CPU is served in its own Q4_1 blocks.
     engine = Engine(EngineConfig(model=model, policy="fcfs", num_kv_blocks=len(prompts) * -(-longest // 16),
-                                 max_num_seqs=len(prompts), enable_prefix_caching=False)).start()
+                                 max_num_seqs=len(prompts), enable_prefix_caching=False, dtype="float32")).start()
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     engine.generate_batch_sync([EngineRequest("warm-up", prompts[0][:16], params)])
 

@@ -19,6 +19,23 @@ def test_tiergate_and_hf_give_each_prompt_the_same_summed_logprob(tiny_llama_dir
     assert all(s < 0 for s in ours)
 
 
+def test_tiergate_scores_with_the_float32_weights_its_peers_read(monkeypatch):
+    """HF and llama.cpp-F32 score with the bundled file's weights in float32; tiergate keeps a GGUF in
+    its own blocks when no dtype is asked, which would compare (and check) other numbers."""
+    import engine.engine
+
+    class Built(Exception):
+        pass
+
+    def engine_of(config):
+        assert config.dtype == "float32"
+        raise Built
+
+    monkeypatch.setattr(engine.engine, "Engine", engine_of)
+    with pytest.raises(Built):
+        prompt_scoring.run_tiergate([[5, 6, 7]])
+
+
 def test_the_report_gives_each_engine_its_median_round_and_the_ratio_to_it(monkeypatch):
     speeds = {"tiergate": iter([300.0, 100.0, 200.0]), "hf-transformers": iter([100.0, 150.0, 50.0])}
 
