@@ -13,9 +13,10 @@ counts for the metrics).
 
 Adaptive, so that speculation never makes decoding slower: a row whose recent drafts were mostly
 rejected stops drafting (and tries again now and then), and engine/spec_gate.py lets a step of so
-many decoding rows draft only while such steps give more tokens per second with drafts than
-without, as measured on this machine: at a large batch a step is no longer bound by weight reads
-and speculation turns itself off.
+many decoding rows draft as many tokens a row (none, 1, 2, ... ``num_tokens``) as gives such steps the
+most tokens per second, as measured on this machine: as the batch grows each drafted position costs
+more of the step, and at a large batch a step is no longer bound by weight reads and speculation
+turns itself off.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from engine.logit_adjustments import adjust_logits_, adjusts_logits
 from engine.ngram import NgramIndex
 from engine.request_state import RequestState
 from engine.sampler import SampledToken, is_greedy
-from engine.spec_gate import BatchGate
+from engine.spec_gate import BatchGate, draft_lengths
 from engine.spec_sampling import verify_row
 from scheduler import ScheduledChunk, Scheduler, StepPlan
 
@@ -86,8 +87,9 @@ class Speculator:
         self.scheduler = scheduler
         self.eos_token_ids = frozenset(eos_token_ids)
         self._rows: dict[str, _Row] = {}
-        self.gate = BatchGate()
+        self.gate = BatchGate(draft_lengths(config.num_tokens))
         self._decode_rows: int | None = None  # this step's, if it is a pure decode step the gate learns from
+        self._length = 0  # this step's drafts per row at most
 
     # -- before the forward pass ---------------------------------------------
 
@@ -98,8 +100,11 @@ class Speculator:
         if self.drafter is not None:
             self._settle_draft_kv(plan)
         self._decode_rows = len(decodes) if decodes and len(decodes) == len(plan.chunks) else None
-        if not decodes or (self.config.adaptive and (len(decodes) > self.config.max_rows
-                                                     or not self.gate.drafts(len(decodes)))):
+        self._length = 0
+        if not decodes or (self.config.adaptive and len(decodes) > self.config.max_rows):
+            return
+        self._length = self.gate.draft_length(len(decodes)) if self.config.adaptive else self.config.num_tokens
+        if not self._length:
             return
         threshold = self.config.min_acceptance if self.config.adaptive else 0.0
         rows = []
@@ -120,7 +125,7 @@ class Speculator:
             self._draft_with_model(plan, [(chunk, state) for chunk, state, _ in rows])
             return
         for chunk, state, row in rows:
-            drafts = self._allowed(row.index.propose(self.config.num_tokens), state)
+            drafts = self._allowed(row.index.propose(self._length), state)
             if drafts:
                 self.scheduler.add_drafts(plan, chunk, drafts)
 
@@ -160,7 +165,7 @@ class Speculator:
                 # A drawn draft that ends its grammar could be neither verified (nothing may follow it)
                 # nor cut (a cut that depends on the drawn token biases the output).
                 continue
-            limit = min(self.config.num_tokens, seq.max_tokens - len(seq.output_token_ids) - 1)
+            limit = min(self._length, seq.max_tokens - len(seq.output_token_ids) - 1)
             if limit < 1:
                 continue
             requests.append(DraftRequest(seq.seq_id, seq.all_token_ids, limit, params, state.generator,
@@ -240,7 +245,7 @@ class Speculator:
                    if c.draft_token_ids]
         if self._decode_rows is not None:
             tokens = sum(len(run) for run in runs if run[-1].error is None)
-            self.gate.observe(self._decode_rows, bool(drafted), tokens, seconds)
+            self.gate.observe(self._decode_rows, self._length if drafted else 0, tokens, seconds)
             self._decode_rows = None
         if self.drafter is not None:  # each row's draft KV keeps exactly its accepted tokens
             kept = {c.seq.seq_id: accepted for c, accepted in drafted}

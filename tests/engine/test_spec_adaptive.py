@@ -1,13 +1,16 @@
 """Adaptive speculation: a row whose drafts are rejected stops drafting and tries again later; a batch
-size at which drafted steps give fewer tokens per second than plain ones drafts only to re-measure."""
+size drafts as many tokens a row as give its steps the most tokens per second (none where drafted steps
+give fewer than plain ones), the other lengths run only to re-measure."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from engine.request import SamplingParams
 from engine.sampler import SampledToken
-from engine.spec_gate import BatchGate
+from engine.spec_gate import BatchGate, draft_lengths
 from engine.speculative import SpeculativeConfig, Speculator
 from scheduler import Scheduler, SchedulerConfig, Sequence
 
@@ -51,7 +54,7 @@ def _step(sched: Scheduler, speculator: Speculator, states: dict, accept: bool) 
 def _speculator(sched: Scheduler, **config) -> Speculator:
     """A speculator whose batch gate always lets the step draft: these tests are about its rows."""
     speculator = Speculator(SpeculativeConfig(num_tokens=4, **config), sched, ())
-    speculator.gate.drafts = lambda rows: True
+    speculator.gate.draft_length = lambda rows: 4
     return speculator
 
 
@@ -74,18 +77,44 @@ def test_a_row_whose_drafts_are_accepted_keeps_drafting():
 
 
 def test_the_batch_gate_lets_the_faster_mode_run_and_tries_the_other_now_and_then():
-    gate = BatchGate(explore_every=10)
+    gate = BatchGate((0, 4), explore_every=10)
     for _ in range(3):  # drafting: 2 tokens per 0.03 s; plain: 1 token per 0.01 s
-        gate.observe(32, True, 64, 0.03)
-        gate.observe(32, False, 32, 0.01)
-    choices = [gate.drafts(32) for _ in range(40)]
-    assert choices.count(True) == 4 and choices.count(False) == 36
-    assert gate.drafts(1)  # a batch size not measured yet drafts first
+        gate.observe(32, 4, 64, 0.03)
+        gate.observe(32, 0, 32, 0.01)
+    choices = [gate.draft_length(32) for _ in range(40)]
+    assert choices.count(4) == 4 and choices.count(0) == 36
+    assert gate.draft_length(1) == 4  # a batch size not measured yet drafts first
     for _ in range(3):
-        gate.observe(1, True, 3, 0.012)
-        gate.observe(1, False, 1, 0.01)
-    choices = [gate.drafts(1) for _ in range(40)]
-    assert choices.count(False) == 4
+        gate.observe(1, 4, 3, 0.012)
+        gate.observe(1, 0, 1, 0.01)
+    choices = [gate.draft_length(1) for _ in range(40)]
+    assert choices.count(0) == 4
+
+
+def test_the_batch_gate_picks_the_draft_length_that_gives_the_most_tokens_a_second_and_tries_each_other():
+    gate = BatchGate(draft_lengths(4), explore_every=10)
+    assert gate.lengths == (0, 1, 2, 4)
+    # At 8 rows each drafted position costs: 1 draft a row gives the most tokens a second.
+    step = {0: (8, 0.011), 1: (14, 0.016), 2: (17, 0.021), 4: (24, 0.031)}  # tokens, seconds
+
+    def run() -> int:
+        length = gate.draft_length(8)
+        gate.observe(8, length, *step[length])
+        return length
+
+    warmup = [run() for _ in range(12)]
+    assert warmup == [4, 2, 1, 0] * 3  # each length measured before any is preferred, the longest first
+    choices = [run() for _ in range(60)]
+    assert choices.count(1) == 54
+    assert sorted(c for c in choices if c != 1) == [0, 0, 2, 2, 4, 4]
+
+
+def test_draft_lengths_are_none_the_powers_of_two_below_the_most_and_the_most():
+    assert draft_lengths(1) == (0, 1)
+    assert draft_lengths(3) == (0, 1, 2, 3)
+    assert draft_lengths(8) == (0, 1, 2, 4, 8)
+    with pytest.raises(ValueError):
+        BatchGate((1, 2))
 
 
 def test_an_opted_out_request_and_stop_tokens_are_never_drafted():
