@@ -60,6 +60,8 @@ class _StepUnderWay:
     seq_ids: frozenset[str]  # the sequences it runs: a decode step inside it runs only others
     express_s: float | None = None  # the metered seconds of the express steps inside it, once one ran
     express_ended_at: float | None = None  # when the last of them ended (time.monotonic())
+    asked_at: float | None = None  # when it last asked between two layers (time.monotonic())
+    asked_every_s: float = 0.0  # the time between its last two asks: about when the next one comes
 
 
 @dataclass
@@ -186,9 +188,13 @@ class StepLoop:
         under_way = self._between
         if under_way is None:
             return
+        now = time.monotonic()
+        if under_way.asked_at is not None:
+            under_way.asked_every_s = now - under_way.asked_at
+        under_way.asked_at = now
         if under_way.express_ended_at is not None:  # its requests' next tokens, as their bound nears
-            plan = self.scheduler.schedule_express_decodes(under_way.seq_ids,
-                                                           time.monotonic() - under_way.express_ended_at)
+            plan = self.scheduler.schedule_express_decodes(under_way.seq_ids, now - under_way.express_ended_at,
+                                                           under_way.asked_every_s)
         elif self._inbox.has_messages():
             for i, message in enumerate(messages := self._inbox.take_all()):
                 if not isinstance(message, AddRequest):  # aborts and unloads touch the step under way: after it

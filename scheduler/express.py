@@ -26,10 +26,11 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
-from scheduler.plan import StepPlan
+from scheduler.plan import StepFeatures, StepPlan
 from scheduler.policy import NO_BLOCKS, NO_SLOT
 from scheduler.step_budget import PLAN_TO, outlasts_a_step, step_target_s
 from scheduler.step_builder import StepBuilder, StepPlanner
+from scheduler.step_cost import predict
 
 if TYPE_CHECKING:
     from scheduler.sequence import Sequence
@@ -71,15 +72,24 @@ def _queues_ahead_of(sched: StepPlanner, under_way: Collection[str]) -> set[str]
     return set(queues[:min(held)]) if held else set()
 
 
-def plan_express_decodes(sched: StepPlanner, under_way: Collection[str], waited_s: float) -> StepPlan:
+def plan_express_decodes(sched: StepPlanner, under_way: Collection[str], waited_s: float,
+                         next_chance_s: float = 0.0) -> StepPlan:
     """A decode step of the running sequences the step under way does not run (``under_way``: its sequence
     ids), once ``waited_s`` since their last token is near the longest a step beside them may last; empty
-    before then, or when none does. Nobody is preempted: a sequence whose next block is not free waits."""
+    before then, or when none does. Nobody is preempted: a sequence whose next block is not free waits.
+
+    "Near" counts what comes after this call: the step under way asks again only ``next_chance_s`` later
+    (after its next layer), and the decode step itself takes its predicted time, so waiting for the bound
+    itself would give these sequences a gap of the bound, a layer and a decode step."""
     policy = sched.policy
     decoding = [s for s in sched.running if s.seq_id not in under_way and not s.is_prefilling
                 and not policy.is_spare(policy.queue_of(s)) and s.has_tokens_left]
     target = step_target_s(sched.config, decoding)
-    if target is None or waited_s < PLAN_TO * target:
+    if target is None:
+        return StepPlan()
+    own_s = predict(sched.step_cost.coefficients(),
+                    StepFeatures(0, len(decoding), sum(s.num_computed_tokens + 1 for s in decoding)))
+    if waited_s + next_chance_s + own_s < PLAN_TO * target:
         return StepPlan()
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, policy.charge_prefill)
     for seq in sorted(decoding, key=policy.rank):

@@ -187,9 +187,10 @@ class Scheduler:
         ``step_adapters``, ``under_way``: the adapters and sequence ids of the step under way, if any."""
         return plan_express_step(self, step_adapters, under_way)
 
-    def schedule_express_decodes(self, under_way: Collection[str], waited_s: float) -> StepPlan:
+    def schedule_express_decodes(self, under_way: Collection[str], waited_s: float,
+                                 next_chance_s: float = 0.0) -> StepPlan:
         """A decode step, inside a step under way, of what an express step started (scheduler/express.py)."""
-        return plan_express_decodes(self, under_way, waited_s)
+        return plan_express_decodes(self, under_way, waited_s, next_chance_s)
 
     def bound(self, step: StepBuilder, target: float | None) -> None:
         """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any."""

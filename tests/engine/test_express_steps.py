@@ -116,7 +116,7 @@ def test_under_a_step_bound_the_light_request_also_decodes_between_the_floods_la
     engine, events = make_engine(max_step_s=10.0)
     decodes = engine.scheduler.schedule_express_decodes
     monkeypatch.setattr(engine.scheduler, "schedule_express_decodes",
-                        lambda under_way, waited_s: decodes(under_way, waited_s * 1e6))
+                        lambda under_way, waited_s, next_chance_s: decodes(under_way, waited_s * 1e6, next_chance_s))
     flood, light = _flood(), _light()
     results, _ = _run_with_arrival(engine, light, flood)
 

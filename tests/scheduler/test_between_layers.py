@@ -205,6 +205,17 @@ def test_a_request_started_between_layers_decodes_there_once_its_wait_nears_the_
     assert len(light.output_token_ids) == 2
 
 
+def test_a_decode_between_layers_comes_before_the_bound_when_the_next_chance_to_ask_would_come_after_it():
+    sched = Scheduler(config(max_step_s=0.1))
+    under_way, light, _ = _light_started_under_way(sched)
+    inside = frozenset(c.seq.seq_id for c in under_way.chunks)
+    # 60 ms waited: with the next layer boundary 5 ms away there is time to ask again ...
+    assert sched.schedule_express_decodes(inside, waited_s=0.06, next_chance_s=0.005).is_empty
+    # ... but not with it 40 ms away: that token would come after the bound, so it goes now.
+    decodes = sched.schedule_express_decodes(inside, waited_s=0.06, next_chance_s=0.04)
+    assert [(c.seq, c.num_tokens) for c in decodes.chunks] == [(light, 1)]
+
+
 def test_without_a_step_bound_nothing_decodes_between_layers():
     sched = Scheduler(config())  # no max_step_s and no tier's TPOT SLO: a step may last as long as it takes
     under_way, _, _ = _light_started_under_way(sched)
