@@ -20,14 +20,17 @@ from engine.sampler import SampledToken, add_logprobs, draw, filtered_probs, is_
 
 
 def verify_row(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-               generator: torch.Generator | None, draft_probs: torch.Tensor | None = None) -> list[SampledToken]:
+               generator: torch.Generator | None, draft_probs: torch.Tensor | None = None,
+               best: list[int] | None = None) -> list[SampledToken]:
     """The row's accepted drafts then one sampled token, from ``logits`` ([len(drafts) + 1, vocab],
     float32 on CPU, already adjusted and masked position by position); a failed draw is one token
     carrying its error. ``draft_probs``: [len(drafts), vocab], the distribution each draft was drawn
-    from; None for drafts proposed with certainty (prompt lookup, or greedy drafting)."""
+    from; None for drafts proposed with certainty (prompt lookup, or greedy drafting). ``best``: each
+    position's argmax, where the caller took them for the whole step at once (a greedy row needs
+    nothing else)."""
     try:
         if is_greedy(params):
-            tokens = _greedy(logits, drafts)
+            tokens = _greedy(torch.argmax(logits, dim=-1).tolist() if best is None else best, drafts)
         elif draft_probs is None:
             tokens = _rejection(logits, drafts, params, generator)
         else:
@@ -40,8 +43,7 @@ def verify_row(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     return results
 
 
-def _greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
-    best = torch.argmax(logits, dim=-1).tolist()
+def _greedy(best: list[int], drafts: list[int]) -> list[int]:
     kept = 0
     while kept < len(drafts) and drafts[kept] == best[kept]:
         kept += 1

@@ -16,7 +16,8 @@ rejected stops drafting (and tries again now and then), and engine/spec_gate.py 
 many decoding rows draft as many tokens a row (none, 1, 2, ... ``num_tokens``) as gives such steps the
 most tokens per second, as measured on this machine: as the batch grows each drafted position costs
 more of the step, and at a large batch a step is no longer bound by weight reads and speculation
-turns itself off.
+turns itself off. Where the gate found drafted positions dear, a row drafts no further than its last
+run of kept drafts earned (``_Row.length``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from scheduler import ScheduledChunk, Scheduler, StepPlan
 log = logging.getLogger(__name__)
 
 SPECULATIVE_METHODS = ("ngram", "draft")
+MAX_DRAFT_TOKENS = 16  # --num-speculative-tokens at most
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
-        if not 1 <= self.num_tokens <= 16:
-            raise ValueError("num_speculative_tokens must be between 1 and 16")
+        if not 1 <= self.num_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_DRAFT_TOKENS}")
 
 
 @dataclass
@@ -73,6 +75,15 @@ class _Row:
     index: NgramIndex | None  # prompt lookup's; None when a draft model drafts
     acceptance: float = 0.5  # running mean of the fraction of drafts accepted
     resting: int = 0  # steps left before it drafts again
+    # Where drafted positions are dear, the drafts it may propose next step: a run kept whole doubles it,
+    # one cut short sets it to the drafts kept (one at least). Guesses are right or wrong in runs (a
+    # copied span, then an edit), so the last outcome predicts the next; a row at an edit then risks
+    # one position rather than all of them.
+    length: int = MAX_DRAFT_TOKENS
+
+    def learn(self, drafted: int, accepted: int, memory: float) -> None:
+        self.acceptance = memory * self.acceptance + (1 - memory) * accepted / drafted
+        self.length = min(MAX_DRAFT_TOKENS, 2 * drafted) if accepted == drafted else max(1, accepted)
 
 
 class Speculator:
@@ -125,7 +136,7 @@ class Speculator:
             self._draft_with_model(plan, [(chunk, state) for chunk, state, _ in rows])
             return
         for chunk, state, row in rows:
-            drafts = self._allowed(row.index.propose(self._length), state)
+            drafts = self._allowed(row.index.propose(self._row_length(row)), state)
             if drafts:
                 self.scheduler.add_drafts(plan, chunk, drafts)
 
@@ -143,6 +154,15 @@ class Speculator:
             known = seq.num_prompt_tokens
         row.index.extend(seq.output_token_ids[known - seq.num_prompt_tokens:])
         return row
+
+    def _row_length(self, row: _Row) -> int:
+        """How many tokens ``row`` drafts this step at most: the batch gate's length, and where the gate
+        found drafted positions dear (it chose fewer than the most), no more than the row's last run
+        earned (``_Row.length``). Where they are cheap (one row, bound by weight reads) a try costs
+        little and every row drafts the gate's length."""
+        if not self.config.adaptive or self._length == self.config.num_tokens:
+            return self._length
+        return min(self._length, row.length)
 
     def _allowed(self, drafts: list[int], state: RequestState) -> list[int]:
         """The leading drafts the row could emit: none past a stop token (its output would end there)
@@ -165,7 +185,7 @@ class Speculator:
                 # A drawn draft that ends its grammar could be neither verified (nothing may follow it)
                 # nor cut (a cut that depends on the drawn token biases the output).
                 continue
-            limit = min(self._length, seq.max_tokens - len(seq.output_token_ids) - 1)
+            limit = min(self._row_length(self._rows[seq.seq_id]), seq.max_tokens - len(seq.output_token_ids) - 1)
             if limit < 1:
                 continue
             requests.append(DraftRequest(seq.seq_id, seq.all_token_ids, limit, params, state.generator,
@@ -229,10 +249,13 @@ class Speculator:
             adjust_logits_(logits, params, prompts, outputs, eos_token_ids)
         too_slow = _mask_positions(logits, sampling, states, counts, mask_budget_s)
         logits = logits.float().cpu()
+        # One argmax over the step rather than one per row: a call's overhead is most of a row's.
+        best = torch.argmax(logits, dim=-1).tolist() if any(is_greedy(s.request.params) for s in states) else None
         runs, row = [], 0
         for chunk, state, n in zip(sampling, states, counts):
             runs.append(verify_row(logits[row:row + n], chunk.draft_token_ids, state.request.params, state.generator,
-                                   self._drawn_from.pop(chunk.seq.seq_id, None)))
+                                   self._drawn_from.pop(chunk.seq.seq_id, None),
+                                   best[row:row + n] if best is not None else None))
             row += n
         return runs, too_slow
 
@@ -257,7 +280,7 @@ class Speculator:
             step.accepted += accepted
             row = self._rows.get(chunk.seq.seq_id)
             if row is not None:
-                row.acceptance = memory * row.acceptance + (1 - memory) * accepted / len(chunk.draft_token_ids)
+                row.learn(len(chunk.draft_token_ids), accepted, memory)
         return step
 
 

@@ -37,12 +37,13 @@ def _next(token: int) -> int:
     return 5 + (token - 4) % 5
 
 
-def _step(sched: Scheduler, speculator: Speculator, states: dict, accept: bool) -> int:
-    """One step that accepts all drafts or none; how many tokens it drafted."""
+def _step(sched: Scheduler, speculator: Speculator, states: dict, accept: bool | int) -> int:
+    """One step that accepts all drafts, none, or (an int) that many at most; how many tokens it drafted."""
     plan = sched.schedule()
     speculator.draft(plan, states.get)
     sampling = [c for c in plan.chunks if c.samples]
-    kept = {c.seq.seq_id: c.draft_token_ids[:len(c.draft_token_ids) if accept else 0] for c in sampling}
+    keep = (1 << 30 if accept else 0) if isinstance(accept, bool) else accept
+    kept = {c.seq.seq_id: c.draft_token_ids[:keep] for c in sampling}
     last = {c.seq.seq_id: ([c.seq.all_token_ids[-1]] + kept[c.seq.seq_id])[-1] for c in sampling}
     runs = [[SampledToken(t) for t in kept[c.seq.seq_id]] + [SampledToken(_next(last[c.seq.seq_id]))]
             for c in sampling]
@@ -52,8 +53,8 @@ def _step(sched: Scheduler, speculator: Speculator, states: dict, accept: bool) 
 
 
 def _speculator(sched: Scheduler, **config) -> Speculator:
-    """A speculator whose batch gate always lets the step draft: these tests are about its rows."""
-    speculator = Speculator(SpeculativeConfig(num_tokens=4, **config), sched, ())
+    """A speculator whose batch gate always lets the step draft 4 a row: these tests are about its rows."""
+    speculator = Speculator(SpeculativeConfig(**{"num_tokens": 4, **config}), sched, ())
     speculator.gate.draft_length = lambda rows: 4
     return speculator
 
@@ -74,6 +75,28 @@ def test_a_row_whose_drafts_are_accepted_keeps_drafting():
     sched, states = _decoding(1)
     speculator = _speculator(sched)
     assert all(_step(sched, speculator, states, accept=True) for _ in range(8))
+
+
+def test_where_the_gate_drafts_the_most_a_row_that_was_cut_short_still_drafts_the_most():
+    sched, states = _decoding(1)  # positions are cheap: the gate's length is --num-speculative-tokens
+    speculator = _speculator(sched)
+    assert [_step(sched, speculator, states, accept=k) for k in (1, 0, 2, True)] == [4, 4, 4, 4]
+
+
+def test_where_the_gate_drafts_fewer_a_row_cut_short_drafts_what_it_kept_and_doubles_back_once_kept_whole():
+    sched, states = _decoding(1)
+    speculator = _speculator(sched, num_tokens=8)  # the gate's 4 of at most 8: positions are dear
+    assert _step(sched, speculator, states, accept=2) == 4
+    assert _step(sched, speculator, states, accept=0) == 2, "a row that kept 2 of 4 drafted 4 again"
+    assert _step(sched, speculator, states, accept=True) == 1, "a row that kept none drafted more than one"
+    assert [_step(sched, speculator, states, accept=True) for _ in range(3)] == [2, 4, 4]  # the gate's 4 at most
+    sched.check_invariants()
+
+
+def test_without_adaptation_every_row_drafts_the_most_whatever_it_kept():
+    sched, states = _decoding(1)
+    speculator = _speculator(sched, adaptive=False)
+    assert [_step(sched, speculator, states, accept=k) for k in (0, 1, 0, 3)] == [4, 4, 4, 4]
 
 
 def test_the_batch_gate_lets_the_faster_mode_run_and_tries_the_other_now_and_then():
