@@ -70,7 +70,7 @@ def benches() -> list[Bench]:
                "--pp-reps", "1"], timeout_s=1800),
         Bench("spec_decode", "offline.spec_decode",
               "Speculative decoding (prompt lookup): on vs off, and llama.cpp's own lookup",
-              ["--concurrency", "1,8,32", "--rounds", "2", "--max-tokens", "96"],
+              ["--concurrency", "1,8,32", "--rounds", "4", "--max-tokens", "96"],
               ["--concurrency", "1,8", "--rounds", "1", "--max-tokens", "32"], timeout_s=1500),
         Bench("bf16_quality", "offline.bf16_quality",
               "The bfloat16 opt-in: logprob drift and decode speed against float32",
