@@ -2,8 +2,9 @@
 
 A compile runs on this compiler's own threads (never the caller's, never the
 engine thread, never the thread pool that serves the gateway's other off-loop
-work): a trial in a worker process that is killed past ``timeout_s``
-(engine/grammar_probe.py), then the compile whose result is used, here. The
+work), at a lower CPU priority than the engine's: a trial in a worker process
+that is killed past ``timeout_s`` (engine/grammar_probe.py), then the compile
+whose result is used, here. The
 caller gets a future of the compiled grammar and the CPU seconds it cost,
 for billing; a cache hit costs none. The gateway bounds a grammar's size
 before it gets here (gateway/response_format.py) and how many one tenant
@@ -22,7 +23,7 @@ from tokenizers import Tokenizer
 
 from engine.grammar import GrammarMatcher, GrammarSpec, compile_spec, tokenizer_info
 from engine.grammar_cache import GrammarCache
-from engine.grammar_probe import ProbePool
+from engine.grammar_probe import ProbePool, run_at_compile_priority
 
 SHARED_SCOPE = ""  # the one scope of a cache shared by all tenants
 
@@ -49,7 +50,8 @@ class GrammarCompiler:
         # No cache of xgrammar's own: it would be shared by tenants and bounded apart from ours.
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
         self._probes = ProbePool(self._info.serialize_json, workers)
-        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar-compile")
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar-compile",
+                                           initializer=run_at_compile_priority)
         self._count_lock = threading.Lock()
         self.compiles = 0  # compiles run in this process, cache misses all: what tests count
 

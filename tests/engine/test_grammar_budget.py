@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 
 import pytest
@@ -18,7 +19,7 @@ from engine.engine import Engine
 from engine.grammar import GrammarSpec
 from engine.grammar_cache import GrammarCache
 from engine.grammar_compiler import GrammarCompiler
-from engine.grammar_probe import CompileTimeout
+from engine.grammar_probe import COMPILE_NICENESS, CompileTimeout
 from engine.loader import byte_tokenizer
 from engine.request import MASK_OVER_BUDGET, EngineRequest, SamplingParams
 
@@ -86,6 +87,26 @@ def test_submit_without_a_compiled_grammar_compiles_on_the_compilers_own_threads
     [deltas] = _run(engine, [request])
     assert deltas[-1].error is None
     assert len(compiles_seen) == 1 and compiles_seen[0].startswith("grammar-compile")
+
+
+def test_a_compile_runs_at_a_lower_cpu_priority_than_the_engine_so_a_busy_machine_serves_streams_first(
+        monkeypatch):
+    niceness: list[int] = []
+    compile_spec = grammar_compiler.compile_spec
+
+    def seen(compiler, spec):
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return compile_spec(compiler, spec)
+
+    monkeypatch.setattr(grammar_compiler, "compile_spec", seen)
+    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    compiler = GrammarCompiler(byte_tokenizer(), 256, ())
+    try:
+        compiler.compile(SMALL)
+    finally:
+        compiler.close()
+    assert niceness == [min(19, ours + COMPILE_NICENESS)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == ours  # the caller's is as it was
 
 
 def test_the_cache_is_per_tenant_unless_shared_by_opt_in(make_byte_engine, compiles_seen):
