@@ -8,16 +8,20 @@ a build step in pip runs in an isolated environment that would download a CUDA
 torch to compile against, and because ``-march=native`` is only right on the
 machine that runs it. A source that cannot be built (no compiler, no ninja, a
 build error) is logged once and reported as unavailable; its caller keeps a
-slower path that is always correct.
+slower path that is always correct. A build killed halfway does not stop the next
+start (``sole_builder``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from tiergate_common.errors import first_line
@@ -52,15 +56,40 @@ def quant_kernels_loaded() -> bool:
 def _load(prefix: str, sources: list[str]) -> bool:
     try:
         _ensure_ninja_on_path()
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         log.info("loading the CPU kernels %s (built once, then cached)", prefix.rstrip("_"))
-        load(name=prefix + _build_name(sources), sources=sources, extra_cflags=CFLAGS, is_python_module=False,
-             verbose=False)
+        name = prefix + _build_name(sources)
+        # torch's own rule for the build's folder (TORCH_EXTENSIONS_DIR, or its default root), so the flock
+        # sits beside the lock file it guards.
+        with sole_builder(Path(_get_build_directory(name, verbose=False))):
+            load(name=name, sources=sources, extra_cflags=CFLAGS, is_python_module=False, verbose=False)
         return True
     except Exception as error:  # any build failure leaves the callers' fallbacks, which are always correct
         log.warning("CPU kernels unavailable, the engine uses its slower fallbacks: %s", first_line(error))
         return False
+
+
+@contextlib.contextmanager
+def sole_builder(folder: Path) -> Iterator[None]:
+    """Hold an exclusive flock on the build in ``folder`` while torch builds or loads it, and first clear
+    the ``lock`` file a builder killed mid-build left there.
+
+    torch marks a build under way with a plain file that its builder deletes when done; one killed
+    mid-build (Ctrl-C during ``make serve``'s first start, a SIGKILL) leaves it behind, and every later
+    start would wait on it forever. An flock ends with its process: while this one holds it, no live
+    tiergate process builds here, so a ``lock`` file is a dead builder's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "tiergate.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            left = folder / "lock"
+            if left.exists():
+                log.warning("removing %s, left by a build that did not finish", left)
+                left.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _build_name(sources: list[str]) -> str:
