@@ -47,23 +47,36 @@ def cpu_kernels_loaded() -> bool:
     return _load("tiergate_cpu_kernels_", sources)
 
 
+QUANT_BUILD = "tiergate_quant_kernels_"
+
+
 @functools.cache
 def quant_kernels_loaded() -> bool:
     """As ``cpu_kernels_loaded``, for the quantized kernels (``engine/csrc/quant*.cpp``)."""
-    return _load("tiergate_quant_kernels_", sorted(str(p) for p in CSRC.glob(QUANT_PREFIX + "*.cpp")))
+    return _load(QUANT_BUILD, quant_sources())
+
+
+def quant_sources() -> list[str]:
+    return sorted(str(p) for p in CSRC.glob(QUANT_PREFIX + "*.cpp"))
+
+
+def build_folder(prefix: str, sources: list[str]) -> Path:
+    """Where torch builds and caches ``sources`` under ``prefix``: torch's own rule (TORCH_EXTENSIONS_DIR,
+    or its default root), so the flock of ``sole_builder`` sits beside the lock file it guards."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(prefix + _build_name(sources), verbose=False))
 
 
 def _load(prefix: str, sources: list[str]) -> bool:
     try:
         _ensure_ninja_on_path()
-        from torch.utils.cpp_extension import _get_build_directory, load
+        from torch.utils.cpp_extension import load
 
         log.info("loading the CPU kernels %s (built once, then cached)", prefix.rstrip("_"))
-        name = prefix + _build_name(sources)
-        # torch's own rule for the build's folder (TORCH_EXTENSIONS_DIR, or its default root), so the flock
-        # sits beside the lock file it guards.
-        with sole_builder(Path(_get_build_directory(name, verbose=False))):
-            load(name=name, sources=sources, extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+        folder = build_folder(prefix, sources)
+        with sole_builder(folder):
+            load(name=folder.name, sources=sources, extra_cflags=CFLAGS, is_python_module=False, verbose=False)
         return True
     except Exception as error:  # any build failure leaves the callers' fallbacks, which are always correct
         log.warning("CPU kernels unavailable, the engine uses its slower fallbacks: %s", first_line(error))

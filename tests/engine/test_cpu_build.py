@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from torch.utils.cpp_extension import _get_build_directory
 
 from engine import cpu_build
 
@@ -33,8 +32,7 @@ def test_a_lock_left_by_a_dead_builder_is_cleared_and_the_build_is_ours_alone_wh
 def test_a_start_after_a_build_killed_halfway_loads_the_kernels_rather_than_waiting_forever():
     if not cpu_build.quant_kernels_loaded():
         pytest.skip("the C++ kernels do not build here (no compiler)")
-    sources = sorted(str(p) for p in cpu_build.CSRC.glob(cpu_build.QUANT_PREFIX + "*.cpp"))
-    folder = Path(_get_build_directory("tiergate_quant_kernels_" + cpu_build._build_name(sources), verbose=False))
+    folder = cpu_build.build_folder(cpu_build.QUANT_BUILD, cpu_build.quant_sources())
     (folder / "lock").touch()  # what a builder killed mid-build leaves
     try:
         started = subprocess.run([sys.executable, "-c", "from engine.cpu_build import quant_kernels_loaded as q; "
