@@ -9,11 +9,13 @@ share one padded bmm over a view of the slot stacks. Either way the op count per
 constant however many adapters the step mixes.
 
 Layout (`cpu_stacks`): the engine fuses q/k/v and gate/up into one matmul each, and their
-LoRA A stacks are fused the same way, along the rank: one [slots, in, 3 * rank] stack per
-layer for qkv, so the three projections share one gather of x, one shrink bmm and one
-index_add_ into the fused output. Stacks are stored transposed ([in, rank] and [rank, out]
-per slot), which MKL's bmm reads faster. Why, in docs/performance.md; the measurements behind
-these choices, in bench/RESULTS.md ("Hot paths").
+LoRA A stacks are fused the same way, along the rank: one [slots, 3 * rank, in] stack per
+layer for qkv, so the three projections share one gather of x, one shrink and one
+index_add_ into the fused output. A is kept rank-major ([rank, in] per slot, as checkpoints hold
+it), so the kernel reads only an adapter's own rank rows and never the padding up to max_rank; B
+is stored transposed ([rank, out] per slot) for the same reason and because MKL's bmm reads it
+faster. Why, in docs/performance.md; the measurements behind these choices, in bench/RESULTS.md
+("Hot paths").
 """
 
 from __future__ import annotations
@@ -45,40 +47,40 @@ def cpu_stacks(projections: dict[str, tuple[int, int]], num_layers: int, num_slo
     """Zeroed stacks in the CPU layout: (a, b, fused_a).
 
     `a[proj]` is [layers, slots, rank, in] and `b[proj]` [layers, slots, out, rank] as on
-    every device, but as transposed views; `fused_a[group]` is the storage the group's
-    `a` views share, [layers, slots, in, projections * rank].
+    every device (`b` as transposed views); `fused_a[group]` is the storage the group's
+    `a` views share, [layers, slots, projections * rank, in].
     """
     a, b, fused_a = {}, {}, {}
     for group, projs in FUSED_GROUPS.items():
         if not all(p in projections for p in projs):
             continue
         fan_in = projections[projs[0]][0]
-        fused_a[group] = torch.zeros(num_layers, num_slots, fan_in, len(projs) * max_rank, dtype=dtype)
+        fused_a[group] = torch.zeros(num_layers, num_slots, len(projs) * max_rank, fan_in, dtype=dtype)
         for i, proj in enumerate(projs):
-            a[proj] = fused_a[group][..., i * max_rank: (i + 1) * max_rank].transpose(-1, -2)
+            a[proj] = fused_a[group][..., i * max_rank: (i + 1) * max_rank, :]
     for proj, (fan_in, fan_out) in projections.items():
         if proj not in a:
-            a[proj] = torch.zeros(num_layers, num_slots, fan_in, max_rank, dtype=dtype).transpose(-1, -2)
+            a[proj] = torch.zeros(num_layers, num_slots, max_rank, fan_in, dtype=dtype)
         b[proj] = torch.zeros(num_layers, num_slots, max_rank, fan_out, dtype=dtype).transpose(-1, -2)
     return a, b, fused_a
 
 
 @dataclass(frozen=True)
 class LayerStacks:
-    """One layer's transposed stacks for one hook name, with their per-slot views.
+    """One layer's stacks for one hook name, with their per-slot views (torch's matmul operands).
 
     Made once (`layer_views`): a step issues ~30 layers x 4 calls, and each view is a
     dispatcher call costing about as much as the tiny matmul it feeds.
     """
 
-    a: torch.Tensor  # [slots, in, len(b) * max_rank]: the projections' A side by side
+    a: torch.Tensor  # [slots, len(b) * max_rank, in]: the projections' A one after another
     b: tuple[torch.Tensor, ...]  # per projection [slots, max_rank, out_p]
-    a_slot: tuple[torch.Tensor, ...]  # a[slot]
+    a_slot: tuple[torch.Tensor, ...]  # a[slot].T, [in, len(b) * max_rank]
     b_slot: tuple[tuple[torch.Tensor, ...], ...]  # per projection, b[p][slot]
 
     @classmethod
     def of(cls, a_t: torch.Tensor, b_ts: tuple[torch.Tensor, ...]) -> LayerStacks:
-        return cls(a_t, b_ts, tuple(a_t.unbind(0)), tuple(tuple(b_t.unbind(0)) for b_t in b_ts))
+        return cls(a_t, b_ts, tuple(a.t() for a in a_t.unbind(0)), tuple(tuple(b_t.unbind(0)) for b_t in b_ts))
 
 
 def layer_views(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], fused_a: dict[str, torch.Tensor],
@@ -86,7 +88,7 @@ def layer_views(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], fused_a:
     """Per hook name, per layer, the `LayerStacks` of `cpu_stacks`' stacks."""
     views = {}
     for name in names:
-        a_t = fused_a[name] if name in fused_a else a[name].transpose(-1, -2)
+        a_t = fused_a[name] if name in fused_a else a[name]
         b_ts = [b[p].transpose(-1, -2) for p in projections_of(name)]
         views[name] = [LayerStacks.of(a_t[layer], tuple(b_t[layer] for b_t in b_ts)) for layer in range(a_t.shape[0])]
     return views
@@ -261,7 +263,7 @@ def apply_group(x: torch.Tensor, y: torch.Tensor, stacks: LayerStacks, plan: Cpu
         a_t, b_ts = stacks.a, stacks.b
         if p.lo != 0 or p.hi != a_t.shape[0]:  # a range of slots; all of them need no slicing views
             a_t, b_ts = a_t[p.lo: p.hi], [b_t[p.lo: p.hi] for b_t in b_ts]
-        t = torch.bmm(xs, a_t).mul_(p.scales)
+        t = torch.bmm(xs, a_t.transpose(1, 2)).mul_(p.scales)
         if len(b_ts) == 1:
             out = torch.bmm(t, b_ts[0])
         else:

@@ -84,7 +84,7 @@ def main() -> None:
             idx = torch.tensor(row_slots)
             rows = (idx >= 0).nonzero().flatten()
             slots = idx[rows]
-            stacks = ops.LayerStacks.of(a.transpose(1, 2), (b.transpose(1, 2),))
+            stacks = ops.LayerStacks.of(a, (b.transpose(1, 2),))
             times = {
                 "base matmul": best_of(lambda: x @ weight.T),
                 "segments": best_of(lambda: segments(x, y, a, b, runs, 0.5)),

@@ -8,8 +8,9 @@ them, through ``lora_pool.ops.apply_group``, on three paths: ``torch`` (a gather
 float32 stacks, an index_add per call), ``kernel`` (torch.ops.tiergate.lora_rows_,
 engine/csrc/lora_rows.cpp, on float32 stacks) and ``kernel bf16`` (the same on bfloat16 stacks, as
 the engine keeps them over a quantized model). The paths alternate round by round in one process,
-so they see the same machine; printed: the median step time, the stacks' bytes, the rate a step
-reads them at, and torch's time over each path's.
+so they see the same machine; printed: the median step time, the stacks' bytes (all of them, the
+rank-8 slots' zero padding included), the adapters' own bytes (each slot's rank rows only: what a
+step must read), the rate a step reads those at, and torch's time over each path's.
 
 With ``--prefill`` each slot's rows are one run, as prefill chunks are (torch's path then gives each
 its own matmul pair, as it does in the engine without the kernel).
@@ -37,13 +38,23 @@ PROJECTIONS = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV), "v": (HIDDEN, KV), "o":
 HOOKS = ("qkv", "o", "gate_up", "down")
 
 
+def rank_of(slot: int) -> int:
+    return 16 if slot % 2 else 8
+
+
+def adapter_bytes(slots: int, dtype: torch.dtype) -> int:
+    """The bytes of the slots' adapters at their own ranks: what a step that uses them all must read."""
+    per_rank = sum(fan_in + fan_out for fan_in, fan_out in PROJECTIONS.values()) * LAYERS * dtype.itemsize
+    return sum(rank_of(slot) for slot in range(slots)) * per_rank
+
+
 def stacks_of(slots: int, dtype: torch.dtype) -> tuple[dict[str, list[ops.LayerStacks]], int]:
     """Every hook's per-layer views of random stacks (ranks 8 and 16 alternating), and their bytes."""
     a, b, fused_a = ops.cpu_stacks(PROJECTIONS, LAYERS, slots, 16, dtype)
     gen = torch.Generator().manual_seed(0)
     for proj, (fan_in, fan_out) in PROJECTIONS.items():
         for slot in range(slots):
-            rank = 16 if slot % 2 else 8
+            rank = rank_of(slot)
             a[proj][:, slot, :rank] = (torch.randn(LAYERS, rank, fan_in, generator=gen) / fan_in**0.5).to(dtype)
             b[proj][:, slot, :, :rank] = (torch.randn(LAYERS, fan_out, rank, generator=gen) * 0.01).to(dtype)
     nbytes = sum(t.untyped_storage().nbytes() for t in [*fused_a.values(), *b.values()])
@@ -74,7 +85,7 @@ def main() -> None:
         row_slots = [row * args.slots // args.rows for row in range(args.rows)]
     else:
         row_slots = [row % args.slots for row in range(args.rows)]
-    info = {slot: (16 if slot % 2 else 8, 2.0) for slot in range(args.slots)}
+    info = {slot: (rank_of(slot), 2.0) for slot in range(args.slots)}
     slots = list(range(args.slots))
     in_of = {"qkv": HIDDEN, "o": HIDDEN, "gate_up": HIDDEN, "down": INTERMEDIATE}
     out_of = {"qkv": HIDDEN + 2 * KV, "o": HIDDEN, "gate_up": 2 * INTERMEDIATE, "down": HIDDEN}
@@ -100,10 +111,11 @@ def main() -> None:
     results = {}
     for name, (dtype, _) in paths.items():
         ms = statistics.median(times[name]) * 1e3
-        nbytes = stacks[dtype][1]
-        results[name] = {"ms": ms, "stack_mb": nbytes / 1e6, "gb_per_s": nbytes / ms / 1e6, "torch_over": torch_ms / ms}
-        print(f"{name:>12}: {ms:7.2f} ms a step, stacks {nbytes / 1e6:6.1f} MB read at {nbytes / ms / 1e6:5.1f} GB/s, "
-              f"torch/this {torch_ms / ms:4.2f}x")
+        nbytes, needed = stacks[dtype][1], adapter_bytes(args.slots, dtype)
+        results[name] = {"ms": ms, "stack_mb": nbytes / 1e6, "adapter_mb": needed / 1e6,
+                         "gb_per_s": needed / ms / 1e6, "torch_over": torch_ms / ms}
+        print(f"{name:>12}: {ms:7.2f} ms a step, stacks {nbytes / 1e6:6.1f} MB, adapters {needed / 1e6:6.1f} MB "
+              f"read at {needed / ms / 1e6:5.1f} GB/s, torch/this {torch_ms / ms:4.2f}x")
     if args.json:
         write_json({"machine": host, "args": vars(args), "results": results}, args.json)
 

@@ -7,13 +7,13 @@
 // one call reads each slot's A and B once per few rows and updates the rows in place, memory-bound
 // on the stacks as the bmms were not.
 //
-// The stacks are lora_pool/ops.py's CPU layout: a [slots, in, projections * max_rank] (the group's
-// A side by side along the rank) and b_p [slots, max_rank, out_p] per projection, contiguous, in
-// float32 or bfloat16 (half the bytes, widened to float32 as they load; the activations and sums
-// stay float32). The rows come grouped by slot: group g is slot slots[g], rows
-// rows[offsets[g]:offsets[g + 1]] of x and y, rank ranks[g] (the stack's columns past it are
-// zeros and are skipped in the expand) and scale scales[g]. y's columns are the projections'
-// outputs side by side.
+// The stacks are lora_pool/ops.py's CPU layout, rank-major: a [slots, projections * max_rank, in]
+// (the group's A one after another along the rank) and b_p [slots, max_rank, out_p] per
+// projection, contiguous, in float32 or bfloat16 (half the bytes, widened to float32 as they load;
+// the activations and sums stay float32). The rows come grouped by slot: group g is slot slots[g],
+// rows rows[offsets[g]:offsets[g + 1]] of x and y, rank ranks[g] (the stacks' rows past it are
+// zeros, and nothing reads them) and scale scales[g]. y's columns are the projections' outputs
+// side by side.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,92 +23,134 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
 using namespace tiergate_simd;
 
-// A slot's rows go NR (1 to MAX_ROWS) at a time against NV (1 to MAX_VECS) vectors of columns,
-// their sums in registers: in the shrink, each of a's rows is loaded once for the NR rows; in the
-// expand, each of b's rows once for the NR rows' y, which stay in registers across the rank.
-constexpr int MAX_ROWS = 4, MAX_VECS = 4;
+// A slot's rows go NR (1 to MAX_ROWS) at a time, and its stacks NJ (1 to MAX_DOTS) rank rows at a
+// time, so each row of A and of b is loaded once for the NR rows: in the shrink, NJ of A's rows are
+// dotted with the NR rows of x, their NR x NJ sums in registers (AVX2 has 16 of them, AVX-512 32);
+// in the expand, NJ of b's rows are added into the NR rows of y in one sweep over the columns.
+constexpr int MAX_ROWS = 4, MAX_DOTS = LANES == 16 ? 4 : 2;
 
-// t[r, j0 : j0 + NV * LANES] = x[rows[r]] @ a[:, those columns], for NR rows.
-template <int NR, int NV, typename W>
-void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t wide, int64_t j0, float* t) {
-  lanes acc[NR][NV] = {};
-  for (int64_t i = 0; i < in; ++i) {
-    const W* ai = a + i * wide + j0;
-    lanes av[NV];
-    for (int v = 0; v < NV; ++v) av[v] = load(ai + v * LANES);
-    for (int r = 0; r < NR; ++r) {
-      const float xv = xr[r][i];
-      for (int v = 0; v < NV; ++v) acc[r][v] += xv * av[v];
+// The byte runs a thread's pieces read, in the order they read them, and a cursor that prefetches
+// PREFETCH_BYTES ahead of the reads through them. A slot's stacks are a few short runs (each
+// projection's rank rows of A, then of each b), each read as NJ streams at once: the hardware
+// prefetchers start late on such streams and stop at each run's end, where the next run (the next
+// projection's, or the next slot's) could already be on its way.
+constexpr int64_t PREFETCH_BYTES = 16384, LINE_BYTES = 64;
+
+class ReadAhead {
+ public:
+  void add(const void* begin, int64_t bytes) {
+    if (bytes > 0) runs_.push_back({static_cast<const char*>(begin), bytes});
+  }
+
+  // The reads have gone `bytes` further through the runs: fetch the lines up to PREFETCH_BYTES past them.
+  void advance(int64_t bytes) {
+    read_ += bytes;
+    while (fetched_ < read_ + PREFETCH_BYTES && run_ < runs_.size()) {
+      __builtin_prefetch(runs_[run_].begin + offset_);
+      const int64_t step = std::min(LINE_BYTES, runs_[run_].bytes - offset_);
+      offset_ += step, fetched_ += step;
+      if (offset_ == runs_[run_].bytes) ++run_, offset_ = 0;
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) store(t + r * wide + j0 + v * LANES, acc[r][v]);
-}
 
-// Calls block(NV, c0) over columns [0, n) in whole vectors, MAX_VECS at a time and then the 1 to 3
-// left (NV as a std::integral_constant, for the templates); returns where the columns left to
-// scalar code begin.
-template <typename Block>
-int64_t vector_blocks(int64_t n, Block block) {
-  int64_t c0 = 0;
-  for (; c0 + MAX_VECS * LANES <= n; c0 += MAX_VECS * LANES) block(std::integral_constant<int, MAX_VECS>{}, c0);
-  switch ((n - c0) / LANES) {
-    case 3: block(std::integral_constant<int, 3>{}, c0); break;
-    case 2: block(std::integral_constant<int, 2>{}, c0); break;
-    case 1: block(std::integral_constant<int, 1>{}, c0); break;
-    default: break;
+ private:
+  struct Run {
+    const char* begin;
+    int64_t bytes;
+  };
+  std::vector<Run> runs_;
+  size_t run_ = 0;
+  int64_t offset_ = 0, read_ = 0, fetched_ = 0;
+};
+
+// t[r, j0 + k] = x[rows[r]] . a[j0 + k], for NR rows and NJ of a's rows (each `in` long).
+template <int NR, int NJ, typename W>
+void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t j0, int64_t wide, float* t,
+                  ReadAhead& ahead) {
+  const W* aj[NJ];
+  for (int k = 0; k < NJ; ++k) aj[k] = a + (j0 + k) * in;
+  lanes acc[NR][NJ] = {};
+  int64_t i = 0;
+  for (; i + LANES <= in; i += LANES) {
+    lanes av[NJ];
+    ahead.advance(NJ * LANES * sizeof(W));
+    for (int k = 0; k < NJ; ++k) av[k] = load(aj[k] + i);
+    for (int r = 0; r < NR; ++r) {
+      const lanes xv = load(xr[r] + i);
+      for (int k = 0; k < NJ; ++k) acc[r][k] += xv * av[k];
+    }
   }
-  return c0 + (n - c0) / LANES * LANES;
+  ahead.advance(NJ * (in - i) * sizeof(W));
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < NJ; ++k) {
+      float sum = sum_lanes(acc[r][k]);
+      for (int64_t tail = i; tail < in; ++tail) sum += xr[r][tail] * static_cast<float>(aj[k][tail]);
+      t[r * wide + j0 + k] = sum;
+    }
 }
 
+// A is rank-major per slot ([projections * max_rank, in], each projection's rows from p * max_rank),
+// so an adapter below max_rank reads only its own rows: the padding rows are never touched.
 template <int NR, typename W>
-void shrink_rows(const float* const* xr, const W* a, int64_t in, int64_t wide, float* t) {
-  const int64_t tail = vector_blocks(
-      wide, [&](auto nv, int64_t j0) { shrink_block<NR, decltype(nv)::value>(xr, a, in, wide, j0, t); });
-  for (int64_t j = tail; j < wide; ++j)
-    for (int r = 0; r < NR; ++r) {
-      float sum = 0.f;
-      for (int64_t i = 0; i < in; ++i) sum += xr[r][i] * static_cast<float>(a[i * wide + j]);
-      t[r * wide + j] = sum;
-    }
-}
-
-// y[rows[r], o0 : o0 + NV * LANES] += tr[r, :rank] @ b[:rank, those columns], for NR rows.
-template <int NR, int NV, typename W>
-void expand_block(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t rank, int64_t o0) {
-  lanes acc[NR][NV];
-  for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = load(yr[r] + o0 + v * LANES);
-  for (int64_t j = 0; j < rank; ++j) {
-    const W* bj = b + j * out + o0;
-    lanes bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = load(bj + v * LANES);
-    for (int r = 0; r < NR; ++r) {
-      const float tv = tr[r][j];
-      for (int v = 0; v < NV; ++v) acc[r][v] += tv * bv[v];
+void shrink_rows(const float* const* xr, const W* a, int64_t in, int64_t wide, int64_t max_rank, int64_t rank,
+                 float* t, ReadAhead& ahead) {
+  for (int64_t p0 = 0; p0 < wide; p0 += max_rank) {
+    int64_t j0 = p0;
+    for (; j0 + MAX_DOTS <= p0 + rank; j0 += MAX_DOTS) shrink_block<NR, MAX_DOTS>(xr, a, in, j0, wide, t, ahead);
+    switch (p0 + rank - j0) {
+      case 3: shrink_block<NR, 3>(xr, a, in, j0, wide, t, ahead); break;
+      case 2: shrink_block<NR, 2>(xr, a, in, j0, wide, t, ahead); break;
+      case 1: shrink_block<NR, 1>(xr, a, in, j0, wide, t, ahead); break;
+      default: break;
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) store(yr[r] + o0 + v * LANES, acc[r][v]);
 }
 
-template <int NR, typename W>
-void expand_rows(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t rank) {
-  const int64_t tail = vector_blocks(
-      out, [&](auto nv, int64_t o0) { expand_block<NR, decltype(nv)::value>(yr, tr, b, out, rank, o0); });
-  for (int64_t o = tail; o < out; ++o)
+// y[rows[r]] += tr[r, j0 : j0 + NJ] @ b[j0 : j0 + NJ], for NR rows: b's NJ rows are read front to
+// back, each once for the NR rows, while those rows of y (a few KB) stay in L1.
+template <int NR, int NJ, typename W>
+void expand_block(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t j0, ReadAhead& ahead) {
+  const W* bj[NJ];
+  for (int k = 0; k < NJ; ++k) bj[k] = b + (j0 + k) * out;
+  lanes tv[NR][NJ];
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < NJ; ++k) tv[r][k] = lanes{} + tr[r][j0 + k];
+  int64_t o = 0;
+  for (; o + LANES <= out; o += LANES) {
+    lanes bv[NJ];
+    ahead.advance(NJ * LANES * sizeof(W));
+    for (int k = 0; k < NJ; ++k) bv[k] = load(bj[k] + o);
+    for (int r = 0; r < NR; ++r) {
+      lanes acc = load(yr[r] + o);
+      for (int k = 0; k < NJ; ++k) acc += tv[r][k] * bv[k];
+      store(yr[r] + o, acc);
+    }
+  }
+  ahead.advance(NJ * (out - o) * sizeof(W));
+  for (; o < out; ++o)
     for (int r = 0; r < NR; ++r) {
       float sum = yr[r][o];
-      for (int64_t j = 0; j < rank; ++j) sum += tr[r][j] * static_cast<float>(b[j * out + o]);
+      for (int k = 0; k < NJ; ++k) sum += tr[r][j0 + k] * static_cast<float>(bj[k][o]);
       yr[r][o] = sum;
     }
+}
+
+template <int NR, typename W>
+void expand_rows(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t rank, ReadAhead& ahead) {
+  int64_t j0 = 0;
+  for (; j0 + MAX_DOTS <= rank; j0 += MAX_DOTS) expand_block<NR, MAX_DOTS>(yr, tr, b, out, j0, ahead);
+  switch (rank - j0) {
+    case 3: expand_block<NR, 3>(yr, tr, b, out, j0, ahead); break;
+    case 2: expand_block<NR, 2>(yr, tr, b, out, j0, ahead); break;
+    case 1: expand_block<NR, 1>(yr, tr, b, out, j0, ahead); break;
+    default: break;
+  }
 }
 
 struct Stacks {
@@ -120,18 +162,18 @@ struct Stacks {
 template <int NR, typename W>
 void slot_rows(const float* x, int64_t x_stride, float* y, int64_t y_stride, const W* a_slot,
                const std::vector<const W*>& b_slot, const Stacks& st, const int64_t* rows, int64_t rank, float scale,
-               float* t) {
+               float* t, ReadAhead& ahead) {
   const float* xr[NR];
   float* yr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = x + rows[r] * x_stride, yr[r] = y + rows[r] * y_stride;
-  shrink_rows<NR>(xr, a_slot, st.in, st.wide, t);
+  shrink_rows<NR>(xr, a_slot, st.in, st.wide, st.max_rank, rank, t, ahead);
   for (int64_t i = 0; i < NR * st.wide; ++i) t[i] *= scale;
   int64_t col = 0;
   for (size_t p = 0; p < b_slot.size(); ++p) {
     const float* tr[NR];
     float* yc[NR];
     for (int r = 0; r < NR; ++r) tr[r] = t + r * st.wide + p * st.max_rank, yc[r] = yr[r] + col;
-    expand_rows<NR>(yc, tr, b_slot[p], st.widths[p], rank);
+    expand_rows<NR>(yc, tr, b_slot[p], st.widths[p], rank, ahead);
     col += st.widths[p];
   }
 }
@@ -159,6 +201,16 @@ void lora_pieces(const float* x, int64_t x_stride, float* y, int64_t y_stride, c
                  const Piece* pieces, int64_t count) {
   std::vector<float> t(MAX_ROWS * st.wide);
   std::vector<const W*> b_slot(b.size());
+  ReadAhead ahead;
+  for (const Piece* piece = pieces; piece < pieces + count; ++piece) {  // what slot_rows will read, in order
+    const int64_t slot = slots[piece->group], rank = ranks[piece->group];
+    for (int64_t r = piece->begin; r < piece->end; r += MAX_ROWS) {
+      for (int64_t p0 = 0; p0 < st.wide; p0 += st.max_rank)
+        ahead.add(a + (slot * st.wide + p0) * st.in, rank * st.in * sizeof(W));
+      for (size_t p = 0; p < b.size(); ++p)
+        ahead.add(b[p] + slot * st.max_rank * st.widths[p], rank * st.widths[p] * sizeof(W));
+    }
+  }
   for (const Piece* piece = pieces; piece < pieces + count; ++piece) {
     const int64_t g = piece->group, slot = slots[g];
     const W* a_slot = a + slot * st.in * st.wide;
@@ -166,10 +218,10 @@ void lora_pieces(const float* x, int64_t x_stride, float* y, int64_t y_stride, c
     for (int64_t r = piece->begin; r < piece->end; r += MAX_ROWS) {
       const int64_t* chunk = rows + r;
       switch (std::min<int64_t>(MAX_ROWS, piece->end - r)) {
-        case 1: slot_rows<1>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
-        case 2: slot_rows<2>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
-        case 3: slot_rows<3>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
-        default: slot_rows<4>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data()); break;
+        case 1: slot_rows<1>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data(), ahead); break;
+        case 2: slot_rows<2>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data(), ahead); break;
+        case 3: slot_rows<3>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data(), ahead); break;
+        default: slot_rows<4>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data(), ahead); break;
       }
     }
   }
@@ -182,11 +234,11 @@ void lora_rows_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const s
               "lora_rows_: float32 CPU activations only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1 && x.size(0) == y.size(0),
               "x [rows, in] and y [rows, out] need contiguous rows");
-  TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && a.size(1) == x.size(1), "a must be contiguous [slots, in, wide]");
+  TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && a.size(2) == x.size(1), "a must be contiguous [slots, wide, in]");
   TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16,
               "lora_rows_: float32 or bfloat16 stacks only");
-  TORCH_CHECK(!b.empty() && a.size(2) % static_cast<int64_t>(b.size()) == 0, "a's width is projections * max_rank");
-  const int64_t max_rank = a.size(2) / static_cast<int64_t>(b.size());
+  TORCH_CHECK(!b.empty() && a.size(1) % static_cast<int64_t>(b.size()) == 0, "a's width is projections * max_rank");
+  const int64_t max_rank = a.size(1) / static_cast<int64_t>(b.size());
   std::vector<int64_t> widths;
   int64_t total = 0;
   for (const at::Tensor& bp : b) {
@@ -218,7 +270,7 @@ void lora_rows_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const s
     seen[row_ids[i]] = true;
   }
   const float* scale_of = scales.const_data_ptr<float>();
-  const Stacks st{a.size(1), a.size(2), max_rank, widths};
+  const Stacks st{a.size(2), a.size(1), max_rank, widths};
   auto run = [&](auto weight) {
     using W = decltype(weight);
     std::vector<const W*> bs;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
@@ -24,8 +25,6 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t int_lanes __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint16_t half_bits __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef uint32_t word_lanes __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
 inline lanes load(const float* p) {
   lanes v;
@@ -33,14 +32,17 @@ inline lanes load(const float* p) {
   return v;
 }
 
-// A bfloat16 is the top half of a float32: widen the 16 bit patterns and shift them up.
+// A bfloat16 is the top half of a float32: widen the 16 bit patterns and shift them up. Written
+// with intrinsics: GCC lowers the vector-extension form of the widening to two half-width widenings
+// and an insert, three shuffles where one zero-extending load does.
 inline lanes load(const c10::BFloat16* p) {
-  half_bits bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  const word_lanes words = __builtin_convertvector(bits, word_lanes) << 16;
-  lanes v;
-  std::memcpy(&v, &words, sizeof(v));
-  return v;
+#if TIERGATE_LANES == 16
+  const __m512i words = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<lanes>(_mm512_castsi512_ps(words));
+#else
+  const __m256i words = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<lanes>(_mm256_castsi256_ps(words));
+#endif
 }
 
 inline float sum_lanes(lanes v) {

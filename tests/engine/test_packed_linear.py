@@ -66,8 +66,9 @@ def test_the_panel_kernel_reads_rows_with_a_stride_and_answers_an_empty_batch():
     assert PanelWeight(weight)(torch.empty(0, 64)).shape == (0, 40)
     wide_weight = torch.randn(2048, 40)
     strided = torch.randn(70, 4096)[:, 1024:3072]  # rows 4096 floats apart, in three row blocks
+    # Sums of 2,048 products near 45 in size: float32's rounding alone reaches a few 1e-4 on some of them.
     assert torch.allclose(PanelWeight(wide_weight)(strided).double(), strided.double() @ wide_weight.double(),
-                          atol=1e-4)
+                          atol=1e-3)
 
 
 def test_packing_is_off_for_cuda_other_dtypes_and_when_the_setting_says_so(monkeypatch):

@@ -14,7 +14,7 @@ RANKS = [3, 8, 5]
 
 def apply_projection(x, y, a, b, plan, slots):
     """One projection through the op: ``a`` [slots, max_rank, in], ``b`` [slots, out, max_rank], as stored."""
-    ops.apply_group(x, y, ops.LayerStacks.of(a.transpose(1, 2), (b.transpose(1, 2),)), plan, slots)
+    ops.apply_group(x, y, ops.LayerStacks.of(a, (b.transpose(1, 2),)), plan, slots)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -74,7 +74,7 @@ def rows_kernel():
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_group_in_the_cpu_layout_matches_each_projection_reference(case, kernel, stack_dtype, request):
     """A qkv-like group (three projections of different widths sharing x) through one
-    apply_group call over cpu_stacks' fused, transposed stacks, as LoraBatch runs it: on torch's
+    apply_group call over cpu_stacks' fused stacks, as LoraBatch runs it: on torch's
     ops, or every row on the C++ kernel (lora_rows_), over float32 stacks or bfloat16 ones (against
     the reference of the weights rounded to bfloat16: the kernel adds no rounding of its own)."""
     if kernel:
@@ -120,7 +120,7 @@ def test_the_kernel_takes_every_row_with_an_adapter_grouped_by_slot_and_the_torc
 
 def test_the_kernel_refuses_stacks_of_the_wrong_shape_without_touching_y(rows_kernel):
     x, y = torch.randn(2, 8), torch.zeros(2, 6)
-    a, b = torch.zeros(1, 8, 4), [torch.zeros(1, 4, 5)]  # b's 5 columns, y's 6
+    a, b = torch.zeros(1, 4, 8), [torch.zeros(1, 4, 5)]  # rank-major a; b's 5 columns, y's 6
     k = ops.plan_rows([0, 0], {0: (4, 1.0)}, kernel=True).kernel_rows
     with pytest.raises(RuntimeError, match="columns"):
         rows_kernel(x, y, a, b, k.slots, k.offsets, k.rows, k.ranks, k.scales)
