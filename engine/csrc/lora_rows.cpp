@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -35,44 +36,57 @@ using namespace tiergate_simd;
 // in the expand, NJ of b's rows are added into the NR rows of y in one sweep over the columns.
 constexpr int MAX_ROWS = 4, MAX_DOTS = LANES == 16 ? 4 : 2;
 
-// The byte runs a thread's pieces read, in the order they read them, and a cursor that prefetches
-// PREFETCH_BYTES ahead of the reads through them. A slot's stacks are a few short runs (each
-// projection's rank rows of A, then of each b), each read as NJ streams at once: the hardware
+// The byte runs a thread's pieces read from memory, in the order they read them, and a cursor that
+// prefetches PREFETCH_BYTES ahead of the reads through them. A slot's stacks are a few short runs
+// (each projection's rank rows of A, then of each b), each read as NJ streams at once: the hardware
 // prefetchers start late on such streams and stop at each run's end, where the next run (the next
-// projection's, or the next slot's) could already be on its way.
+// projection's, or the next slot's) could already be on its way. All runs are added before the reads.
 constexpr int64_t PREFETCH_BYTES = 16384, LINE_BYTES = 64;
 
 class ReadAhead {
  public:
   void add(const void* begin, int64_t bytes) {
-    if (bytes > 0) runs_.push_back({static_cast<const char*>(begin), bytes});
+    if (bytes <= 0) return;
+    runs_.push_back({static_cast<const char*>(begin), bytes});
+    fetched_ = 0;
   }
 
-  // The reads have gone `bytes` further through the runs: fetch the lines up to PREFETCH_BYTES past them.
-  void advance(int64_t bytes) {
+  // The reads have gone `bytes` further through the runs: keep the lines up to PREFETCH_BYTES past them
+  // coming. Inlined into the kernels' loops: a call there would spill their sums from the registers.
+  __attribute__((always_inline)) void advance(int64_t bytes) {
     read_ += bytes;
-    while (fetched_ < read_ + PREFETCH_BYTES && run_ < runs_.size()) {
-      __builtin_prefetch(runs_[run_].begin + offset_);
-      const int64_t step = std::min(LINE_BYTES, runs_[run_].bytes - offset_);
+    while (fetched_ < read_ + PREFETCH_BYTES) {
+      const Run& run = runs_[run_];
+      __builtin_prefetch(run.begin + offset_);
+      const int64_t step = std::min(LINE_BYTES, run.bytes - offset_);
       offset_ += step, fetched_ += step;
-      if (offset_ == runs_[run_].bytes) ++run_, offset_ = 0;
+      if (offset_ == run.bytes) {
+        ++run_, offset_ = 0;
+        if (run_ == runs_.size()) fetched_ = DONE;
+      }
     }
   }
 
  private:
+  static constexpr int64_t DONE = std::numeric_limits<int64_t>::max() / 2;  // every run on its way
   struct Run {
     const char* begin;
     int64_t bytes;
   };
   std::vector<Run> runs_;
   size_t run_ = 0;
-  int64_t offset_ = 0, read_ = 0, fetched_ = 0;
+  int64_t offset_ = 0, read_ = 0, fetched_ = DONE;
+};
+
+// For a piece's rows after its first few: the first read the stacks from memory, these find them in
+// the caches, and the prefetching's code in their loops would only take registers.
+struct InCache {
+  void advance(int64_t) {}
 };
 
 // t[r, j0 + k] = x[rows[r]] . a[j0 + k], for NR rows and NJ of a's rows (each `in` long).
-template <int NR, int NJ, typename W>
-void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t j0, int64_t wide, float* t,
-                  ReadAhead& ahead) {
+template <int NR, int NJ, typename W, typename Reads>
+void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t j0, int64_t wide, float* t, Reads& ahead) {
   const W* aj[NJ];
   for (int k = 0; k < NJ; ++k) aj[k] = a + (j0 + k) * in;
   lanes acc[NR][NJ] = {};
@@ -86,7 +100,6 @@ void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t j0, in
       for (int k = 0; k < NJ; ++k) acc[r][k] += xv * av[k];
     }
   }
-  ahead.advance(NJ * (in - i) * sizeof(W));
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < NJ; ++k) {
       float sum = sum_lanes(acc[r][k]);
@@ -97,9 +110,9 @@ void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t j0, in
 
 // A is rank-major per slot ([projections * max_rank, in], each projection's rows from p * max_rank),
 // so an adapter below max_rank reads only its own rows: the padding rows are never touched.
-template <int NR, typename W>
+template <int NR, typename W, typename Reads>
 void shrink_rows(const float* const* xr, const W* a, int64_t in, int64_t wide, int64_t max_rank, int64_t rank,
-                 float* t, ReadAhead& ahead) {
+                 float* t, Reads& ahead) {
   for (int64_t p0 = 0; p0 < wide; p0 += max_rank) {
     int64_t j0 = p0;
     for (; j0 + MAX_DOTS <= p0 + rank; j0 += MAX_DOTS) shrink_block<NR, MAX_DOTS>(xr, a, in, j0, wide, t, ahead);
@@ -114,8 +127,8 @@ void shrink_rows(const float* const* xr, const W* a, int64_t in, int64_t wide, i
 
 // y[rows[r]] += tr[r, j0 : j0 + NJ] @ b[j0 : j0 + NJ], for NR rows: b's NJ rows are read front to
 // back, each once for the NR rows, while those rows of y (a few KB) stay in L1.
-template <int NR, int NJ, typename W>
-void expand_block(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t j0, ReadAhead& ahead) {
+template <int NR, int NJ, typename W, typename Reads>
+void expand_block(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t j0, Reads& ahead) {
   const W* bj[NJ];
   for (int k = 0; k < NJ; ++k) bj[k] = b + (j0 + k) * out;
   lanes tv[NR][NJ];
@@ -132,7 +145,6 @@ void expand_block(float* const* yr, const float* const* tr, const W* b, int64_t 
       store(yr[r] + o, acc);
     }
   }
-  ahead.advance(NJ * (out - o) * sizeof(W));
   for (; o < out; ++o)
     for (int r = 0; r < NR; ++r) {
       float sum = yr[r][o];
@@ -141,8 +153,8 @@ void expand_block(float* const* yr, const float* const* tr, const W* b, int64_t 
     }
 }
 
-template <int NR, typename W>
-void expand_rows(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t rank, ReadAhead& ahead) {
+template <int NR, typename W, typename Reads>
+void expand_rows(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t rank, Reads& ahead) {
   int64_t j0 = 0;
   for (; j0 + MAX_DOTS <= rank; j0 += MAX_DOTS) expand_block<NR, MAX_DOTS>(yr, tr, b, out, j0, ahead);
   switch (rank - j0) {
@@ -159,10 +171,10 @@ struct Stacks {
 };
 
 // NR rows of one slot (rows[0..NR)): shrink, scale, then expand into each projection's columns.
-template <int NR, typename W>
+template <int NR, typename W, typename Reads>
 void slot_rows(const float* x, int64_t x_stride, float* y, int64_t y_stride, const W* a_slot,
                const std::vector<const W*>& b_slot, const Stacks& st, const int64_t* rows, int64_t rank, float scale,
-               float* t, ReadAhead& ahead) {
+               float* t, Reads& ahead) {
   const float* xr[NR];
   float* yr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = x + rows[r] * x_stride, yr[r] = y + rows[r] * y_stride;
@@ -201,15 +213,15 @@ void lora_pieces(const float* x, int64_t x_stride, float* y, int64_t y_stride, c
                  const Piece* pieces, int64_t count) {
   std::vector<float> t(MAX_ROWS * st.wide);
   std::vector<const W*> b_slot(b.size());
+  // What each piece's first NR rows will read, in order; its later rows find those stacks in the caches.
   ReadAhead ahead;
-  for (const Piece* piece = pieces; piece < pieces + count; ++piece) {  // what slot_rows will read, in order
+  InCache cached;
+  for (const Piece* piece = pieces; piece < pieces + count; ++piece) {
     const int64_t slot = slots[piece->group], rank = ranks[piece->group];
-    for (int64_t r = piece->begin; r < piece->end; r += MAX_ROWS) {
-      for (int64_t p0 = 0; p0 < st.wide; p0 += st.max_rank)
-        ahead.add(a + (slot * st.wide + p0) * st.in, rank * st.in * sizeof(W));
-      for (size_t p = 0; p < b.size(); ++p)
-        ahead.add(b[p] + slot * st.max_rank * st.widths[p], rank * st.widths[p] * sizeof(W));
-    }
+    for (int64_t p0 = 0; p0 < st.wide; p0 += st.max_rank)
+      ahead.add(a + (slot * st.wide + p0) * st.in, rank * st.in * sizeof(W));
+    for (size_t p = 0; p < b.size(); ++p)
+      ahead.add(b[p] + slot * st.max_rank * st.widths[p], rank * st.widths[p] * sizeof(W));
   }
   for (const Piece* piece = pieces; piece < pieces + count; ++piece) {
     const int64_t g = piece->group, slot = slots[g];
@@ -217,12 +229,20 @@ void lora_pieces(const float* x, int64_t x_stride, float* y, int64_t y_stride, c
     for (size_t p = 0; p < b.size(); ++p) b_slot[p] = b[p] + slot * st.max_rank * st.widths[p];
     for (int64_t r = piece->begin; r < piece->end; r += MAX_ROWS) {
       const int64_t* chunk = rows + r;
-      switch (std::min<int64_t>(MAX_ROWS, piece->end - r)) {
-        case 1: slot_rows<1>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data(), ahead); break;
-        case 2: slot_rows<2>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data(), ahead); break;
-        case 3: slot_rows<3>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data(), ahead); break;
-        default: slot_rows<4>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, ranks[g], scales[g], t.data(), ahead); break;
-      }
+      auto rows_of_slot = [&](auto& reads) {
+        const int64_t rank = ranks[g];
+        const float scale = scales[g];
+        switch (std::min<int64_t>(MAX_ROWS, piece->end - r)) {
+          case 1: slot_rows<1>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, rank, scale, t.data(), reads); break;
+          case 2: slot_rows<2>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, rank, scale, t.data(), reads); break;
+          case 3: slot_rows<3>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, rank, scale, t.data(), reads); break;
+          default: slot_rows<4>(x, x_stride, y, y_stride, a_slot, b_slot, st, chunk, rank, scale, t.data(), reads); break;
+        }
+      };
+      if (r == piece->begin)
+        rows_of_slot(ahead);
+      else
+        rows_of_slot(cached);
     }
   }
 }
