@@ -92,7 +92,7 @@ def benches() -> list[Bench]:
               "Long prompts beside premium streams: the inter-token latency bound off and on",
               step_cost, ["--requests", "60", *step_cost]),
         Bench("long_prompt_gap", "offline.long_prompts",
-              "A neighbour's stream beside 1,987-token prompts on the real engine, the bound off and on",
+              "A neighbour's stream beside 1,987-token prompts on the real engine: no bound, in seconds, the defaults",
               quick_args=["--rounds", "1", "--round-s", "8", "--alone-s", "3"]),
         Bench("slo_sweep", "live.slo", "SLO sweep through the real gateway: tiered vs fcfs",
               quick_args=["--rates", "0.5", "--requests", "8"], timeout_s=900),

@@ -55,7 +55,7 @@ def engine_config(settings: Settings) -> EngineConfig:
                         policy=settings.scheduler_policy, express_between_layers=settings.express_steps,
                         prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
                         max_loras=settings.max_loras, lora_dtype=settings.lora_dtype, tiers=tiers(settings),
-                        max_step_s=settings.step_bound_s,
+                        max_step_s=settings.step_bound_s, step_bound_factor=settings.step_factor,
                         batch_kv_margin=settings.batch_kv_margin, batch_step_share=settings.batch_step_share,
                         grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
                         grammar_compile_workers=settings.grammar_compile_workers,

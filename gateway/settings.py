@@ -75,6 +75,10 @@ class Settings:
     # 0.025 s: bench/sim/long_prompts.py weighs them against throughput); 0: no bound.
     max_step_s: float | None = None
     premium_tpot_slo_s: float | None = None
+    # And at most step_bound_factor times the predicted time of a step of the streams' decodes alone, so
+    # that a neighbour's prompt at most stretches their gaps that many times. None: the device's default
+    # (CPU 2: a 135M model's decode step is 15-35 ms there, far inside 0.15 s; GPU none); 0: no such bound.
+    step_bound_factor: float | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int = 2048
@@ -171,6 +175,9 @@ class Settings:
         for name in ("max_step_s", "premium_tpot_slo_s"):
             if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 raise SettingsError(f"{name} must be zero (no bound) or positive, not {getattr(self, name)}")
+        if self.step_bound_factor is not None and not (self.step_bound_factor == 0 or self.step_bound_factor > 1):
+            raise SettingsError(f"step_bound_factor must be zero (no bound) or more than 1, "
+                                f"not {self.step_bound_factor}")
         if not 0 <= self.premium_kv_reserve < 1:
             raise SettingsError(f"premium_kv_reserve must be in [0, 1), not {self.premium_kv_reserve}")
         if not 0 <= self.batch_kv_margin < 1 or not 0 <= self.batch_step_share < float("inf"):
@@ -217,6 +224,13 @@ class Settings:
         return _bound(self.max_step_s, 0.15 if self.device == "cpu" else 0.05)
 
     @property
+    def step_factor(self) -> float | None:
+        """How many times their decode step alone a step beside streams may last (None: no such bound)."""
+        if self.step_bound_factor is None:
+            return 2.0 if self.device == "cpu" else None
+        return self.step_bound_factor or None
+
+    @property
     def premium_tpot_s(self) -> float | None:
         """The longest step planned while a premium stream decodes (None: only ``step_bound_s``)."""
         return _bound(self.premium_tpot_slo_s, 0.1 if self.device == "cpu" else 0.025)
@@ -229,6 +243,7 @@ def _bound(setting: float | None, default: float) -> float | None:
 
 
 _KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float, "max_step_s": float, "premium_tpot_slo_s": float,
+                           "step_bound_factor": float,
                            "kv_cache_tokens": int, "draft_kv_blocks": int}
 QUANTIZE_KINDS = ("q8_0", "q4_0", "q4_k")  # engine/model.py QUANT_BLOCK: the gateway does not import torch here
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -102,6 +102,10 @@ class SchedulerConfig:
     # ``tpot_slo_s``; None and no tier's TPOT SLO: no bound. A step still takes at least
     # ``min_prefill_chunk`` prefill tokens (None: one block), so every prompt keeps advancing.
     max_step_s: float | None = None
+    # And at most ``step_bound_factor`` times the predicted time of a step of those decodes alone (None:
+    # no such bound): a neighbour's prompt then stretches a stream's gaps by that factor at most, on any
+    # machine and model, where a bound in seconds fits one of them.
+    step_bound_factor: float | None = None
     min_prefill_chunk: int | None = None
     # The step cost model (scheduler/step_cost.py): its coefficients before any step is observed
     # (CPU-scale, the bundled model's order of magnitude), and how many recent steps the fit weighs.

@@ -45,7 +45,8 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None,
         return StepPlan()  # asked between every two layer slices: with nobody waiting, plan nothing
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, sched.policy.charge_prefill)
     # The running decodes wait for this step too, inside the step under way or before the next one.
-    sched.bound(step, step_target_s(sched.config, [s for s in sched.running if not s.is_prefilling]))
+    sched.bound(step, step_target_s(sched.config, [s for s in sched.running if not s.is_prefilling],
+                                    sched.step_cost.coefficients()))
     ahead = _queues_ahead_of(sched, under_way)
     for queue in sched.policy.queue_names():
         if sched.policy.is_spare(queue):
@@ -83,7 +84,7 @@ def plan_express_decodes(sched: StepPlanner, under_way: Collection[str], waited_
     policy = sched.policy
     decoding = [s for s in sched.running if s.seq_id not in under_way and not s.is_prefilling
                 and not policy.is_spare(policy.queue_of(s)) and s.has_tokens_left]
-    target = step_target_s(sched.config, decoding)
+    target = step_target_s(sched.config, decoding, sched.step_cost.coefficients())
     if target is None:
         return StepPlan()
     own_s = sched.step_cost.predict(StepFeatures(0, len(decoding), sum(s.num_computed_tokens + 1 for s in decoding)))

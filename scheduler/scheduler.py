@@ -157,7 +157,8 @@ class Scheduler:
                 and self.grow_running(seq, seq.num_computed_tokens + 1, step)
             ):
                 step.add(seq, 1)
-        self.bound(step, step_target_s(self.config, [c.seq for c in step.plan.chunks]))
+        decodes = [c.seq for c in step.plan.chunks]
+        self.bound(step, step_target_s(self.config, decodes, self.step_cost.coefficients()))
         kept = 0
         for i, queue in enumerate(queues):
             keep = self._kept_for_worse(queues[i + 1 :], prefilling, step)

@@ -6,12 +6,12 @@ tokens makes every stream's gap that long. Once a step's decodes are planned, it
 so that the step's predicted time (scheduler/step_cost.py) stays under a target (planned to
 ``PLAN_TO`` of it, and shorter by as much as recent bounded steps overran their prediction): the tightest of
 ``SchedulerConfig.max_step_s`` and the ``tpot_slo_s`` of every tier with a sequence decoding in
-it. The first ``min_chunk`` prefill tokens of a step are granted whatever the prediction (fewer, down to
-one, where their attention deep into a long prompt would make them dearer than at its start:
-``StepTimeBound.granted``), so the prompt at the head of the line advances every step and always
-finishes. A step with nobody decoding has no bound (its chunks are as large as the token budget allows)
-unless it makes the first token of an interactive request: that client waits for the step as a stream
-does.
+it, and ``step_bound_factor`` times the predicted time of a step of its decodes alone. The first
+``min_chunk`` prefill tokens of a step are granted whatever the prediction (fewer, down to one, where
+their attention deep into a long prompt would make them dearer than at its start: ``StepTimeBound.granted``),
+so the prompt at the head of the line advances every step and always finishes. A step with nobody
+decoding has no bound (its chunks are as large as the token budget allows) unless it makes the first
+token of an interactive request: that client waits for the step as a stream does.
 """
 
 from __future__ import annotations
@@ -33,12 +33,18 @@ PLAN_TO = 0.95
 GRANTED_SHARE = 0.5
 
 
-def step_target_s(config: SchedulerConfig, decoding: Iterable[Sequence]) -> float | None:
-    """The longest a step may last beside ``decoding`` (the sequences it decodes); None: unbounded."""
+def step_target_s(config: SchedulerConfig, decoding: Iterable[Sequence],
+                  cost: StepCost | None = None) -> float | None:
+    """The longest a step may last beside ``decoding`` (the sequences it decodes); None: unbounded.
+    With ``cost`` (the step cost model's coefficients), ``step_bound_factor`` times their decode step alone too."""
+    decoding = list(decoding)
+    if not decoding:
+        return None  # no stream decoding: no bound
     tpot = {t.name: t.tpot_slo_s for t in config.tiers}
-    targets = [tpot.get(s.tier) for s in decoding]
-    targets.append(config.max_step_s if targets else None)  # no stream decoding: no bound
-    bounds = [t for t in targets if t is not None]
+    bounds = [b for b in [config.max_step_s, *(tpot.get(s.tier) for s in decoding)] if b is not None]
+    if config.step_bound_factor is not None and cost is not None:
+        alone = StepFeatures(0, len(decoding), sum(s.num_computed_tokens + 1 for s in decoding))
+        bounds.append(config.step_bound_factor * predict(cost, alone))
     return min(bounds) if bounds else None
 
 

@@ -3,13 +3,15 @@
 One engine on the bundled model, in process (no HTTP: what is measured is the scheduler's step
 sizes on this CPU). A premium neighbour streams one request after another (a ~30-token prompt, 48
 tokens out); another tenant sends a 1,987-token prompt every few seconds. The inter-token latency
-bound (scheduler/step_budget.py) is switched between rounds on the same engine, so that both modes
-see the same machine and the same fitted step cost: "off" is the scheduler before the bound, "on"
-the gateway's CPU defaults (premium TPOT 0.1 s, every step 0.15 s). Each round also measures the
-neighbour alone first, its baseline. Reported: the neighbour's TTFT and each gap between two of its
-deltas, the long prompts' TTFT, and the engine's tokens per second.
+bound (scheduler/step_budget.py) is switched between rounds on the same engine, so that every mode
+sees the same machine and the same fitted step cost: "off" is the scheduler before the bound,
+"seconds" the bound in seconds alone (premium TPOT 0.1 s, every step 0.15 s: the defaults before
+``step_bound_factor``), "on" the gateway's CPU defaults (those, and no step beside a stream longer
+than twice its decodes alone). Each round also measures the neighbour alone first, its baseline.
+Reported: the neighbour's TTFT and each gap between two of its deltas, the long prompts' TTFT, and
+the tokens the engine computed per second (prompts and outputs).
 
-    .venv/bin/python -m bench.offline.long_prompts [--rounds 2] [--round-s 20] [--json PATH]
+    .venv/bin/python -m bench.offline.long_prompts [--rounds 2] [--round-s 20] [--modes off,seconds,on] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,16 +33,22 @@ from engine.engine import Engine
 from engine.request import EngineRequest, SamplingParams
 
 LONG_PROMPT = 1987  # issue 31's
-ON = dict(max_step_s=0.15, premium_tpot_slo_s=0.1)  # gateway/settings.py's CPU defaults
+ON = dict(max_step_s=0.15, premium_tpot_slo_s=0.1, step_bound_factor=2.0)  # gateway/settings.py's CPU defaults
+MODES = ("off", "seconds", "on")
+NEIGHBOUR_TOKENS = 48
+LONG_TOKENS = 8
 _ids = itertools.count()
 
 
-def _bound(engine: Engine, on: bool) -> None:
-    """Switch the scheduler's bound between steps (its config is read afresh by every plan)."""
+def _bound(engine: Engine, mode: str) -> None:
+    """Switch the scheduler's bound between steps (its config is read afresh by every plan): ``mode`` one of MODES."""
+    on = mode != "off"
     config = engine.scheduler.config
     tiers = tuple(dataclasses.replace(t, tpot_slo_s=ON["premium_tpot_slo_s"] if on and t.name == "premium" else None)
                   for t in config.tiers)
-    engine.scheduler.config = dataclasses.replace(config, max_step_s=ON["max_step_s"] if on else None, tiers=tiers)
+    engine.scheduler.config = dataclasses.replace(
+        config, max_step_s=ON["max_step_s"] if on else None, tiers=tiers,
+        step_bound_factor=ON["step_bound_factor"] if mode == "on" else None)
 
 
 async def _one(engine: Engine, prompt: list[int], max_tokens: int, tier: str, tenant: str) -> tuple[float, list[float]]:
@@ -59,22 +67,24 @@ async def _one(engine: Engine, prompt: list[int], max_tokens: int, tier: str, te
 
 async def _phase(engine: Engine, prompts: dict, seconds: float, long_every_s: float | None) -> dict:
     """The neighbour streaming for ``seconds``, and a long prompt every ``long_every_s`` (None: none)."""
-    neighbour = {"ttft": [], "gaps": []}
+    neighbour = {"ttft": [], "gaps": [], "tokens": 0}
     long_ttft: list[float] = []
     deadline = time.perf_counter() + seconds
 
     async def stream() -> None:
         n = 0
         while time.perf_counter() < deadline:
-            ttft, gaps = await _one(engine, prompts["short"][n % len(prompts["short"])], 48, "premium", "neighbour")
+            prompt = prompts["short"][n % len(prompts["short"])]
+            ttft, gaps = await _one(engine, prompt, NEIGHBOUR_TOKENS, "premium", "neighbour")
             neighbour["ttft"].append(ttft)
+            neighbour["tokens"] += len(prompt) + NEIGHBOUR_TOKENS
             neighbour["gaps"] += gaps
             n += 1
 
     async def flood() -> None:
         tasks, n = [], 0
         while long_every_s is not None and time.perf_counter() < deadline:
-            tasks.append(asyncio.create_task(_one(engine, next(prompts["long"]), 8, "standard", "long")))
+            tasks.append(asyncio.create_task(_one(engine, next(prompts["long"]), LONG_TOKENS, "standard", "long")))
             n += 1
             await asyncio.sleep(long_every_s)
         for ttft, _ in await asyncio.gather(*tasks):
@@ -83,6 +93,7 @@ async def _phase(engine: Engine, prompts: dict, seconds: float, long_every_s: fl
     busy0, started = engine._loop.busy_seconds, time.perf_counter()
     await asyncio.gather(stream(), flood())
     return {"neighbour_ttft_s": neighbour["ttft"], "neighbour_gaps_s": neighbour["gaps"], "long_ttft_s": long_ttft,
+            "tokens": neighbour["tokens"] + len(long_ttft) * (LONG_PROMPT + LONG_TOKENS),
             "wall_s": time.perf_counter() - started, "busy_s": engine._loop.busy_seconds - busy0}
 
 
@@ -108,7 +119,8 @@ def _summary(runs: list[dict]) -> dict:
             "neighbour_gap_p50_s": percentile(gaps, 50), "neighbour_gap_p99_s": percentile(gaps, 99),
             "neighbour_gap_max_s": max(gaps, default=None), "long_ttft_p50_s": percentile(long, 50),
             "long_prompts": len(long), "neighbour_requests": len(ttft), "gaps": len(gaps),
-            "busy_share": statistics.mean(r["busy_s"] / r["wall_s"] for r in runs)}
+            "busy_share": statistics.mean(r["busy_s"] / r["wall_s"] for r in runs),
+            "tokens_per_s": sum(r.get("tokens", 0) for r in runs) / sum(r["wall_s"] for r in runs)}
 
 
 async def _run(args: argparse.Namespace) -> dict:
@@ -117,10 +129,11 @@ async def _run(args: argparse.Namespace) -> dict:
     try:
         prompts = _prompts(engine)
         await _phase(engine, prompts, 6, 3)  # warm-up: thread trials and the step cost fit
-        runs: dict[str, list[dict]] = {"alone": [], "off": [], "on": []}
+        modes = args.modes.split(",")
+        runs: dict[str, list[dict]] = {"alone": [], **{mode: [] for mode in modes}}
         for r in range(args.rounds):
-            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                _bound(engine, mode == "on")
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                _bound(engine, mode)
                 runs["alone"].append(await _phase(engine, prompts, args.alone_s, None))
                 runs[mode].append(await _phase(engine, prompts, args.round_s, args.long_every_s))
         return {"machine": host, "settings": {**vars(args), "long_prompt_tokens": LONG_PROMPT, "bound": ON},
@@ -140,12 +153,12 @@ def render_markdown(result: dict) -> str:
              f"then {s['round_s']:g} s with a {s['long_prompt_tokens']}-token prompt every {s['long_every_s']:g} s. "
              f"Bound on: {s['bound']}. Step cost fitted by the engine at the end: {result['step_cost_fit']}.", "",
              "| mode | neighbour TTFT p50 / p99 (ms) | neighbour gap p50 / p99 / max (ms) | long prompt TTFT p50 (s) "
-             "| long prompts | engine busy |", "|---|---|---|---:|---:|---:|"]
+             "| long prompts | tokens/s | engine busy |", "|---|---|---|---:|---:|---:|---:|"]
     for mode, m in result["summary"].items():
         long = "-" if m["long_ttft_p50_s"] is None else f"{m['long_ttft_p50_s']:.2f}"
         lines.append(f"| {mode} | {ms(m['neighbour_ttft_p50_s'])} / {ms(m['neighbour_ttft_p99_s'])} "
                      f"| {ms(m['neighbour_gap_p50_s'])} / {ms(m['neighbour_gap_p99_s'])} / {ms(m['neighbour_gap_max_s'])} "
-                     f"| {long} | {m['long_prompts']} | {m['busy_share']:.0%} |")
+                     f"| {long} | {m['long_prompts']} | {m.get('tokens_per_s', 0):.0f} | {m['busy_share']:.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -155,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--round-s", type=float, default=20.0)
     p.add_argument("--alone-s", type=float, default=6.0)
     p.add_argument("--long-every-s", type=float, default=4.0)
+    p.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} to run, in this order")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
+    if not args.modes or not set(args.modes.split(",")) <= set(MODES):
+        p.error(f"--modes takes some of {', '.join(MODES)}")
     if args.rounds < 1 or min(args.round_s, args.alone_s, args.long_every_s) <= 0:
         p.error("--rounds must be at least 1 and the durations positive")
     result = asyncio.run(_run(args))

@@ -1,4 +1,5 @@
-"""The inter-token latency bound's settings reach the scheduler: TIERGATE_MAX_STEP_S and the premium TPOT SLO."""
+"""The inter-token latency bound's settings reach the scheduler: TIERGATE_MAX_STEP_S, the premium TPOT SLO and
+TIERGATE_STEP_BOUND_FACTOR."""
 
 from __future__ import annotations
 
@@ -25,7 +26,21 @@ def test_the_environment_sets_each_bound_and_zero_turns_it_off():
     assert scheduler_bounds({"TIERGATE_MAX_STEP_S": "0", "TIERGATE_PREMIUM_TPOT_SLO_S": "0"}) == (None, None, None)
 
 
+def step_factor(environ: dict[str, str]) -> float | None:
+    config = engine_config(load_settings(environ=environ)).scheduler_config(num_blocks=64, max_model_len=2048)
+    return config.step_bound_factor
+
+
+def test_a_step_beside_streams_is_held_to_twice_their_decode_step_on_a_cpu_by_default():
+    assert step_factor({}) == 2.0
+    assert step_factor({"TIERGATE_DEVICE": "cuda"}) is None
+    assert step_factor({"TIERGATE_STEP_BOUND_FACTOR": "3"}) == 3.0
+    assert step_factor({"TIERGATE_STEP_BOUND_FACTOR": "0"}) is None
+
+
 @pytest.mark.parametrize("name, raw, message", [
+    ("TIERGATE_STEP_BOUND_FACTOR", "1", "step_bound_factor"),
+    ("TIERGATE_STEP_BOUND_FACTOR", "-2", "step_bound_factor"),
     ("TIERGATE_MAX_STEP_S", "-1", "max_step_s"),
     ("TIERGATE_MAX_STEP_S", "soon", "TIERGATE_MAX_STEP_S"),
     ("TIERGATE_PREMIUM_TPOT_SLO_S", "-0.5", "premium_tpot_slo_s"),

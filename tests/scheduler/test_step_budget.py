@@ -87,6 +87,41 @@ def test_beside_decoding_streams_a_long_prompt_chunk_fits_the_step_target():
     assert predict(cost, one_more_token(plan)) > PLAN_TO * 0.1
 
 
+def test_beside_decoding_streams_a_step_lasts_at_most_its_factor_times_their_decodes_alone():
+    """``step_bound_factor``: whatever the seconds bound, a neighbour's prompt stretches the streams' gaps
+    by at most that factor (their decode step alone here: ~10.4 ms, so ~21 ms, far inside 0.15 s)."""
+    cheap_prefill = dataclasses.replace(COST, per_prefill_token_s=2e-4)  # a block's worth fits beside them
+    sched = Scheduler(config(max_step_s=0.15, step_bound_factor=2.0, step_cost_prior=cheap_prefill))
+    streams = [stream(i) for i in range(4)]
+    decoding(sched, *streams)
+    sched.add(long_prompt())
+
+    plan, cost = plan_with_cost(sched)
+
+    features = step_features(plan)
+    alone = predict(cost, StepFeatures(0, 4, sum(s.num_computed_tokens for s in streams)))
+    assert features.decode_rows == 4 and features.prefill_tokens > sched.config.min_chunk
+    assert predict(cost, features) <= PLAN_TO * 2.0 * alone
+    assert predict(cost, one_more_token(plan)) > PLAN_TO * 2.0 * alone
+    # The seconds bound alone would have let the chunk grow about fifteen times longer.
+    seconds_only = Scheduler(config(max_step_s=0.15, step_cost_prior=cheap_prefill))
+    decoding(seconds_only, *(stream(i) for i in range(4)))
+    seconds_only.add(long_prompt())
+    assert step_features(seconds_only.schedule()).prefill_tokens > 5 * features.prefill_tokens
+
+
+def test_the_factor_bound_is_the_tighter_of_the_two_and_needs_the_cost_model():
+    cfg = config(max_step_s=0.015, step_bound_factor=2.0)
+    one = stream(0)
+    alone = predict(COST, StepFeatures(0, 1, one.num_computed_tokens + 1))
+    assert step_target_s(cfg, [one], COST) == pytest.approx(min(0.015, 2.0 * alone))
+    assert step_target_s(config(step_bound_factor=3.0), [one], COST) == pytest.approx(3.0 * alone)
+    assert step_target_s(config(step_bound_factor=3.0), [one]) is None  # no cost model given: seconds only
+    assert step_target_s(config(step_bound_factor=3.0), [], COST) is None  # nobody decoding: no bound
+    with pytest.raises(ValueError, match="step_bound_factor"):
+        Scheduler(config(step_bound_factor=1.0))
+
+
 def one_more_token(plan: StepPlan) -> StepFeatures:
     """The features of ``plan`` with its prefill chunk one token longer."""
     chunk = next(c for c in plan.chunks if not c.is_decode)
