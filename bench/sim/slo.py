@@ -93,6 +93,7 @@ class SimSettings:
     # The inter-token latency bound (scheduler/step_budget.py); None: off, as before it existed.
     max_step_s: float | None = None
     premium_tpot_slo_s: float | None = None
+    step_bound_factor: float | None = None
 
 
 def scheduler_config(s: SimSettings, policy: str, fair_share: bool = True) -> SchedulerConfig:
@@ -109,6 +110,7 @@ def scheduler_config(s: SimSettings, policy: str, fair_share: bool = True) -> Sc
         tiers=tiers,
         standard_min_share=s.standard_min_share,
         max_step_s=s.max_step_s,
+        step_bound_factor=s.step_bound_factor,
     )
 
 

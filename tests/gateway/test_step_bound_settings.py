@@ -31,8 +31,8 @@ def step_factor(environ: dict[str, str]) -> float | None:
     return config.step_bound_factor
 
 
-def test_a_step_beside_streams_is_held_to_twice_their_decode_step_on_a_cpu_by_default():
-    assert step_factor({}) == 2.0
+def test_a_step_beside_streams_is_held_to_three_times_their_decode_step_on_a_cpu_by_default():
+    assert step_factor({}) == 3.0
     assert step_factor({"TIERGATE_DEVICE": "cuda"}) is None
     assert step_factor({"TIERGATE_STEP_BOUND_FACTOR": "3"}) == 3.0
     assert step_factor({"TIERGATE_STEP_BOUND_FACTOR": "0"}) is None
