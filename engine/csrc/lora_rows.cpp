@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -108,21 +109,29 @@ void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t j0, in
     }
 }
 
+// Calls block(NJ, j0) over the rank rows [begin, end), MAX_DOTS at a time and then the 1 to 3 left
+// (NJ as a std::integral_constant, for the templates).
+template <typename Block>
+void rank_blocks(int64_t begin, int64_t end, Block block) {
+  int64_t j0 = begin;
+  for (; j0 + MAX_DOTS <= end; j0 += MAX_DOTS) block(std::integral_constant<int, MAX_DOTS>{}, j0);
+  switch (end - j0) {
+    case 3: block(std::integral_constant<int, 3>{}, j0); break;
+    case 2: block(std::integral_constant<int, 2>{}, j0); break;
+    case 1: block(std::integral_constant<int, 1>{}, j0); break;
+    default: break;
+  }
+}
+
 // A is rank-major per slot ([projections * max_rank, in], each projection's rows from p * max_rank),
 // so an adapter below max_rank reads only its own rows: the padding rows are never touched.
 template <int NR, typename W, typename Reads>
 void shrink_rows(const float* const* xr, const W* a, int64_t in, int64_t wide, int64_t max_rank, int64_t rank,
                  float* t, Reads& ahead) {
-  for (int64_t p0 = 0; p0 < wide; p0 += max_rank) {
-    int64_t j0 = p0;
-    for (; j0 + MAX_DOTS <= p0 + rank; j0 += MAX_DOTS) shrink_block<NR, MAX_DOTS>(xr, a, in, j0, wide, t, ahead);
-    switch (p0 + rank - j0) {
-      case 3: shrink_block<NR, 3>(xr, a, in, j0, wide, t, ahead); break;
-      case 2: shrink_block<NR, 2>(xr, a, in, j0, wide, t, ahead); break;
-      case 1: shrink_block<NR, 1>(xr, a, in, j0, wide, t, ahead); break;
-      default: break;
-    }
-  }
+  for (int64_t p0 = 0; p0 < wide; p0 += max_rank)
+    rank_blocks(p0, p0 + rank, [&](auto nj, int64_t j0) {
+      shrink_block<NR, decltype(nj)::value>(xr, a, in, j0, wide, t, ahead);
+    });
 }
 
 // y[rows[r]] += tr[r, j0 : j0 + NJ] @ b[j0 : j0 + NJ], for NR rows: b's NJ rows are read front to
@@ -155,14 +164,7 @@ void expand_block(float* const* yr, const float* const* tr, const W* b, int64_t 
 
 template <int NR, typename W, typename Reads>
 void expand_rows(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t rank, Reads& ahead) {
-  int64_t j0 = 0;
-  for (; j0 + MAX_DOTS <= rank; j0 += MAX_DOTS) expand_block<NR, MAX_DOTS>(yr, tr, b, out, j0, ahead);
-  switch (rank - j0) {
-    case 3: expand_block<NR, 3>(yr, tr, b, out, j0, ahead); break;
-    case 2: expand_block<NR, 2>(yr, tr, b, out, j0, ahead); break;
-    case 1: expand_block<NR, 1>(yr, tr, b, out, j0, ahead); break;
-    default: break;
-  }
+  rank_blocks(0, rank, [&](auto nj, int64_t j0) { expand_block<NR, decltype(nj)::value>(yr, tr, b, out, j0, ahead); });
 }
 
 struct Stacks {

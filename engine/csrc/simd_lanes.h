@@ -37,11 +37,11 @@ inline lanes load(const float* p) {
 // and an insert, three shuffles where one zero-extending load does.
 inline lanes load(const c10::BFloat16* p) {
 #if TIERGATE_LANES == 16
-  const __m512i words = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-  return reinterpret_cast<lanes>(_mm512_castsi512_ps(words));
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<lanes>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
 #else
-  const __m256i words = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-  return reinterpret_cast<lanes>(_mm256_castsi256_ps(words));
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<lanes>(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)));
 #endif
 }
 
