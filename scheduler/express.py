@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
-from scheduler.plan import StepFeatures, StepPlan
+from scheduler.plan import StepPlan
 from scheduler.policy import NO_BLOCKS, NO_SLOT
-from scheduler.step_budget import PLAN_TO, outlasts_a_step, step_target_s
+from scheduler.step_budget import PLAN_TO, decodes_alone, outlasts_a_step, step_target_s
 from scheduler.step_builder import StepBuilder, StepPlanner
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def plan_express_decodes(sched: StepPlanner, under_way: Collection[str], waited_
     target = step_target_s(sched.config, decoding, sched.step_cost.coefficients())
     if target is None:
         return StepPlan()
-    own_s = sched.step_cost.predict(StepFeatures(0, len(decoding), sum(s.num_computed_tokens + 1 for s in decoding)))
+    own_s = sched.step_cost.predict(decodes_alone(decoding))
     if waited_s + next_chance_s + own_s < PLAN_TO * target:
         return StepPlan()
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, policy.charge_prefill)

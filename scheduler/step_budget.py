@@ -43,9 +43,13 @@ def step_target_s(config: SchedulerConfig, decoding: Iterable[Sequence],
     tpot = {t.name: t.tpot_slo_s for t in config.tiers}
     bounds = [b for b in [config.max_step_s, *(tpot.get(s.tier) for s in decoding)] if b is not None]
     if config.step_bound_factor is not None and cost is not None:
-        alone = StepFeatures(0, len(decoding), sum(s.num_computed_tokens + 1 for s in decoding))
-        bounds.append(config.step_bound_factor * predict(cost, alone))
+        bounds.append(config.step_bound_factor * predict(cost, decodes_alone(decoding)))
     return min(bounds) if bounds else None
+
+
+def decodes_alone(decoding: list[Sequence]) -> StepFeatures:
+    """The features of a step that decodes ``decoding``, one token each, and nothing else."""
+    return StepFeatures(0, len(decoding), sum(s.num_computed_tokens + 1 for s in decoding))
 
 
 def first_token_target_s(config: SchedulerConfig, seq: Sequence) -> float | None:
