@@ -79,8 +79,9 @@ class LayerStacks:
     b_slot: tuple[tuple[torch.Tensor, ...], ...]  # per projection, b[p][slot]
 
     @classmethod
-    def of(cls, a_t: torch.Tensor, b_ts: tuple[torch.Tensor, ...]) -> LayerStacks:
-        return cls(a_t, b_ts, tuple(a.t() for a in a_t.unbind(0)), tuple(tuple(b_t.unbind(0)) for b_t in b_ts))
+    def of(cls, a_stack: torch.Tensor, b_ts: tuple[torch.Tensor, ...]) -> LayerStacks:
+        return cls(a_stack, b_ts, tuple(slot.t() for slot in a_stack.unbind(0)),
+                   tuple(tuple(b_t.unbind(0)) for b_t in b_ts))
 
 
 def layer_views(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], fused_a: dict[str, torch.Tensor],
@@ -88,9 +89,10 @@ def layer_views(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], fused_a:
     """Per hook name, per layer, the `LayerStacks` of `cpu_stacks`' stacks."""
     views = {}
     for name in names:
-        a_t = fused_a[name] if name in fused_a else a[name]
+        a_stack = fused_a[name] if name in fused_a else a[name]
         b_ts = [b[p].transpose(-1, -2) for p in projections_of(name)]
-        views[name] = [LayerStacks.of(a_t[layer], tuple(b_t[layer] for b_t in b_ts)) for layer in range(a_t.shape[0])]
+        views[name] = [LayerStacks.of(a_stack[layer], tuple(b_t[layer] for b_t in b_ts))
+                       for layer in range(a_stack.shape[0])]
     return views
 
 
@@ -260,10 +262,10 @@ def apply_group(x: torch.Tensor, y: torch.Tensor, stacks: LayerStacks, plan: Cpu
     p = plan.padded
     if p is not None and not p.slots.isdisjoint(slots):
         xs = x.index_select(0, p.gather).view(p.hi - p.lo, p.max_rows, x.shape[1])
-        a_t, b_ts = stacks.a, stacks.b
-        if p.lo != 0 or p.hi != a_t.shape[0]:  # a range of slots; all of them need no slicing views
-            a_t, b_ts = a_t[p.lo: p.hi], [b_t[p.lo: p.hi] for b_t in b_ts]
-        t = torch.bmm(xs, a_t.transpose(1, 2)).mul_(p.scales)
+        a_stack, b_ts = stacks.a, stacks.b
+        if p.lo != 0 or p.hi != a_stack.shape[0]:  # a range of slots; all of them need no slicing views
+            a_stack, b_ts = a_stack[p.lo: p.hi], [b_t[p.lo: p.hi] for b_t in b_ts]
+        t = torch.bmm(xs, a_stack.transpose(1, 2)).mul_(p.scales)
         if len(b_ts) == 1:
             out = torch.bmm(t, b_ts[0])
         else:
