@@ -28,12 +28,13 @@ from collections.abc import Iterator
 
 from bench.common import machine, paths, report
 from bench.common.stats import percentile
+from bench.sim.long_prompts import gateway_defaults
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import EngineRequest, SamplingParams
 
 LONG_PROMPT = 1987  # issue 31's
-ON = dict(max_step_s=0.15, premium_tpot_slo_s=0.1, step_bound_factor=3.0)  # gateway/settings.py's CPU defaults
+ON = {k: v for k, v in gateway_defaults("cpu").items() if k != "premium_slo_s"}  # the gateway's CPU bound
 MODES = ("off", "seconds", "on")
 NEIGHBOUR_TOKENS = 48
 LONG_TOKENS = 8

@@ -26,15 +26,23 @@ from dataclasses import asdict, replace
 from bench.common import report
 from bench.common.stats import percentile
 from bench.sim.slo import CostModel, Request, SimSettings, simulate
+from gateway.settings import load_settings
 
 LOADS = (0.5, 0.8)
-# The bound (premium TPOT SLO, every step's, and on a CPU three times the streams' decodes alone) and
-# premium's TTFT SLO: gateway/settings.py's defaults.
+
+
+def gateway_defaults(device: str) -> dict:
+    """The bound (premium TPOT SLO, every step's, and on a CPU a multiple of the streams' decodes alone) and
+    premium's TTFT SLO as the gateway sets them by default on ``device``: read from gateway/settings.py, not copied."""
+    s = load_settings(environ={"TIERGATE_DEVICE": device})
+    return dict(premium_tpot_slo_s=s.premium_tpot_s, max_step_s=s.step_bound_s, step_bound_factor=s.step_factor,
+                premium_slo_s=s.premium_slo_s)
+
+
 # A CPU's steps also take the engine's default batch (512 tokens, 32 sequences; engine/config.py):
 # bench/sim/slo.py's 2,048-token steps would last over a second on one.
-CPU = dict(premium_tpot_slo_s=0.1, max_step_s=0.15, step_bound_factor=3.0, premium_slo_s=2.0,
-           max_num_batched_tokens=512, max_num_seqs=32)
-GPU = dict(premium_tpot_slo_s=0.025, max_step_s=0.05, premium_slo_s=0.5)
+CPU = dict(gateway_defaults("cpu"), max_num_batched_tokens=512, max_num_seqs=32)
+GPU = gateway_defaults("cuda")
 
 
 def workload(num_requests: int, rate_per_s: float | None, seed: int = 0) -> list[Request]:
