@@ -2,8 +2,8 @@
 
 A compile runs on this compiler's own threads (never the caller's, never the
 engine thread, never the thread pool that serves the gateway's other off-loop
-work), at a lower CPU priority than the engine's: a trial in a worker process
-that is killed past ``timeout_s`` (engine/grammar_probe.py), then the compile
+work), on CPU the engine leaves idle: a trial in a worker process that is
+killed past ``timeout_s`` of CPU time (engine/grammar_probe.py), then the compile
 whose result is used, here. The
 caller gets a future of the compiled grammar and the CPU seconds it cost,
 for billing; a cache hit costs none. The gateway bounds a grammar's size
@@ -13,6 +13,7 @@ compiles at once.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,7 +50,8 @@ class GrammarCompiler:
         self._shared = shared_cache
         # No cache of xgrammar's own: it would be shared by tenants and bounded apart from ours.
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
-        self._probes = ProbePool(self._info.serialize_json, workers)
+        # Serialized once: a worker killed at its budget is replaced without serializing the vocabulary again.
+        self._probes = ProbePool(functools.cache(self._info.serialize_json), workers)
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar-compile",
                                            initializer=run_at_compile_priority)
         self._count_lock = threading.Lock()

@@ -9,6 +9,14 @@ copying a compiled grammar between processes costs more than compiling it
 again (serializing its token masks is slower than building them), and the
 trial has shown that this compile ends within the budget.
 
+The budget is CPU time, the grammar's own cost: compiles run only on CPU the
+engine leaves idle (``run_at_compile_priority``), so on a busy machine a
+compile's wall time says more about the load than about the grammar. The
+kernel ends a trial at its budget (an ``ITIMER_PROF`` timer, whose signal kills
+the worker). A trial that gets so little CPU that it has not ended after
+``STARVED_AFTER`` times its budget in wall time is stopped too, as the
+server's fault, not the grammar's (``CompileStarved``).
+
 Workers are forked from multiprocessing's fork server, which imports the
 grammar code once, so a replacement starts in milliseconds rather than
 importing torch and xgrammar again; forking the server itself, which runs
@@ -21,18 +29,21 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from engine.grammar import GrammarError, GrammarSpec
 
 log = logging.getLogger(__name__)
 
-# Compiles, trial and real, run this much nicer than the engine: where the engine keeps the cores busy,
-# a tenant's compile takes the CPU the engine leaves rather than slowing every stream (its budget holds).
+# Where the idle scheduling class is not available, compiles run this much nicer than the engine.
 COMPILE_NICENESS = 10
+# A trial not ended after this many times its CPU budget in wall time is starved of CPU: stopped, not refused.
+STARVED_AFTER = 4.0
 
 # A worker's start: the fork server's first start imports torch and xgrammar.
 READY_TIMEOUT_S = 120.0
@@ -40,21 +51,46 @@ _PRELOAD = ["engine.grammar"]
 
 
 class CompileTimeout(GrammarError):
-    """The trial compile ran past its budget and was killed; ``cpu_s`` is what it spent."""
+    """The trial compile ran past its CPU budget and was killed; ``cpu_s`` is what it spent."""
 
     def __init__(self, budget_s: float, cpu_s: float) -> None:
         super().__init__(f"compiling it takes longer than the budget of {budget_s:g} s")
         self.cpu_s = cpu_s
 
 
+class CompileStarved(Exception):
+    """The trial got too little CPU to end in ``STARVED_AFTER`` times its budget: the machine is too busy, and
+    the grammar is neither refused nor cached; ``cpu_s`` is what it spent."""
+
+    def __init__(self, cpu_s: float) -> None:
+        super().__init__("the server is too busy to compile this grammar now")
+        self.cpu_s = cpu_s
+
+
 def run_at_compile_priority() -> None:
-    """Make the calling thread ``COMPILE_NICENESS`` nicer (at most 19; Linux keeps a niceness per thread,
-    and a new thread starts with its creator's; where it cannot be set, nothing changes)."""
+    """Run the calling thread in Linux's idle scheduling class (Linux keeps it per thread, and a new thread
+    starts with its creator's): it gets a core only when no engine or gateway thread wants it, and a waking
+    engine thread takes the core back at once; merely nicer threads still delay the engine's every step.
+    Where the class cannot be set, ``COMPILE_NICENESS`` nicer (at most 19); where neither, nothing changes."""
+    thread = threading.get_native_id()
     try:
-        thread = threading.get_native_id()
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
         os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + COMPILE_NICENESS))
     except (AttributeError, OSError):
         pass
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has run (user and system); 0 where /proc cannot tell."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _serve(conn: Connection, tokenizer_json: str) -> None:
@@ -70,15 +106,20 @@ def _serve(conn: Connection, tokenizer_json: str) -> None:
     conn.send("ready")
     while True:
         try:
-            spec = conn.recv()
+            spec, budget_s = conn.recv()
         except (EOFError, OSError):
             return
         started = time.process_time()
         error = None
+        # SIGPROF's default action ends the process: the kernel stops a compile at its CPU budget,
+        # inside xgrammar's C++ as anywhere.
+        signal.setitimer(signal.ITIMER_PROF, budget_s)
         try:
             compile_spec(compiler, spec)
         except GrammarError as exc:
             error = str(exc)
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
         conn.send((error, time.process_time() - started))
 
 
@@ -92,21 +133,26 @@ class _Worker:
         self._conn: Connection | None = None
 
     def run(self, spec: GrammarSpec, budget_s: float) -> float:
-        """CPU seconds the trial took; GrammarError if it cannot compile, CompileTimeout past the budget."""
+        """CPU seconds the trial took; GrammarError if it cannot compile, CompileTimeout past the CPU budget,
+        CompileStarved past ``STARVED_AFTER`` times it in wall time."""
         conn = self._started()
-        started = time.monotonic()
+        assert self._process is not None
+        pid, cpu_before = self._process.pid, _process_cpu_s(self._process.pid)
         try:
-            conn.send(spec)
-            if conn.poll(budget_s):
+            conn.send((spec, budget_s))
+            if conn.poll(STARVED_AFTER * budget_s):
                 error, cpu_s = conn.recv()
                 if error is not None:
                     raise GrammarError(error)
                 return cpu_s
-        except (EOFError, OSError):  # it died (out of memory, a crash): this grammar is not served
-            self.kill()
+        except (EOFError, OSError):
+            if self.kill() == -signal.SIGPROF:
+                raise CompileTimeout(budget_s, budget_s) from None
+            # It died otherwise (out of memory, a crash): this grammar is not served.
             raise GrammarError("the grammar compiler failed on it") from None
+        spent = _process_cpu_s(pid) - cpu_before
         self.kill()
-        raise CompileTimeout(budget_s, time.monotonic() - started)
+        raise CompileStarved(max(0.0, spent))
 
     def start(self) -> None:
         self._started()
@@ -127,14 +173,18 @@ class _Worker:
         ours.recv()
         return ours
 
-    def kill(self) -> None:
+    def kill(self) -> int | None:
+        """Stop the worker (if any); its exit code (negative: the signal that ended it)."""
+        exitcode = None
         if self._process is not None:
             self._process.kill()
             self._process.join()
+            exitcode = self._process.exitcode
             self._process.close()
         if self._conn is not None:
             self._conn.close()
         self._process = self._conn = None
+        return exitcode
 
 
 class ProbePool:
@@ -160,12 +210,15 @@ class ProbePool:
             self._idle.put(worker)
 
     def warm(self) -> None:
-        """Start the idle workers now (the first start imports torch and xgrammar in the fork server)."""
-        worker = self._idle.get()
+        """Start every worker now (the first start imports torch and xgrammar in the fork server), so that
+        no request's compile waits for one."""
+        taken = [self._idle.get() for _ in self._all]
         try:
-            worker.start()
+            for worker in taken:
+                worker.start()
         finally:
-            self._idle.put(worker)
+            for worker in taken:
+                self._idle.put(worker)
 
     def close(self) -> None:
         self._closed.set()

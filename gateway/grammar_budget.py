@@ -5,8 +5,9 @@ its concurrency slots), on the engine's grammar compiler (its own threads and
 worker processes, engine/grammar_compiler.py), and at most
 ``grammar_compiles_per_tenant`` at once per tenant: one more is a 429 naming the
 parameter, at once, so a flood of grammars cannot queue compiles ahead of
-other tenants'. A compile past its time budget, or one that fails, is a 400
-naming the parameter. The compile's CPU seconds are billed to the request as
+other tenants'. A compile past its CPU-time budget, or one that fails, is a 400
+naming the parameter; one the machine was too busy to run (compiles get only
+the CPU the engine leaves) is a 503 with Retry-After. The compile's CPU seconds are billed to the request as
 GPU-seconds (its ledger row's, rejected or not), the one unit our reports
 price; a cache hit (per tenant) costs nothing.
 """
@@ -17,14 +18,16 @@ import asyncio
 from concurrent.futures import Future
 
 from engine.grammar import GrammarError, GrammarSpec
-from engine.grammar_probe import CompileTimeout
+from engine.grammar_probe import CompileStarved, CompileTimeout
 from gateway.admission import refuse
-from gateway.compile_slots import CompileSlots
-from gateway.errors import APIError, invalid_param
+from gateway.tenant_slots import TenantSlots
+from gateway.errors import APIError, invalid_param, service_unavailable
 from gateway.ratelimit.base import retry_headers
 
 # Retry-After of a request refused because its tenant has grammars compiling.
 COMPILING_RETRY_S = 1.0
+# Retry-After of a request whose compile the machine was too busy to run.
+STARVED_RETRY_S = 5.0
 
 
 async def compile_grammar(gw, tenant, request_id: str, spec: GrammarSpec, param: str) -> object:
@@ -34,7 +37,7 @@ async def compile_grammar(gw, tenant, request_id: str, spec: GrammarSpec, param:
     if hit is not None:
         return hit
     limit = max(1, min(gw.settings.grammar_compiles_per_tenant, tenant.max_concurrent))
-    slots: CompileSlots = gw.grammar_slots
+    slots: TenantSlots = gw.grammar_slots
     if not slots.take(tenant.tenant, limit):
         raise refuse(gw, tenant.tier, "concurrency", APIError(
             429, f"Too many grammars compiling for this key at once: limit {limit}. Retry when one is compiled (a "
@@ -50,13 +53,17 @@ async def compile_grammar(gw, tenant, request_id: str, spec: GrammarSpec, param:
     except CompileTimeout as e:
         gw.usage.meter.charge(request_id, e.cpu_s)
         raise invalid_param(param, f"Invalid {what} for '{param}': {e}; simplify it.", "grammar_too_slow") from None
+    except CompileStarved as e:
+        gw.usage.meter.charge(request_id, e.cpu_s)
+        raise service_unavailable(f"The server is too busy to compile the grammar of '{param}' now; retry later.",
+                                  headers=retry_headers(STARVED_RETRY_S)) from None
     except GrammarError as e:
         raise invalid_param(param, f"Invalid {what} for '{param}': {e}", "invalid_value") from None
     gw.usage.meter.charge(request_id, compiled.cpu_s)
     return compiled.grammar
 
 
-def _give_back_when_done(future: Future, slots: CompileSlots, tenant: str) -> None:
+def _give_back_when_done(future: Future, slots: TenantSlots, tenant: str) -> None:
     loop = asyncio.get_running_loop()
 
     def done(_: Future) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -19,7 +20,8 @@ from engine.engine import Engine
 from engine.grammar import GrammarSpec
 from engine.grammar_cache import GrammarCache
 from engine.grammar_compiler import GrammarCompiler
-from engine.grammar_probe import COMPILE_NICENESS, CompileTimeout
+from engine import grammar_probe
+from engine.grammar_probe import CompileStarved, CompileTimeout
 from engine.loader import byte_tokenizer
 from engine.request import MASK_OVER_BUDGET, EngineRequest, SamplingParams
 
@@ -89,24 +91,47 @@ def test_submit_without_a_compiled_grammar_compiles_on_the_compilers_own_threads
     assert len(compiles_seen) == 1 and compiles_seen[0].startswith("grammar-compile")
 
 
-def test_a_compile_runs_at_a_lower_cpu_priority_than_the_engine_so_a_busy_machine_serves_streams_first(
-        monkeypatch):
-    niceness: list[int] = []
+def _scheduling_policy(pid: int) -> int:
+    """The scheduling policy of a thread or process, from /proc (field 41 of its stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[38])
+
+
+def test_a_compile_and_its_trial_run_only_on_cpu_the_engine_leaves_idle(monkeypatch):
+    policies: list[int] = []
     compile_spec = grammar_compiler.compile_spec
 
     def seen(compiler, spec):
-        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        policies.append(os.sched_getscheduler(threading.get_native_id()))
         return compile_spec(compiler, spec)
 
     monkeypatch.setattr(grammar_compiler, "compile_spec", seen)
-    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ours = os.sched_getscheduler(threading.get_native_id())
     compiler = GrammarCompiler(byte_tokenizer(), 256, ())
     try:
         compiler.compile(SMALL)
+        trial_workers = [w._process.pid for w in compiler._probes._all if w._process is not None]
+        assert trial_workers and all(_scheduling_policy(pid) == os.SCHED_IDLE for pid in trial_workers)
     finally:
         compiler.close()
-    assert niceness == [min(19, ours + COMPILE_NICENESS)]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == ours  # the caller's is as it was
+    assert policies == [os.SCHED_IDLE]
+    assert os.sched_getscheduler(threading.get_native_id()) == ours  # the caller's is as it was
+
+
+def test_a_trial_starved_of_cpu_is_stopped_as_the_servers_fault_and_not_cached(monkeypatch):
+    # A wall-time limit far below the grammar's CPU time stands in for a machine too busy to run the trial.
+    monkeypatch.setattr(grammar_probe, "STARVED_AFTER", 0.1)
+    compiler = GrammarCompiler(byte_tokenizer(), 256, (), timeout_s=5.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(CompileStarved) as stopped:
+            compiler.compile(slow_schema("s"))
+        assert time.monotonic() - started < 5.0  # stopped at the wall limit, not at the CPU budget
+        assert 0 < stopped.value.cpu_s <= 1.0
+        assert len(compiler.cache) == 0
+        assert compiler.compile(SMALL) is not None  # the stopped worker is replaced
+    finally:
+        compiler.close()
 
 
 def test_the_cache_is_per_tenant_unless_shared_by_opt_in(make_byte_engine, compiles_seen):
@@ -149,11 +174,13 @@ def test_a_grammar_larger_than_the_whole_cache_is_served_but_not_kept():
         compiler.close()
 
 
-def test_a_compile_over_its_budget_is_killed_and_billed_for_its_time():
+def test_a_compile_over_its_cpu_budget_is_killed_and_billed_for_its_time():
     compiler = GrammarCompiler(byte_tokenizer(), 256, (), timeout_s=1.0)
     try:
+        started = time.monotonic()
         with pytest.raises(CompileTimeout, match="longer than the budget of 1 s") as refused:
             compiler.compile(slow_schema("p"))
+        assert time.monotonic() - started < grammar_probe.STARVED_AFTER * 1.0  # the CPU budget ended it
         assert refused.value.cpu_s >= 1.0
         assert len(compiler.cache) == 0
         # The killed worker is replaced: the next grammar compiles.

@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import select
 
 from billing.models import UsageEntry
+from engine import grammar_probe
 
 COMPILE_BUDGET_S = 6.0
 SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -78,7 +79,7 @@ def test_a_flood_of_slow_grammars_is_refused_at_once_while_a_premium_tenants_gra
         time.sleep(0.01)
     # Limit 8 concurrent: 37 refused by the limiter, 7 more because the tenant already compiles one,
     # all while that one compile still runs (it cannot end before its budget).
-    assert live.gateway.grammar_slots.compiling("flood") == 1
+    assert live.gateway.grammar_slots.under_way("flood") == 1
     assert len(responses) == 44 and all(r.status_code == 429 for r in responses)
     slot_refusals = [r for r in responses if r.json()["error"]["param"] == "structured_outputs"]
     assert len(slot_refusals) >= 7  # more if some came after a refused one gave its concurrency slot back
@@ -86,7 +87,7 @@ def test_a_flood_of_slow_grammars_is_refused_at_once_while_a_premium_tenants_gra
     premium = _post(live, {"structured_outputs": {"json": SMALL}, "max_tokens": 60, "temperature": 0}, "acme")
     assert premium.status_code == 200
     assert json.loads(premium.json()["choices"][0]["message"]["content"]) in ({"ok": True}, {"ok": False})
-    assert live.gateway.grammar_slots.compiling("flood") == 1  # served while the flood's compile was pending
+    assert live.gateway.grammar_slots.under_way("flood") == 1  # served while the flood's compile was pending
 
     for t in threads:
         t.join(timeout=60)
@@ -98,7 +99,7 @@ def test_a_flood_of_slow_grammars_is_refused_at_once_while_a_premium_tenants_gra
     assert sorted(status for status, _, _ in rows) == ["rejected"] * 45
     # The killed compile is billed to its sender, and only to it.
     assert sorted(gpu for _, gpu, _ in rows)[-1] >= COMPILE_BUDGET_S and sorted(gpu for _, gpu, _ in rows)[-2] == 0
-    assert live.gateway.grammar_slots.compiling("flood") == 0
+    assert live.gateway.grammar_slots.under_way("flood") == 0
 
 
 def test_arrays_nested_490_deep_are_a_400_naming_response_format_with_its_ledger_row(live):
@@ -161,3 +162,15 @@ def test_a_grammar_too_slow_for_its_step_budget_ends_its_request_with_a_400_nami
     assert error["param"] == "structured_outputs" and error["code"] == "grammar_too_slow"
     [(status, gpu_seconds, completion_tokens)] = _wait_for_rows(server, "acme", 1)
     assert status == "error" and 0 < completion_tokens < 400 and gpu_seconds > 0  # billed for what it ran
+
+
+def test_a_compile_the_machine_is_too_busy_to_run_is_a_503_with_retry_after_and_its_ledger_row(live, monkeypatch):
+    # A wall-time limit far below the grammar's CPU time stands in for a machine too busy to run the trial.
+    monkeypatch.setattr(grammar_probe, "STARVED_AFTER", 0.05)
+    r = _post(live, {"structured_outputs": {"json": slow_schema("busy_")}}, "acme")
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] and r.json()["error"]["code"] == "service_unavailable"
+    assert "too busy to compile" in r.json()["error"]["message"]
+    [(status, gpu_seconds, _)] = _wait_for_rows(live, "acme", 1)
+    assert status == "rejected" and gpu_seconds > 0  # the CPU the trial did get is its sender's
+    assert live.gateway.grammar_slots.under_way("acme") == 0
