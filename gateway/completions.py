@@ -4,8 +4,9 @@ Every endpoint that generates takes this one path (``generate`` with its ``Endpo
 API (gateway/responses_api.py) is a chat request on it with a framing of its own.
 
 A request goes parse, build, admit, respond (``_serve``). Order matters: cheap
-checks that touch nothing come first (draining, key, body, model, context
-length: ``prepare``), then admission (gateway/admission.py: the load shedder,
+checks that touch nothing come first (draining, key, then at most the tenant's
+concurrency limit of its requests being read and built at once, then body, model,
+context length: ``prepare``), then admission (gateway/admission.py: the load shedder,
 which reserves nothing, then the rate limits and budgets, which reserve), then
 the grammar's compile (paid from that budget, gateway/grammar_budget.py), and
 only then the engine. A request refused for its prompt (gateway/prompts.py) is
@@ -30,7 +31,7 @@ from starlette.responses import Response
 
 from engine.request import Delta, EngineRequest, SamplingParams
 from engine.validation import InvalidRequest
-from gateway.admission import count_refusal, release, reserve
+from gateway.admission import count_refusal, refuse, release, reserve
 from gateway.errors import APIError, model_not_found, service_unavailable
 from gateway.generation import AdmittedRequest, Generation, GenerationStream
 from gateway.grammar_budget import compile_grammar
@@ -42,9 +43,13 @@ from gateway.ratelimit.base import retry_headers
 from gateway.response_size import check_prompt_scores
 from gateway.schemas import GenerationRequest, parse_chat, parse_completion, parse_json_body
 from gateway.services import EngineFront, Gateway
+from gateway.tenant_slots import HeldSlot
 from gateway.usage_recorder import Refusal, RequestIdentity
 
 log = logging.getLogger(__name__)
+
+# Retry-After of a request refused because its tenant has as many being admitted as it may have.
+READING_RETRY_S = 1.0
 
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
@@ -150,13 +155,31 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
     # From here every refusal, whichever check makes it, leaves the request's one ledger row.
     refusal = Refusal(gw.usage, RequestIdentity(request_id, tenant.tenant, tenant.tier, None, queued_at))
     try:
-        return await _serve(request, endpoint, gw, tenant, refusal, arrived)
+        reading = _reading_slot(gw, tenant)
+        try:
+            return await _serve(request, endpoint, gw, tenant, refusal, arrived, reading)
+        finally:
+            reading.give_back()
     except APIError:
         refusal.record()
         raise
     except Exception:
         refusal.record("error")
         raise
+
+
+def _reading_slot(gw: Gateway, tenant) -> HeldSlot:
+    """One of the tenant's slots for a request between its key and its admission; 429 when all are taken.
+
+    Reading, parsing and tokenizing a body runs on the event loop and grows with the body: a tenant has at
+    most its concurrency limit of them under way, so a flood of large bodies is refused before they are read
+    (the limiter would refuse all but that many after reading them)."""
+    limit = max(1, tenant.max_concurrent)
+    if not gw.reading_slots.take(tenant.tenant, limit):
+        raise refuse(gw, tenant.tier, "concurrency", APIError(
+            429, f"Too many requests from this key are being admitted at once: limit {limit}. Retry shortly.",
+            type="requests", code="rate_limit_exceeded", headers=retry_headers(READING_RETRY_S)))
+    return HeldSlot(gw.reading_slots, tenant.tenant)
 
 
 @dataclass(frozen=True)
@@ -215,8 +238,9 @@ def admitted_request(gw: Gateway, endpoint: Endpoint, prepared: Prepared, queued
 
 
 async def _serve(request: Request, endpoint: Endpoint, gw: Gateway, tenant, refusal: Refusal,
-                 arrived: float) -> Response:
-    """Parse, build, admit, respond; a refusal at any of them is raised (its row: ``generate``'s ``Refusal``)."""
+                 arrived: float, reading: HeldSlot) -> Response:
+    """Parse, build, admit, respond; a refusal at any of them is raised (its row: ``generate``'s ``Refusal``).
+    ``reading``: the tenant's slot for it until its admission."""
     # Parse: the body, and the model it names (the base model, or an adapter the tenant may use).
     req = endpoint.parse(parse_json_body(await read_body(request, gw.settings.max_body_bytes)))
     refusal.who = who = dataclasses.replace(refusal.who, adapter=resolve_adapter(req.model, tenant, gw.engine))
@@ -229,6 +253,7 @@ async def _serve(request: Request, endpoint: Endpoint, gw: Gateway, tenant, refu
     admitted = admitted_request(gw, endpoint, prepared, who.queued_at, arrived)
     # Admit: load, rate limits, budgets; then the grammar's compile, paid from them as the tokens are.
     decision = await reserve(gw, admitted, tenant)
+    reading.give_back()  # admitted: from here the rate limiter's concurrency slot counts it
     if req.grammar is not None:
         prepared = await _with_grammar(gw, tenant, admitted, prepared)
     # Respond. The headers are built before the engine has the request: from then on this thread holds

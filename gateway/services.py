@@ -16,7 +16,7 @@ from scheduler import TierLoad
 from gateway.load_shedding import LoadShedder
 from gateway.auth import Authenticator
 from gateway.budget_gate import BudgetGate
-from gateway.compile_slots import CompileSlots
+from gateway.tenant_slots import TenantSlots
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import PromptEncoder
@@ -77,7 +77,9 @@ class Gateway:
     lifecycle: Lifecycle
     tracing: Tracing
     prompts: PromptEncoder
-    grammar_slots: CompileSlots = field(default_factory=CompileSlots)  # grammars each tenant is compiling
+    grammar_slots: TenantSlots = field(default_factory=TenantSlots)  # grammars each tenant is compiling
+    # Requests each tenant has between its key and its admission (gateway/completions.py)
+    reading_slots: TenantSlots = field(default_factory=TenantSlots)
     # Request ids: 128 random bits from a generator seeded once from os.urandom, because
     # uuid4 reads os.urandom on every call, a syscall that is slow in sandboxes and on the 429 path.
     ids: random.Random = field(default_factory=random.Random)
