@@ -9,10 +9,12 @@ step metered before any of its requests ends), update the scheduler, detokenize,
 A light tenant's short request (the policy's ``express``) does not wait for other tenants'
 work: between two layers of a step under way the loop asks the scheduler for an express step
 (``Scheduler.schedule_express``), runs it whole, hands out its first token, and then
-finishes the step under way (at most one such step inside a step, so that one is delayed by at
-most one short prefill; then, as their bound nears, decode steps of the requests it started:
-``Scheduler.schedule_express_decodes``); at a step boundary, such a request gets a step of its
-own before the next (never two in a row).
+finishes the step under way (then, as their bound nears, decode steps of the requests it started:
+``Scheduler.schedule_express_decodes``). Another such step of new requests comes at most every
+``EXPRESS_AGAIN_AFTER_S`` inside one step, so that step is delayed by one short prefill that often at
+most, while a request arriving late in a long step (a long prompt's scores can take a second) does
+not wait for all of it. At a step boundary, such a request gets a step of its own before the next
+(never two in a row).
 
 An exception inside a step's forward pass fails that step's requests and the loop keeps
 serving; a failure confined to one request's sampling or detokenizing ends that request
@@ -50,6 +52,8 @@ from scheduler import ScheduledChunk, Scheduler, StepPlan, TierLoad
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # an idle loop still looks at its stop flag this often
+# Inside one step under way, an express step of new requests at most this often (the module's docstring).
+EXPRESS_AGAIN_AFTER_S = 0.1
 
 
 @dataclass
@@ -60,6 +64,7 @@ class _StepUnderWay:
     seq_ids: frozenset[str]  # the sequences it runs: a decode step inside it runs only others
     express_s: float | None = None  # the metered seconds of the express steps inside it, once one ran
     express_ended_at: float | None = None  # when the last of them ended (time.monotonic())
+    admitted_at: float | None = None  # when the last of them that started new requests began (time.monotonic())
     asked_at: float | None = None  # when it last asked between two layers (time.monotonic())
     asked_every_s: float = 0.0  # the time between its last two asks: about when the next one comes
 
@@ -192,18 +197,20 @@ class StepLoop:
         if under_way.asked_at is not None:
             under_way.asked_every_s = now - under_way.asked_at
         under_way.asked_at = now
-        if under_way.express_ended_at is not None:  # its requests' next tokens, as their bound nears
-            plan = self.scheduler.schedule_express_decodes(under_way.seq_ids, now - under_way.express_ended_at,
-                                                           under_way.asked_every_s)
-        elif self._inbox.has_messages():
+        plan = StepPlan()
+        admits = under_way.admitted_at is None or now - under_way.admitted_at >= EXPRESS_AGAIN_AFTER_S
+        if admits and not self._deferred and self._inbox.has_messages():
             for i, message in enumerate(messages := self._inbox.take_all()):
                 if not isinstance(message, AddRequest):  # aborts and unloads touch the step under way: after it
                     self._deferred.extend(messages[i:])
                     break
                 self._add(message)
             plan = self.scheduler.schedule_express(under_way.adapters, under_way.seq_ids)
-        else:
-            return
+            if not plan.is_empty:
+                under_way.admitted_at = now
+        if plan.is_empty and under_way.express_ended_at is not None:  # started ones' next tokens, as their bound nears
+            plan = self.scheduler.schedule_express_decodes(under_way.seq_ids, now - under_way.express_ended_at,
+                                                           under_way.asked_every_s)
         if plan.is_empty:
             return
         try:
@@ -212,7 +219,7 @@ class StepLoop:
             log.exception("express step failed")
             for chunk in plan.chunks:
                 self._fail(chunk.seq.seq_id, "internal engine error")
-        finally:  # one express step of new requests per step, even one that failed
+        finally:
             under_way.express_ended_at = time.monotonic()
 
     def _run_step(self, plan: StepPlan, nested: bool = False) -> None:

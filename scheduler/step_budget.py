@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig, StepCost
-from scheduler.plan import StepFeatures, attention_pairs
+from scheduler.plan import StepFeatures, attention_pairs, scored_rows
 from scheduler.sequence import Sequence
 from scheduler.step_cost import predict
 
@@ -69,16 +69,20 @@ def first_token_target_s(config: SchedulerConfig, seq: Sequence) -> float | None
 
 def outlasts_a_step(config: SchedulerConfig, cost: StepCost) -> Callable[[Sequence], bool]:
     """Whether a running prefill's next chunk, with nobody decoding, makes a long step: more than a step's
-    token budget is left, or what is left is predicted to take longer than ``max_step_s``.
+    token budget is left, or what is left is predicted to take longer than ``max_step_s`` (its rows' prompt
+    scores included: a scored row puts the LM head over the whole vocabulary, many times a plain row's cost).
 
     Beside such a chunk a neighbour's short request would wait for all of it (the policy's ``express``).
     Its last chunk is often the dearest: up to a whole step's tokens at the prompt's greatest depth.
     """
     def outlasts(seq: Sequence) -> bool:
-        left = seq.num_tokens - seq.num_computed_tokens
+        start, left = seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens
         if left > config.max_num_batched_tokens:
             return True
-        return config.max_step_s is not None and _chunk_cost(cost, seq.num_computed_tokens, left) > config.max_step_s
+        if config.max_step_s is None:
+            return False
+        scoring = cost.per_scored_row_s * scored_rows(seq, start, left)
+        return _chunk_cost(cost, start, left) + scoring > config.max_step_s
 
     return outlasts
 

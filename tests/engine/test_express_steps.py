@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from engine import step_loop
 from engine.events import StepEvent
 from engine.request import EngineRequest, SamplingParams
 from engine.stream import BlockingCollector
@@ -171,3 +172,35 @@ def test_a_failing_express_step_ends_the_light_request_alone(make_engine, hf_gre
     for request in flood:
         assert results[request.request_id] == (hf_greedy(request.prompt_token_ids, 8), None)
     assert not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("again_after_s, inside", [(0.0, True), (1e9, False)])
+def test_a_second_light_request_arriving_inside_the_same_long_step_goes_between_its_layers_once_enough_time_passed(
+        make_engine, hf_greedy, monkeypatch, again_after_s, inside):
+    # No wall-clock wait in a test: the time between two express steps of new requests is set to none
+    # (the second one goes in) or to more than any test runs (it waits for the step's end).
+    monkeypatch.setattr(step_loop, "EXPRESS_AGAIN_AFTER_S", again_after_s)
+    engine, events = make_engine()
+    flood, light = _flood(), _light()
+    second = EngineRequest("second", _prompt(98, 6), SamplingParams(max_tokens=3, **GREEDY), tenant="second")
+    collector = BlockingCollector()
+    express = engine.scheduler.schedule_express
+
+    def express_then_send_the_second(*args):
+        plan = express(*args)
+        if any(c.seq.tenant == "light" for c in plan.chunks):  # it arrives while the first's express step runs
+            engine._accept_request(second, collector.push)
+        return plan
+
+    monkeypatch.setattr(engine.scheduler, "schedule_express", express_then_send_the_second)
+    results, _ = _run_with_arrival(engine, light, flood)
+    results["second"] = _collect(collector)
+
+    _assert_greedy(results, [*flood, light, second], hf_greedy)
+    steps, first_light = _steps_after_express(engine, events)
+    under_way = next(i for i in range(first_light + 1, len(steps))
+                     if any(item.tokens > 1 and item.request_id.startswith("flood") for item in steps[i].items))
+    first_second = next(i for i, s in enumerate(steps) if "second" in _request_ids(s))
+    assert (first_second < under_way) == inside  # accounted before the step it ran inside, when it did
+    if inside:
+        assert _request_ids(steps[first_second]) == {"second"}

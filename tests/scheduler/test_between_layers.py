@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
-from scheduler.config import TierConfig
+from scheduler.config import StepCost, TierConfig
 from scheduler.plan import StepFeatures
 
 from scheduler_driver import engine_step, fake_token
@@ -126,6 +126,25 @@ def test_beside_one_long_prompt_a_neighbours_short_request_goes_between_layers()
 
     assert [c.seq for c in sched.schedule_express(frozenset()).chunks] == [light]
     assert snapshot(under_way) == before
+
+
+@pytest.mark.parametrize("scored", [True, False])
+def test_beside_a_prompt_whose_scores_make_its_one_step_long_a_neighbours_short_request_goes_between_layers(scored):
+    """A prompt that fits in one step's tokens, but whose rows are scored for prompt logprobs: the LM head
+    over the whole vocabulary for each of them makes that one step long, and a neighbour's request waits for
+    all of it unless it goes between layers. Unscored, the same prompt makes a short step."""
+    costly_scores = StepCost(per_scored_row_s=0.02)
+    sched = Scheduler(config(max_model_len=256, max_step_s=0.5, step_cost_prior=costly_scores))
+    prompt = make("scorer", 0, prompt=30, max_tokens=1)  # 30 tokens: under a step's 32
+    prompt.reads_prefix_cache = not scored
+    sched.add(prompt)
+    under_way = sched.schedule()
+    assert [(c.seq, c.num_tokens) for c in under_way.chunks] == [(prompt, 30)]
+    light = make("light", 99, prompt=6, max_tokens=3)
+    sched.add(light)
+
+    express = [c.seq for c in sched.schedule_express(frozenset(), {prompt.seq_id}).chunks]
+    assert express == ([light] if scored else [])
 
 
 def test_the_long_prompts_own_tenant_and_its_last_step_get_no_express_step():
