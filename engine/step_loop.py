@@ -65,6 +65,8 @@ class _StepUnderWay:
     express_s: float | None = None  # the metered seconds of the express steps inside it, once one ran
     express_ended_at: float | None = None  # when the last of them ended (time.monotonic())
     admitted_at: float | None = None  # when the last of them that started new requests began (time.monotonic())
+    began_at: float = 0.0  # when the step began (time.monotonic())
+    asked_for_waiting: bool = False  # whether requests waiting since before it began were asked for between layers
     asked_at: float | None = None  # when it last asked between two layers (time.monotonic())
     asked_every_s: float = 0.0  # the time between its last two asks: about when the next one comes
 
@@ -199,15 +201,18 @@ class StepLoop:
         under_way.asked_at = now
         plan = StepPlan()
         admits = under_way.admitted_at is None or now - under_way.admitted_at >= EXPRESS_AGAIN_AFTER_S
-        if admits and not self._deferred and self._inbox.has_messages():
-            for i, message in enumerate(messages := self._inbox.take_all()):
-                if not isinstance(message, AddRequest):  # aborts and unloads touch the step under way: after it
-                    self._deferred.extend(messages[i:])
-                    break
-                self._add(message)
-            plan = self.scheduler.schedule_express(under_way.adapters, under_way.seq_ids)
-            if not plan.is_empty:
-                under_way.admitted_at = now
+        if admits and not self._deferred:
+            arrived = self._inbox.has_messages()
+            if arrived:
+                self._take_arrivals()
+            # A request that was already waiting when the step was planned (it arrived with the long request, or
+            # the plan had no room for it) is asked for too, once the step has run long.
+            long_step = not under_way.asked_for_waiting and now - under_way.began_at >= EXPRESS_AGAIN_AFTER_S
+            if arrived or long_step:
+                under_way.asked_for_waiting |= long_step
+                plan = self.scheduler.schedule_express(under_way.adapters, under_way.seq_ids)
+                if not plan.is_empty:
+                    under_way.admitted_at = now
         if plan.is_empty and under_way.express_ended_at is not None:  # started ones' next tokens, as their bound nears
             plan = self.scheduler.schedule_express_decodes(under_way.seq_ids, now - under_way.express_ended_at,
                                                            under_way.asked_every_s)
@@ -221,6 +226,15 @@ class StepLoop:
                 self._fail(chunk.seq.seq_id, "internal engine error")
         finally:
             under_way.express_ended_at = time.monotonic()
+
+    def _take_arrivals(self) -> None:
+        """Between layers: add the inbox's new requests; aborts and unloads touch the step under way, so they
+        and everything after them wait for its end."""
+        for i, message in enumerate(messages := self._inbox.take_all()):
+            if not isinstance(message, AddRequest):
+                self._deferred.extend(messages[i:])
+                break
+            self._add(message)
 
     def _run_step(self, plan: StepPlan, nested: bool = False) -> None:
         """Run, sample and hand out one step (``nested``: an express step between another's layers)."""
@@ -249,7 +263,7 @@ class StepLoop:
         under_way = None
         if not nested:
             under_way = _StepUnderWay(frozenset(c.seq.adapter for c in plan.chunks if c.seq.adapter is not None),
-                                      frozenset(c.seq.seq_id for c in plan.chunks))
+                                      frozenset(c.seq.seq_id for c in plan.chunks), began_at=time.monotonic())
             self._between = under_way
         step = _Step(plan, nested, [c for c in plan.chunks if c.samples], time.time(), timer, under_way)
         timer.start()

@@ -192,7 +192,9 @@ class TieredPolicy(Policy):
         if self.fair is None:
             return []
         queue = [s for s in queue if s.tier not in self.spare]  # spare work never jumps in between layers
-        runs = Counter((s.tier, s.tenant) for s in running)
+        # The choices of an admitted n > 1 request that wait to join it run as its tenant's sequences: they go
+        # before everything queued, so beside them a neighbour's request waits as beside a flood.
+        runs = Counter((s.tier, s.tenant) for s in [*running, *(s for s in queue if s.joins_group)])
         most = Counter()
         for (tier, _), n in runs.items():
             most[tier] = max(most[tier], n)

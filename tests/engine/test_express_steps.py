@@ -204,3 +204,41 @@ def test_a_second_light_request_arriving_inside_the_same_long_step_goes_between_
     assert (first_second < under_way) == inside  # accounted before the step it ran inside, when it did
     if inside:
         assert _request_ids(steps[first_second]) == {"second"}
+
+
+@pytest.mark.parametrize("again_after_s, inside", [(0.0, True), (1e9, False)])
+def test_a_light_request_already_waiting_when_a_long_step_began_goes_between_its_layers(
+        make_engine, hf_greedy, monkeypatch, again_after_s, inside):
+    # A long prompt and the light request arrive together, during a first request's step: the long prompt's
+    # chunk takes the whole of the next step, and the light request waits in the queue, not in the inbox. Once
+    # that step has run ``EXPRESS_AGAIN_AFTER_S`` (none, or more than any test runs) it is asked for between layers.
+    monkeypatch.setattr(step_loop, "EXPRESS_AGAIN_AFTER_S", again_after_s)
+    engine, events = make_engine()
+    first = EngineRequest("first", _prompt(97, 7), SamplingParams(max_tokens=6, **GREEDY), tenant="first")
+    flood = [EngineRequest("flood-0", _prompt(0, 3 * FLOOD_PROMPT), SamplingParams(max_tokens=4, **GREEDY),
+                           tenant="flood")]
+    light = _light()
+    collectors = {r.request_id: BlockingCollector() for r in [first, *flood, light]}
+    schedule, sent = engine.scheduler.schedule, []
+
+    def schedule_then_send_the_rest():
+        plan = schedule()
+        if not sent and any(c.seq.seq_id.startswith("first") for c in plan.chunks):
+            sent.append(True)
+            for request in [*flood, light]:
+                engine._accept_request(request, collectors[request.request_id].push)
+        return plan
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_then_send_the_rest)
+    engine._accept_request(first, collectors["first"].push)
+    results = {rid: _collect(c) for rid, c in collectors.items()}
+
+    _assert_greedy(results, [first, *flood, light], hf_greedy)
+    steps = _steps(events)
+    flood_step = next(i for i, s in enumerate(steps)
+                      if any(item.tokens > 1 and item.request_id.startswith("flood") for item in s.items))
+    first_light = next(i for i, s in enumerate(steps) if "light" in _request_ids(s))
+    assert (first_light < flood_step) == inside  # accounted before the flood's step it ran inside, when it did
+    if inside:
+        assert _request_ids(steps[first_light]) == {"light"}
+    assert not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0

@@ -147,6 +147,25 @@ def test_beside_a_prompt_whose_scores_make_its_one_step_long_a_neighbours_short_
     assert express == ([light] if scored else [])
 
 
+def test_beside_an_admitted_requests_choices_waiting_to_join_it_a_neighbours_request_goes_first():
+    """The n - 1 later choices of an admitted request join it ahead of everything queued: beside them a
+    neighbour's lone request waits as beside a flood of that many, so it qualifies as beside one."""
+    sched = Scheduler(config(max_model_len=256))
+    prompt = [(7 * i) % 500 for i in range(30)]
+    choices = [Sequence(f"big#{i}", list(prompt), tier="standard", tenant="big", max_tokens=2, group="big")
+               for i in range(8)]
+    sched.add(choices[0])
+    engine_step(sched)  # the first choice's prompt is computed; its siblings join it now, as the engine adds them
+    for sibling in choices[1:]:
+        sched.add(sibling, sibling_of=choices[0].seq_id)
+    light = make("light", 99, prompt=6, max_tokens=3)
+    sched.add(light)
+
+    planned = {c.seq.seq_id for c in sched.schedule().chunks}
+    assert light.seq_id in planned and choices[0].seq_id in planned  # the neighbour and the first choice's decode
+    assert not planned & {s.seq_id for s in choices[1:]}  # the joining choices held for this one step
+
+
 def test_the_long_prompts_own_tenant_and_its_last_step_get_no_express_step():
     sched = Scheduler(config(max_model_len=256))
     long = make("long", 0, prompt=40, max_tokens=2)  # 40 tokens: 8 left after one step, under a step's 32
