@@ -146,14 +146,20 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         base_only = [None] * len(prompts)
         rates: dict[int, float] = dict.fromkeys([0, *mixes], 0.0)  # the best of the rounds; 0: the base model alone
         paired: dict[int, list[float]] = {n: [] for n in mixes}
-        # Each mix runs right after a base-only run, and its ratio to that run is the round's figure:
+        # Each mix runs beside a base-only run, and its ratio to that run is the round's figure:
         # the shared box's speed drifts by tens of percent over minutes, so neighbouring runs compare
         # better than the best of each over the whole bench. The ratio reported is the rounds' median.
-        for _ in range(args.repeats):
+        # The pair's order alternates by round: on these boxes the second of two back-to-back runs is
+        # often the slower, which would count against whichever always went second.
+        for round_no in range(args.repeats):
             for n, adapters in mixes.items():
                 engine_run(engine, prompts[:n], adapters[:n], 2)  # adapters resident, as in steady state
-                base_rate = engine_run(engine, prompts, base_only, args.max_tokens)
-                mix_rate = engine_run(engine, prompts, adapters, args.max_tokens)
+                if round_no % 2 == 0:
+                    base_rate = engine_run(engine, prompts, base_only, args.max_tokens)
+                    mix_rate = engine_run(engine, prompts, adapters, args.max_tokens)
+                else:
+                    mix_rate = engine_run(engine, prompts, adapters, args.max_tokens)
+                    base_rate = engine_run(engine, prompts, base_only, args.max_tokens)
                 rates[0], rates[n] = max(rates[0], base_rate), max(rates[n], mix_rate)
                 paired[n].append(mix_rate / base_rate)
         base, ours = rates.pop(0), rates
