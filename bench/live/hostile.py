@@ -2,7 +2,8 @@
 
 One `tiergate serve --demo` (the bundled model, `make serve`'s defaults, a throwaway
 SQLite database) with the demo tenants plus standard tenants of the bench's own: the
-neighbour, which streams a short completion every second, and one attacker per attack
+neighbour, which streams a short completion every second from a process of its own (another
+client, as a real neighbour is: ``NeighbourProcess``), and one attacker per attack
 (limits: 8 concurrent). The neighbour runs alone first (its baseline), then beside each
 attack of bench/live/hostile_attacks.py in turn; each attack is bounded (``--attack-timeout-s``),
 and the neighbour keeps sending for at least ``--window-s`` of it. Per attack: the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import sqlite3
 import subprocess
@@ -81,15 +83,44 @@ async def neighbour_request(client: httpx.AsyncClient, url: str, key: str, n: in
     return Sample(200, first, gap)
 
 
-async def neighbour_loop(client, url: str, key: str, stop: asyncio.Event, every_s: float, counter) -> list[Sample]:
-    tasks = []
-    while not stop.is_set():
-        tasks.append(asyncio.create_task(neighbour_request(client, url, key, next(counter))))
-        try:
-            await asyncio.wait_for(stop.wait(), every_s)
-        except asyncio.TimeoutError:
-            pass
-    return list(await asyncio.gather(*tasks))
+class NeighbourProcess:
+    """The neighbour's loop in a process of its own: a request every ``every_s`` until ``stop()``.
+
+    A real neighbour is another client. Sharing the attack's client and event loop, the neighbour's first
+    tokens waited for the bench's own work on the attack (45 uploads and answers at once), which the server
+    never caused: measured that way, a burst of 45 small requests showed a 0.3-0.5 s neighbour TTFT that a
+    neighbour in its own process does not see (bench/RESULTS.md, 2026-11-27)."""
+
+    def __init__(self, url: str, key: str, every_s: float, first_n: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._conn, theirs = context.Pipe(duplex=False)
+        self._process = context.Process(target=_neighbour_main, args=(url, key, every_s, first_n, self._stop, theirs),
+                                        daemon=True)
+        self._process.start()
+        theirs.close()
+        if self._conn.recv() != "ready":
+            raise RuntimeError("the neighbour process did not start")
+
+    def stop(self) -> list[Sample]:
+        self._stop.set()
+        samples = [Sample(*fields) for fields in self._conn.recv()]
+        self._process.join()
+        return samples
+
+
+def _neighbour_main(url: str, key: str, every_s: float, first_n: int, stop, conn) -> None:
+    async def loop() -> list[Sample]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
+            conn.send("ready")
+            tasks, n = [], first_n
+            while not stop.is_set():
+                tasks.append(asyncio.create_task(neighbour_request(client, url, key, n)))
+                n += 1
+                await asyncio.sleep(every_s)
+            return list(await asyncio.gather(*tasks))
+
+    conn.send([(s.status, s.ttft_s, s.max_gap_s) for s in asyncio.run(loop())])
 
 
 async def attack_request(client, url: str, key: str, path: str, body: dict) -> dict:
@@ -213,15 +244,16 @@ def phase_report(name: str, baseline: dict, neighbour: dict, outcomes: list[dict
 
 async def measure(url: str, keys: dict[str, str], db: Path, args, rss: RssSampler) -> dict:
     timeout = httpx.Timeout(args.attack_timeout_s + 30, connect=10)
-    counter = iter(range(10**9))
+    sent = 0  # the neighbour's requests, each with a prompt of its own number
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=200)) as client:
         for _ in range(3):  # not measured: a fresh server's first steps try thread counts
-            await neighbour_request(client, url, keys["neighbour"], next(counter))
-        stop = asyncio.Event()
-        loop = asyncio.create_task(neighbour_loop(client, url, keys["neighbour"], stop, 1.0, counter))
+            await neighbour_request(client, url, keys["neighbour"], sent)
+            sent += 1
+        neighbour = await asyncio.to_thread(NeighbourProcess, url, keys["neighbour"], 1.0, sent)
         await asyncio.sleep(args.baseline_s)
-        stop.set()
-        baseline = neighbour_stats(await loop)
+        samples = await asyncio.to_thread(neighbour.stop)
+        sent += len(samples)
+        baseline = neighbour_stats(samples)
         rss_start = rss.now_mb()
         rounds = []
         for round_no in range(args.rounds):
@@ -230,13 +262,13 @@ async def measure(url: str, keys: dict[str, str], db: Path, args, rss: RssSample
                 if args.only and attack.name not in args.only:
                     continue
                 print(f"hostile: round {round_no + 1}, {attack.name}", file=sys.stderr, flush=True)
-                stop = asyncio.Event()
-                loop = asyncio.create_task(neighbour_loop(client, url, keys["neighbour"], stop, 1.0, counter))
+                neighbour = await asyncio.to_thread(NeighbourProcess, url, keys["neighbour"], 1.0, sent)
                 started = time.monotonic()
                 outcomes = await run_attack(client, url, keys[f"atk-{attack.name}"], attack, args.attack_timeout_s)
                 await asyncio.sleep(max(0.0, args.window_s - (time.monotonic() - started)))
-                stop.set()
-                neighbour = neighbour_stats(await loop)
+                samples = await asyncio.to_thread(neighbour.stop)
+                sent += len(samples)
+                neighbour = neighbour_stats(samples)
                 before = sum(p["sent"] for r in rounds for p in r["phases"] if p["attack"] == attack.name)
                 rows = await asyncio.to_thread(wait_for_rows, db, f"atk-{attack.name}", before + len(outcomes), 30)
                 rows = (rows[0] - before, rows[1] - before, rows[2] - before)
@@ -245,7 +277,7 @@ async def measure(url: str, keys: dict[str, str], db: Path, args, rss: RssSample
                       file=sys.stderr, flush=True)
             rounds.append({"phases": phases, "rss_mb": rss.now_mb()})
         await asyncio.sleep(args.settle_s)
-    return {"baseline": baseline, "rounds": rounds, "rss_start_mb": rss_start, "neighbour_sent": next(counter)}
+    return {"baseline": baseline, "rounds": rounds, "rss_start_mb": rss_start, "neighbour_sent": sent}
 
 
 def summarise(measured: dict, rss_samples: list[float], rss_end_mb: float, neighbour_rows: int) -> dict:
