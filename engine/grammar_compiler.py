@@ -41,6 +41,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], *,
                  timeout_s: float = 5.0, workers: int = 2, cache_bytes: int = 64 * 2**20,
                  shared_cache: bool = False) -> None:
+        if not timeout_s > 0:  # the trial's CPU timer: zero would mean none
+            raise ValueError(f"timeout_s must be positive, not {timeout_s}")
         self._info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.vocab_size = vocab_size
         # Models without a stop token (random test models) end where their grammar cannot go on.

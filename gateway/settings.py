@@ -49,8 +49,8 @@ class Settings:
     express_steps: bool = True
     # "tenant": a request hits only its own tenant's cached prefixes; "shared": anyone's (docs/tenants.md).
     prefix_cache_scope: str = "tenant"
-    # Grammars (response_format, structured_outputs, tools): a compile past grammar_compile_timeout_s is
-    # a 400; a tenant compiles at most grammar_compiles_per_tenant at once (more: 429), on
+    # Grammars (response_format, structured_outputs, tools): a compile past grammar_compile_timeout_s of CPU
+    # time is a 400; a tenant compiles at most grammar_compiles_per_tenant at once (more: 429), on
     # grammar_compile_workers workers of their own; compiled ones are cached per tenant unless
     # grammar_cache_scope is "shared", within grammar_cache_bytes; a token mask that takes more CPU
     # time than grammar_mask_budget_s ends its request.
