@@ -79,6 +79,9 @@ def build(settings: Settings, migrate: bool = True,
     db = create_engine_for(settings.database_url)
     engine = Engine(engine_config(settings))
     engine.grammars.warm()  # while the rest starts: the first grammar then need not wait for it
+    # The prompt-size bound's longest vocabulary entry (gateway/prompts.py): a walk over the whole
+    # vocabulary, done here rather than on the event loop of the first request that checks a prompt.
+    _ = engine.tokenizer.max_token_chars
     ledger = Ledger(db, settings.spool_path or process_spool_path(DEFAULT_SPOOL_DIR))
     if settings.spool_path is None:
         adopt_orphans(ledger.spool)  # before start(): the ledger replays them with its own

@@ -225,3 +225,17 @@ def test_the_adapters_dtype_comes_from_the_flag_or_environment_into_the_engine_c
     assert engine_config(_settings(args)).lora_dtype == "bfloat16"
     with pytest.raises(SettingsError, match="lora_dtype"):
         load_settings(environ={"TIERGATE_LORA_DTYPE": "int8"})
+
+
+def test_the_prompt_bounds_walk_over_the_vocabulary_is_done_at_startup_not_on_a_requests_event_loop(
+        tiny_model_dir, database_url):
+    from gateway.server import build
+    from gateway.settings import load_settings
+
+    built = build(load_settings(environ={"TIERGATE_MODEL": f"dummy:{tiny_model_dir}",
+                                         "TIERGATE_DATABASE_URL": database_url}), migrate=False)
+    try:
+        assert "max_token_chars" in vars(built.engine.tokenizer)  # the cached property is already computed
+    finally:
+        built.engine.shutdown()
+        built.db.dispose()
