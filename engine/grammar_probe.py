@@ -215,6 +215,8 @@ class ProbePool:
         taken = [self._idle.get() for _ in self._all]
         try:
             for worker in taken:
+                if self._closed.is_set():  # the server stopped while this started: start no more
+                    return
                 worker.start()
         finally:
             for worker in taken:
