@@ -81,8 +81,7 @@ def outlasts_a_step(config: SchedulerConfig, cost: StepCost) -> Callable[[Sequen
             return True
         if config.max_step_s is None:
             return False
-        scoring = cost.per_scored_row_s * scored_rows(seq, start, left)
-        return _chunk_cost(cost, start, left) + scoring > config.max_step_s
+        return _chunk_cost(cost, start, left, scored_rows(seq, start, left)) > config.max_step_s
 
     return outlasts
 
@@ -129,9 +128,10 @@ class StepTimeBound:
         return int(min(self.min_chunk, max(1, _largest_chunk(own, self.cost, start, scores))))
 
 
-def _chunk_cost(cost: StepCost, start: int, num_tokens: int) -> float:
-    """What a plain prefill chunk adds to a step's predicted time (its context positions included)."""
-    chunk = StepFeatures(num_tokens, 0, start + num_tokens, attention_pairs(start, num_tokens))
+def _chunk_cost(cost: StepCost, start: int, num_tokens: int, scored: int = 0) -> float:
+    """What a prefill chunk adds to a step's predicted time (its context positions included), ``scored`` of
+    its rows scored for prompt logprobs."""
+    chunk = StepFeatures(num_tokens, 0, start + num_tokens, attention_pairs(start, num_tokens), scored)
     return predict(cost, chunk) - cost.base_s
 
 
