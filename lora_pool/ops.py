@@ -20,10 +20,14 @@ faster. Why, in docs/performance.md; the measurements behind these choices, in b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from tiergate_common.env import LORA_PREFETCH, EnvError
 
 # The engine's fused projection outputs, columns in this order (engine/model.py's layout);
 # engine/lora_hook.py takes this table for its protocol, as lora_pool imports nothing of the engine.
@@ -136,6 +140,7 @@ class KernelRows:
     ranks: torch.Tensor  # int64 [groups]
     scales: torch.Tensor  # float32 [groups]
     slot_set: frozenset[int]
+    prefetch_to: int = 1  # the cache level the kernel reads the stacks ahead into (prefetch_level)
 
 
 @dataclass(frozen=True)
@@ -203,7 +208,45 @@ def _kernel_rows(positions: dict[int, list[int]], slot_info: dict[int, tuple[int
     return KernelRows(torch.tensor(order, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64),
                       torch.tensor([row for slot in order for row in positions[slot]], dtype=torch.int64),
                       torch.tensor([slot_info[slot][0] for slot in order], dtype=torch.int64),
-                      torch.tensor([slot_info[slot][1] for slot in order], dtype=torch.float32), frozenset(order))
+                      torch.tensor([slot_info[slot][1] for slot in order], dtype=torch.float32), frozenset(order),
+                      prefetch_level())
+
+
+# Where the kernel's read-ahead pays most was measured, not derived: into L1 on a core whose L1 data
+# cache holds 48 KiB (a Zen 5), into L2 on one whose L1 holds 32 KiB (a Zen 4), where asking for L1
+# slowed the reads at every distance tried (bench/RESULTS.md, multi-LoRA).
+L1_PREFETCH_MIN_BYTES = 48 * 1024
+L1_DATA_CACHE = Path("/sys/devices/system/cpu/cpu0/cache/index0")
+
+
+def prefetch_level() -> int:
+    """The cache level (1 or 2) ``lora_rows_`` prefetches the adapters' stacks into: ``TIERGATE_LORA_PREFETCH``
+    (``l1``, ``l2``), or with ``auto`` L1 where the core's L1 data cache holds at least 48 KiB, else L2."""
+    return _prefetch_level(LORA_PREFETCH.get().strip().lower())
+
+
+@functools.cache
+def _prefetch_level(asked: str) -> int:
+    if asked == "auto":
+        return 1 if l1_data_cache_bytes() >= L1_PREFETCH_MIN_BYTES else 2
+    if asked in ("l1", "l2"):
+        return int(asked[1])
+    raise EnvError(f"{LORA_PREFETCH.env_name} must be auto, l1 or l2, not {asked!r}")
+
+
+def l1_data_cache_bytes(cache: Path = L1_DATA_CACHE) -> int:
+    """The first core's L1 data cache in bytes, from sysfs; 0 where the kernel does not say."""
+    try:
+        if (cache / "type").read_text().strip() != "Data" or (cache / "level").read_text().strip() != "1":
+            return 0
+        size = (cache / "size").read_text().strip().upper()
+    except OSError:
+        return 0
+    units = {"K": 1024, "M": 1024 * 1024}
+    try:
+        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    except ValueError:
+        return 0
 
 
 def _padded(small: dict[int, list[int]], slot_info: dict[int, tuple[int, float]]) -> PaddedRows:
@@ -233,7 +276,7 @@ def apply_group(x: torch.Tensor, y: torch.Tensor, stacks: LayerStacks, plan: Cpu
         if not k.slot_set.isdisjoint(slots):
             # The b stacks are always contiguous; a is not for one projection of a fused group asked alone (a copy).
             torch.ops.tiergate.lora_rows_(x, y, stacks.a.contiguous(), stacks.b, k.slots, k.offsets, k.rows, k.ranks,
-                                          k.scales)
+                                          k.scales, k.prefetch_to)
         return
     max_rank = stacks.b[0].shape[1]
     num_rows = x.shape[0]

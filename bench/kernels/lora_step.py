@@ -7,7 +7,9 @@ decode rows spread round-robin over the slots: every hook call of a step, as the
 them, through ``lora_pool.ops.apply_group``, on three paths: ``torch`` (a gather, padded bmms over
 float32 stacks, an index_add per call), ``kernel`` (torch.ops.tiergate.lora_rows_,
 engine/csrc/lora_rows.cpp, on float32 stacks) and ``kernel bf16`` (the same on bfloat16 stacks, as
-the engine keeps them over a quantized model). The paths alternate round by round in one process,
+the engine keeps them over a quantized model), the kernel reading its stacks ahead into the cache level
+``lora_pool.ops.prefetch_level`` picks on this CPU, and ``kernel bf16 L1`` and ``L2`` with each level
+forced (which one pays differs between cores). The paths alternate round by round in one process,
 so they see the same machine; printed: the median step time, the stacks' bytes (all of them, the
 rank-8 slots' zero padding included), the adapters' own bytes (each slot's rank rows only: what a
 step must read), the rate a step reads those at, and torch's time over each path's.
@@ -22,6 +24,7 @@ its own matmul pair, as it does in the engine without the kernel).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -92,12 +95,18 @@ def main() -> None:
     xs = {hook: torch.randn(args.rows, in_of[hook]) for hook in HOOKS}
     ys = {hook: torch.zeros(args.rows, out_of[hook]) for hook in HOOKS}
     stacks = {dtype: stacks_of(args.slots, dtype) for dtype in (torch.float32, torch.bfloat16)}
-    paths = {"torch": (torch.float32, False), "kernel": (torch.float32, True), "kernel bf16": (torch.bfloat16, True)}
-    plans = {kernel: ops.plan_rows(row_slots, info, kernel=kernel) for kernel in (False, True)}
+    auto = ops.prefetch_level()
+    paths = {"torch": (torch.float32, False), "kernel": (torch.float32, auto), "kernel bf16": (torch.bfloat16, auto),
+             "kernel bf16 L1": (torch.bfloat16, 1), "kernel bf16 L2": (torch.bfloat16, 2)}
+    kernel_plan = ops.plan_rows(row_slots, info, kernel=True)
+    plans = {False: ops.plan_rows(row_slots, info),
+             **{level: dataclasses.replace(kernel_plan, kernel_rows=dataclasses.replace(kernel_plan.kernel_rows,
+                                                                                         prefetch_to=level))
+                for level in (1, 2)}}
     times: dict[str, list[float]] = {name: [] for name in paths}
     with torch.no_grad():
         for round_ in range(args.rounds + 1):
-            for name, (dtype, kernel) in paths.items():
+            for name, (dtype, kernel) in paths.items():  # kernel: False (torch) or the read-ahead level
                 start = time.perf_counter()
                 step(stacks[dtype][0], plans[kernel], xs, ys, slots)
                 if round_:  # the first round warms up
@@ -106,7 +115,8 @@ def main() -> None:
     print(machine.render_markdown(host))
     kind = "prefill" if args.prefill else "decode"
     print(f"{args.rows} {kind} rows over {args.slots} slots (ranks 8 and 16, max 16), {LAYERS} layers x "
-          f"{len(HOOKS)} hook calls, {args.threads} threads, median of {args.rounds} rounds")
+          f"{len(HOOKS)} hook calls, {args.threads} threads, median of {args.rounds} rounds; the kernel reads "
+          f"ahead into L{auto} here (L1 data cache {ops.l1_data_cache_bytes() // 1024} KiB)")
     torch_ms = statistics.median(times["torch"]) * 1e3
     results = {}
     for name, (dtype, _) in paths.items():
@@ -114,10 +124,10 @@ def main() -> None:
         nbytes, needed = stacks[dtype][1], adapter_bytes(args.slots, dtype)
         results[name] = {"ms": ms, "stack_mb": nbytes / 1e6, "adapter_mb": needed / 1e6,
                          "gb_per_s": needed / ms / 1e6, "torch_over": torch_ms / ms}
-        print(f"{name:>12}: {ms:7.2f} ms a step, stacks {nbytes / 1e6:6.1f} MB, adapters {needed / 1e6:6.1f} MB "
+        print(f"{name:>14}: {ms:7.2f} ms a step, stacks {nbytes / 1e6:6.1f} MB, adapters {needed / 1e6:6.1f} MB "
               f"read at {needed / ms / 1e6:5.1f} GB/s, torch/this {torch_ms / ms:4.2f}x")
     if args.json:
-        write_json({"machine": host, "args": vars(args), "results": results}, args.json)
+        write_json({"machine": host, "args": vars(args), "prefetch_level": auto, "results": results}, args.json)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,11 @@ constexpr int MAX_ROWS = 4, MAX_DOTS = LANES == 16 ? 4 : 2;
 // (each projection's rank rows of A, then of each b), each read as NJ streams at once: the hardware
 // prefetchers start late on such streams and stop at each run's end, where the next run (the next
 // projection's, or the next slot's) could already be on its way. All runs are added before the reads.
+// LOCALITY is __builtin_prefetch's: 3 into L1, 2 into L2. Which pays depends on the core (L1 on a
+// Zen 5, L2 on a Zen 4: bench/RESULTS.md, multi-LoRA), so the caller chooses (lora_pool/ops.py).
 constexpr int64_t PREFETCH_BYTES = 16384, LINE_BYTES = 64;
 
+template <int LOCALITY>
 class ReadAhead {
  public:
   void add(const void* begin, int64_t bytes) {
@@ -58,7 +61,7 @@ class ReadAhead {
     read_ += bytes;
     while (fetched_ < read_ + PREFETCH_BYTES) {
       const Run& run = runs_[run_];
-      __builtin_prefetch(run.begin + offset_);
+      __builtin_prefetch(run.begin + offset_, 0, LOCALITY);
       const int64_t step = std::min(LINE_BYTES, run.bytes - offset_);
       offset_ += step, fetched_ += step;
       if (offset_ == run.bytes) {
@@ -209,14 +212,14 @@ std::vector<Piece> pieces_of(const int64_t* offsets, int64_t groups) {
   return pieces;
 }
 
-template <typename W>
+template <typename W, int LOCALITY>
 void lora_pieces(const float* x, int64_t x_stride, float* y, int64_t y_stride, const W* a, const std::vector<const W*>& b,
                  const Stacks& st, const int64_t* slots, const int64_t* rows, const int64_t* ranks, const float* scales,
                  const Piece* pieces, int64_t count) {
   std::vector<float> t(MAX_ROWS * st.wide);
   std::vector<const W*> b_slot(b.size());
   // What each piece's first NR rows will read, in order; its later rows find those stacks in the caches.
-  ReadAhead ahead;
+  ReadAhead<LOCALITY> ahead;
   InCache cached;
   for (const Piece* piece = pieces; piece < pieces + count; ++piece) {
     const int64_t slot = slots[piece->group], rank = ranks[piece->group];
@@ -251,7 +254,8 @@ void lora_pieces(const float* x, int64_t x_stride, float* y, int64_t y_stride, c
 
 void lora_rows_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const std::vector<at::Tensor>& b,
                 const at::Tensor& slots, const at::Tensor& offsets, const at::Tensor& rows, const at::Tensor& ranks,
-                const at::Tensor& scales) {
+                const at::Tensor& scales, int64_t prefetch_to) {
+  TORCH_CHECK(prefetch_to == 1 || prefetch_to == 2, "lora_rows_: prefetch_to is a cache level, 1 or 2");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat,
               "lora_rows_: float32 CPU activations only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1 && x.size(0) == y.size(0),
@@ -293,27 +297,34 @@ void lora_rows_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const s
   }
   const float* scale_of = scales.const_data_ptr<float>();
   const Stacks st{a.size(2), a.size(1), max_rank, widths};
-  auto run = [&](auto weight) {
+  auto run = [&](auto weight, auto locality) {
     using W = decltype(weight);
+    constexpr int LOCALITY = decltype(locality)::value;
     std::vector<const W*> bs;
     for (const at::Tensor& bp : b) bs.push_back(bp.const_data_ptr<W>());
     const std::vector<Piece> pieces = pieces_of(bounds, groups);
     // Pieces write disjoint rows of y (a row is in one group once), so they run in parallel.
     at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
-      lora_pieces<W>(x.const_data_ptr<float>(), x.stride(0), y.mutable_data_ptr<float>(), y.stride(0),
+      lora_pieces<W, LOCALITY>(x.const_data_ptr<float>(), x.stride(0), y.mutable_data_ptr<float>(), y.stride(0),
                      a.const_data_ptr<W>(), bs, st, slot_ids, row_ids, rank_of, scale_of, pieces.data() + p0, p1 - p0);
     });
   };
+  auto run_at = [&](auto weight) {
+    if (prefetch_to == 1)
+      run(weight, std::integral_constant<int, 3>{});
+    else
+      run(weight, std::integral_constant<int, 2>{});
+  };
   if (a.scalar_type() == at::kBFloat16)
-    run(c10::BFloat16{});
+    run_at(c10::BFloat16{});
   else
-    run(float{});
+    run_at(float{});
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tiergate, m) {
   m.def("lora_rows_(Tensor x, Tensor(a!) y, Tensor a, Tensor[] b, Tensor slots, Tensor offsets, Tensor rows, "
-        "Tensor ranks, Tensor scales) -> ()");
+        "Tensor ranks, Tensor scales, int prefetch_to) -> ()");
   m.impl("lora_rows_", c10::DispatchKey::CPU, TORCH_FN(lora_rows_));
 }

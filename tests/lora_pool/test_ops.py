@@ -8,6 +8,7 @@ from tests.lora_pool.lora_reference import CASES, random_case, reference
 
 from engine.cpu_build import cpu_kernels_loaded
 from lora_pool import ops
+from tiergate_common.env import EnvError
 
 RANKS = [3, 8, 5]
 
@@ -123,11 +124,71 @@ def test_the_kernel_refuses_stacks_of_the_wrong_shape_without_touching_y(rows_ke
     a, b = torch.zeros(1, 4, 8), [torch.zeros(1, 4, 5)]  # rank-major a; b's 5 columns, y's 6
     k = ops.plan_rows([0, 0], {0: (4, 1.0)}, kernel=True).kernel_rows
     with pytest.raises(RuntimeError, match="columns"):
-        rows_kernel(x, y, a, b, k.slots, k.offsets, k.rows, k.ranks, k.scales)
+        rows_kernel(x, y, a, b, k.slots, k.offsets, k.rows, k.ranks, k.scales, 1)
     with pytest.raises(RuntimeError, match="out of range"):
-        rows_kernel(x, torch.zeros(2, 5), a, b, torch.tensor([3]), k.offsets, k.rows, k.ranks, k.scales)
+        rows_kernel(x, torch.zeros(2, 5), a, b, torch.tensor([3]), k.offsets, k.rows, k.ranks, k.scales, 1)
     with pytest.raises(RuntimeError, match="listed twice"):  # two threads would add into one row at once
-        rows_kernel(x, torch.zeros(2, 5), a, b, k.slots, k.offsets, torch.tensor([1, 1]), k.ranks, k.scales)
+        rows_kernel(x, torch.zeros(2, 5), a, b, k.slots, k.offsets, torch.tensor([1, 1]), k.ranks, k.scales, 1)
     with pytest.raises(RuntimeError, match="dtype"):
-        rows_kernel(x, torch.zeros(2, 5), a.bfloat16(), b, k.slots, k.offsets, k.rows, k.ranks, k.scales)
+        rows_kernel(x, torch.zeros(2, 5), a.bfloat16(), b, k.slots, k.offsets, k.rows, k.ranks, k.scales, 1)
     assert y.abs().sum() == 0
+
+
+def test_the_kernel_sums_the_same_whichever_cache_level_it_reads_ahead_into(rows_kernel):
+    """The read-ahead's level (prefetch_level) changes only where the stacks wait to be read: the sums are
+    equal bit for bit, over enough slots and rows that the read-ahead crosses from slot to slot."""
+    gen = torch.Generator().manual_seed(7)
+    slots, max_rank, fan_in, widths = 6, 16, 200, (96, 40)
+    a = torch.randn(slots, len(widths) * max_rank, fan_in, generator=gen).bfloat16()
+    b = [torch.randn(slots, max_rank, w, generator=gen).bfloat16() for w in widths]
+    row_slots = [s for s in range(slots) for _ in range(1 + s % 3)] + [-1, 2]
+    x = torch.randn(len(row_slots), fan_in, generator=gen)
+    info = {s: (8 if s % 2 else 16, 0.5 + s) for s in range(slots)}
+    k = ops.plan_rows(row_slots, info, kernel=True).kernel_rows
+    ys = {}
+    for level in (1, 2):
+        ys[level] = torch.randn(len(row_slots), sum(widths), generator=torch.Generator().manual_seed(3))
+        rows_kernel(x, ys[level], a, b, k.slots, k.offsets, k.rows, k.ranks, k.scales, level)
+    assert torch.equal(ys[1], ys[2])
+    with pytest.raises(RuntimeError, match="prefetch_to"):
+        rows_kernel(x, ys[1], a, b, k.slots, k.offsets, k.rows, k.ranks, k.scales, 3)
+
+
+@pytest.fixture
+def fresh_prefetch_level():
+    ops._prefetch_level.cache_clear()
+    yield
+    ops._prefetch_level.cache_clear()
+
+
+@pytest.mark.parametrize("l1_bytes, level", [(48 * 1024, 1), (64 * 1024, 1), (32 * 1024, 2), (0, 2)])
+def test_auto_reads_ahead_into_l1_only_where_the_l1_data_cache_holds_48_kib(monkeypatch, fresh_prefetch_level,
+                                                                              l1_bytes, level):
+    monkeypatch.delenv("TIERGATE_LORA_PREFETCH", raising=False)
+    monkeypatch.setattr(ops, "l1_data_cache_bytes", lambda: l1_bytes)
+    assert ops.prefetch_level() == level
+    assert ops.plan_rows([0], {0: (4, 1.0)}, kernel=True).kernel_rows.prefetch_to == level
+
+
+def test_the_variable_picks_the_level_and_a_bad_value_is_refused(monkeypatch, fresh_prefetch_level):
+    monkeypatch.setattr(ops, "l1_data_cache_bytes", lambda: 32 * 1024)
+    monkeypatch.setenv("TIERGATE_LORA_PREFETCH", "L1")
+    assert ops.prefetch_level() == 1
+    monkeypatch.setenv("TIERGATE_LORA_PREFETCH", "l2")
+    assert ops.prefetch_level() == 2
+    monkeypatch.setenv("TIERGATE_LORA_PREFETCH", "l3")
+    with pytest.raises(EnvError, match="TIERGATE_LORA_PREFETCH must be auto, l1 or l2"):
+        ops.prefetch_level()
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"level": "1", "type": "Data", "size": "48K"}, 48 * 1024),
+    ({"level": "1", "type": "Data", "size": "32768"}, 32768),
+    ({"level": "1", "type": "Instruction", "size": "32K"}, 0),  # not the data cache: say nothing
+    ({"level": "1", "type": "Data", "size": "big"}, 0),
+    ({}, 0),  # no sysfs entry (a container without it)
+])
+def test_the_l1_data_cache_is_read_from_sysfs_and_unknown_is_zero(tmp_path, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text + "\n")
+    assert ops.l1_data_cache_bytes(tmp_path) == expected
