@@ -78,6 +78,12 @@ void attend_item(const Shapes& s, const scalar_t* q_seq, int64_t q_head, const s
   }
   std::fill(acc, acc + rows * padded_dim, 0.f);
   const int64_t row_bytes = s.token_stride * int64_t(sizeof(scalar_t));
+  // A token's row holds every KV head's key, then every value: the item reads only its own heads'.
+  // Asking for the whole row cost an item that has one KV head of several three times the requests,
+  // which filled the queue of misses the reads wait on.
+  const int64_t own_keys = item.first_kv_head * s.head_dim * int64_t(sizeof(scalar_t));
+  const int64_t own_bytes = (rows + s.group - 1) / s.group * s.head_dim * int64_t(sizeof(scalar_t));
+  const int64_t value_bytes = s.kv_stride * int64_t(sizeof(scalar_t));
   const int64_t end = std::min(ctx, item.block1 * s.block_size);
 
   for (int64_t start = item.block0 * s.block_size; start < end; start += s.block_size) {
@@ -94,8 +100,11 @@ void attend_item(const Shapes& s, const scalar_t* q_seq, int64_t q_head, const s
         cache + table[next / s.block_size] * s.block_size * s.token_stride) : nullptr;
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t t = r * rows_per_turn; t < std::min(next_n, (r + 1) * rows_per_turn); ++t)
-        for (int64_t byte = 0; byte < row_bytes; byte += 64)
-          __builtin_prefetch(next_block + t * row_bytes + byte, 0, 2);
+        for (const int64_t at : {own_keys, own_keys + value_bytes}) {
+          const uintptr_t from = reinterpret_cast<uintptr_t>(next_block + t * row_bytes + at);
+          for (uintptr_t line = from & ~uintptr_t(63); line < from + own_bytes; line += 64)
+            __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+        }
       const int64_t head_offset = (item.first_kv_head + r / s.group) * s.head_dim;
       lanes qv[VECS];
       for (int j = 0; j < VECS; ++j) qv[j] = load(query + r * padded_dim + j * LANES);
