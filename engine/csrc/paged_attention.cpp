@@ -110,14 +110,33 @@ void attend_item(const Shapes& s, const scalar_t* q_seq, int64_t q_head, const s
       for (int j = 0; j < VECS; ++j) qv[j] = load(query + r * padded_dim + j * LANES);
       std::fill(weights, weights + padded_block, NEG_INF);
       const float* q_tail = query + r * padded_dim + VECS * LANES;
-      for (int64_t t = skip; t < n; ++t) {
+      int64_t t = skip;
+      for (; t + LANES <= n; t += LANES) {  // LANES tokens' scores, summed across lanes together (sum_each)
+        lanes dots[LANES];
+        for (int64_t u = 0; u < LANES; ++u) {
+          const scalar_t* key = block + (t + u) * s.token_stride + head_offset;
+          lanes dot = {};
+          for (int j = 0; j < VECS; ++j) dot += qv[j] * load(key + j * LANES);
+          dots[u] = dot;
+        }
+        lanes scores = sum_each(dots);
+        for (int64_t u = 0; u < LANES && s.tail > 0; ++u) {
+          const scalar_t* key = block + (t + u) * s.token_stride + head_offset;
+          for (int64_t d = 0; d < s.tail; ++d) scores[u] += q_tail[d] * static_cast<float>(key[VECS * LANES + d]);
+        }
+        store(weights + t, scores);
+      }
+      for (; t < n; ++t) {
         const scalar_t* key = block + t * s.token_stride + head_offset;
         lanes dot = {};
         for (int j = 0; j < VECS; ++j) dot += qv[j] * load(key + j * LANES);
         float score = sum_lanes(dot);
         for (int64_t d = 0; d < s.tail; ++d) score += q_tail[d] * static_cast<float>(key[VECS * LANES + d]);
-        weights[t] = cap > 0.f ? cap * std::tanh(score / cap) : score;
+        weights[t] = score;
       }
+      // Apart from the loops above: a call to tanh there would keep the query's vectors out of the registers.
+      if (cap > 0.f)
+        for (int64_t u = skip; u < n; ++u) weights[u] = cap * std::tanh(weights[u] / cap);
       float block_peak = peak[r];
       for (int64_t t = skip; t < n; ++t) block_peak = std::max(block_peak, weights[t]);
       lanes sums = {};
