@@ -64,9 +64,10 @@ class SlotStacks:
 
 class LoraBatch:
     def __init__(self, stacks: SlotStacks, chunk_slots: list[tuple[int, int]], specs: dict[int, AdapterSpec],
-                 cpu_kernel: bool = False):
+                 cpu_kernel: bool = False, prefetch_to: int = 1):
         """`chunk_slots`: each chunk's (slot, or -1 without adapter, number of rows) in row order;
-        `cpu_kernel`: the CPU rows run on ``ops.rows_kernel`` (the pool checked it is there)."""
+        `cpu_kernel`: the CPU rows run on ``ops.rows_kernel`` (the pool checked it is there), reading the
+        stacks ahead into cache level `prefetch_to` (``ops.prefetch_level``)."""
         self._a = stacks.a
         self._b = stacks.b
         self._cpu_views = stacks.cpu_views
@@ -86,7 +87,7 @@ class LoraBatch:
         else:
             self._kernel_plan = None
             self._cpu_plan = ops.plan_rows(row_slots, {s: (spec.rank, spec.scale) for s, spec in specs.items()},
-                                           cpu_kernel)
+                                           cpu_kernel, prefetch_to)
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """In place: y += (x @ A[slot].T) @ B[slot].T * scale[slot] for each row with an adapter.

@@ -174,15 +174,17 @@ def _own_matmuls(rows: list[int]) -> bool:
     return len(rows) >= (BIG_RUN if contiguous else BIG_SCATTERED)
 
 
-def plan_rows(row_slots: list[int], slot_info: dict[int, tuple[int, float]], kernel: bool = False) -> CpuPlan:
+def plan_rows(row_slots: list[int], slot_info: dict[int, tuple[int, float]], kernel: bool = False,
+              prefetch_to: int = 1) -> CpuPlan:
     """Group the step's rows by slot; `slot_info` maps slot -> (rank, scale). With `kernel` (`rows_kernel`
-    present), every row goes to it: it beats torch's matmuls on decode rows and prefill chunks alike."""
+    present), every row goes to it: it beats torch's matmuls on decode rows and prefill chunks alike; it
+    reads the stacks ahead into cache level `prefetch_to` (``prefetch_level``)."""
     positions: dict[int, list[int]] = {}
     for row, slot in enumerate(row_slots):
         if slot >= 0:
             positions.setdefault(slot, []).append(row)
     if kernel:
-        return CpuPlan({}, None, _kernel_rows(positions, slot_info) if positions else None)
+        return CpuPlan({}, None, _kernel_rows(positions, slot_info, prefetch_to) if positions else None)
     small = {slot: rows for slot, rows in positions.items() if not _own_matmuls(rows)}
     if len(small) < 2:
         small = {}
@@ -200,7 +202,8 @@ def _own_groups(positions: dict[int, list[int]], small: dict[int, list[int]],
     return groups
 
 
-def _kernel_rows(positions: dict[int, list[int]], slot_info: dict[int, tuple[int, float]]) -> KernelRows:
+def _kernel_rows(positions: dict[int, list[int]], slot_info: dict[int, tuple[int, float]],
+                 prefetch_to: int) -> KernelRows:
     order = sorted(positions)
     offsets = [0]
     for slot in order:
@@ -209,7 +212,7 @@ def _kernel_rows(positions: dict[int, list[int]], slot_info: dict[int, tuple[int
                       torch.tensor([row for slot in order for row in positions[slot]], dtype=torch.int64),
                       torch.tensor([slot_info[slot][0] for slot in order], dtype=torch.int64),
                       torch.tensor([slot_info[slot][1] for slot in order], dtype=torch.float32), frozenset(order),
-                      prefetch_level())
+                      prefetch_to)
 
 
 # Where the kernel's read-ahead pays most was measured, not derived: into L1 on a core whose L1 data

@@ -46,6 +46,8 @@ class LoraPool:
         self.dtype = dtype
         self.stack_dtype = dtype if stack_dtype is None else stack_dtype
         self.cpu_kernel = self.device.type == "cpu" and dtype == torch.float32 and ops.rows_kernel() is not None
+        # Read once, here: a bad TIERGATE_LORA_PREFETCH stops the start, not a step.
+        self.cpu_prefetch_to = ops.prefetch_level() if self.cpu_kernel else 1
         if self.stack_dtype != dtype and not (self.cpu_kernel and self.stack_dtype == torch.bfloat16):
             raise ValueError(f"adapter weights in {self.stack_dtype} under {dtype} activations need the CPU LoRA "
                              "kernel (bfloat16 weights, float32 activations), which is not loaded here")
@@ -154,7 +156,7 @@ class LoraPool:
             slot_of = {name: self._make_resident(name) for name in names}
             chunk_slots = [(slot_of[name] if name is not None else -1, rows) for name, rows in chunks]
             specs = {slot_of[name]: self._slot_spec[slot_of[name]] for name in names}
-            return LoraBatch(self.stacks, chunk_slots, specs, self.cpu_kernel)
+            return LoraBatch(self.stacks, chunk_slots, specs, self.cpu_kernel, self.cpu_prefetch_to)
 
     def _make_resident(self, name: str) -> int:
         if name in self._slot_of:

@@ -167,7 +167,7 @@ def test_auto_reads_ahead_into_l1_only_where_the_l1_data_cache_holds_48_kib(monk
     monkeypatch.delenv("TIERGATE_LORA_PREFETCH", raising=False)
     monkeypatch.setattr(ops, "l1_data_cache_bytes", lambda: l1_bytes)
     assert ops.prefetch_level() == level
-    assert ops.plan_rows([0], {0: (4, 1.0)}, kernel=True).kernel_rows.prefetch_to == level
+    assert ops.plan_rows([0], {0: (4, 1.0)}, kernel=True, prefetch_to=level).kernel_rows.prefetch_to == level
 
 
 def test_the_variable_picks_the_level_and_a_bad_value_is_refused(monkeypatch, fresh_prefetch_level):
