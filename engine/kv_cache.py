@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.huge_pages import advise_huge_pages
 from engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,12 @@ class KVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         shape = (config.num_layers, num_blocks, block_size, 2, config.num_kv_heads, config.head_dim)
-        # One allocation for everything, so the pool is one contiguous region.
-        pool = torch.zeros(shape, device=device, dtype=dtype)
+        # One allocation for everything, so the pool is one contiguous region; on the CPU on huge pages,
+        # asked for before the zeros touch them: attention reads a context's blocks from all over it.
+        pool = torch.empty(shape, device=device, dtype=dtype)
+        if pool.device.type == "cpu":
+            advise_huge_pages(pool)
+        pool.zero_()
         return cls(layers=list(pool.unbind(0)), block_size=block_size)
 
 

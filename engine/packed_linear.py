@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from engine.amx_rows import parse_min_rows
 from engine.cpu_build import cpu_kernels_loaded
+from engine.huge_pages import advise_huge_pages
 from engine.norms import add_rms_norm_
 from tiergate_common.env import BF16_AMX_ROWS, PACKED_WEIGHTS
 
@@ -218,32 +219,6 @@ def linear_add_rms_norm_(x: torch.Tensor, weight: Weight, residual: torch.Tensor
         if out is not None:
             return out
     return add_rms_norm_(residual, linear(x, weight), norm, eps, fused=True)
-
-
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # Linux's value on every architecture torch ships for
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Ask Linux to back the 2 MB-aligned inside of ``tensor``'s memory with transparent huge
-    pages (a no-op where THP is off or the call is missing).
-
-    A decode step streams every weight once; with 4 KB pages that is a TLB miss every 4 KB,
-    538 MB a step for the bundled model. With THP in ``madvise`` mode (the common default)
-    nothing gets huge pages unless asked: the single-stream projections ran 7-8% faster with
-    them (docs/performance.md). Asked before the pages are first touched, so the kernel can
-    fault them in as huge pages at once.
-    """
-    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
-    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-    if last <= first:
-        return
-    try:
-        madvise = ctypes.CDLL(None).madvise
-    except (OSError, AttributeError):
-        return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise(first, last - first, MADV_HUGEPAGE)
 
 
 def release_freed_heap() -> None:

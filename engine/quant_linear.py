@@ -39,7 +39,8 @@ import torch
 
 from engine.amx_rows import parse_min_rows
 from engine.cpu_build import quant_kernels_loaded
-from engine.packed_linear import PackedWeight, advise_huge_pages
+from engine.huge_pages import advise_huge_pages
+from engine.packed_linear import PackedWeight
 from engine.quantize import quantize_rows
 from tiergate_common.env import QUANT_ISA, QUANT_PANEL_ROWS, QUANT_REPACK
 

@@ -75,3 +75,28 @@ def test_the_cli_refuses_a_bad_pool_size_in_one_line(capsys):
     assert main(["serve", "--kv-cache-memory", "12 parsecs"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "kv_cache_memory must be a size like 512MiB" in err
+
+
+def test_a_cpu_pool_is_zeroed_on_huge_pages_where_linux_gives_them(tmp_path):
+    """The pool is asked for transparent huge pages before its zeros touch it (attention reads a context's blocks
+    from all over it); with THP in madvise mode nothing else would put it on them."""
+    from pathlib import Path
+
+    from engine.kv_cache import KVCache
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off here")
+    cache = KVCache.allocate(CONFIG, num_blocks=8192, block_size=16, device="cpu", dtype=torch.float32)  # 64 MiB
+    start = cache.layers[0].data_ptr()
+    end = start + sum(layer.nbytes for layer in cache.layers)
+    assert all(float(layer.abs().max()) == 0.0 for layer in cache.layers)
+    huge_kb, inside = 0, False  # over every mapping the pool overlaps: the advice splits its mapping
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low < end and start < high
+        elif inside and line.startswith("AnonHugePages:"):
+            huge_kb += int(line.split()[1])
+    assert huge_kb >= 2048, "the pool got no huge page"
