@@ -141,9 +141,9 @@ def _tiergate_worker(path: Path, args: argparse.Namespace, workload: dict, tasks
     context = max(args.single_prompt + args.tokens, PP_TOKENS + 1, args.stream_prompt + args.stream_tokens)
     # The pool holds every stream's context, so no run preempts (llama.cpp's n_ctx is sized alike).
     runner = TiergateRunner(args.streams, -(-(args.stream_prompt + args.stream_tokens) // 256) * 256,
-                            model=str(path))
+                            model=str(path), max_model_len=max(2048, context))
     if runner.engine.num_kv_blocks * runner.config.block_size < context:
-        raise RuntimeError("the KV pool cannot hold the pp512 prompt")
+        raise RuntimeError("the KV pool cannot hold the longest request (--single-prompt, pp512)")
     try:
         runner.warm_up()
         out = {"load_s": time.perf_counter() - started, "weights": describe_weights(runner.engine.runner.model)}
@@ -354,7 +354,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tune-threads", dest="pin_threads", action="store_false",
                    help="let each engine pick 1..threads per step size by timing (as `tiergate serve` does)")
     p.add_argument("--tokens", type=int, default=128, help="single-stream tokens")
-    p.add_argument("--single-prompt", type=int, default=32)
+    p.add_argument("--single-prompt", type=int, default=32, help="single-stream prompt tokens (2000: a long context)")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--stream-prompt", type=int, default=64)
     p.add_argument("--stream-tokens", type=int, default=64)
