@@ -10,9 +10,9 @@
 // Q8_0's 128 after V flips its sign bit) starts the int32 sum at -offset times the block's sum
 // of activations, the same for every row; Q4_K's mins multiply that sum in float.
 //
-// A kernel runs 1 to GEMV_CHUNK_ROWS rows of x (ROWS, a template argument, so their sums live in
-// registers); a call of more rows takes them in chunks over each group (`groups`). Each row's sums
-// are the same, in integers and in float, whatever chunk it falls in.
+// A kernel runs 1 to GEMV_CHUNK_ROWS rows of x, or twice that for the 32-input formats on AVX-512 (ROWS,
+// a template argument, so their sums live in registers); a call of more rows takes them in chunks over
+// each group (`groups`). Each row's sums are the same, in integers and in float, whatever chunk it falls in.
 //
 // Expects, before inclusion: namespace tiergate_quant's GemvJob / GemvPart (quant_packed.h) and a
 // traits struct V.
@@ -270,10 +270,19 @@ inline GemvJob rows_of(const GemvJob& j, int64_t r0, int64_t rows) {
   return c;
 }
 
-// Rows [r0, r1) of x times group g of part p, GEMV_CHUNK_ROWS rows at a time: the group's tiles
-// are read from memory by the first chunk and from the caches by the others.
+// Rows [r0, r1) of x times group g of part p, GEMV_CHUNK_ROWS rows at a time (or twice that, below):
+// the group's tiles are read from memory by the first chunk and from the caches by the others.
 inline void group_chunks(const GemvJob& j, const GemvPart& p, int64_t g, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; r += GEMV_CHUNK_ROWS) {
+  int64_t r = r0;
+  // With AVX-512's 32 registers the 32-input formats take 8 rows at a time while 8 remain: a tile's
+  // weights are unpacked once for 8 rows instead of 4. Not the K formats, whose kernels hold more per
+  // row, nor AVX2, with 16 registers.
+  if constexpr (V::LANES == 16) {
+    if (format_of(p.type).block_values == 32)
+      for (; r + 2 * GEMV_CHUNK_ROWS <= r1; r += 2 * GEMV_CHUNK_ROWS)
+        group_rows<2 * GEMV_CHUNK_ROWS>(rows_of(j, r, 2 * GEMV_CHUNK_ROWS), p, g);
+  }
+  for (; r < r1; r += GEMV_CHUNK_ROWS) {
     const GemvJob c = rows_of(j, r, std::min(GEMV_CHUNK_ROWS, r1 - r));
     switch (c.rows) {
       case 1: group_rows<1>(c, p, g); break;
