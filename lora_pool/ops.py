@@ -20,7 +20,6 @@ faster. Why, in docs/performance.md; the measurements behind these choices, in b
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +139,7 @@ class KernelRows:
     ranks: torch.Tensor  # int64 [groups]
     scales: torch.Tensor  # float32 [groups]
     slot_set: frozenset[int]
-    prefetch_to: int = 1  # the cache level the kernel reads the stacks ahead into (prefetch_level)
+    prefetch_to: int  # the cache level the kernel reads the stacks ahead into (prefetch_level)
 
 
 @dataclass(frozen=True)
@@ -224,12 +223,9 @@ L1_DATA_CACHE = Path("/sys/devices/system/cpu/cpu0/cache/index0")
 
 def prefetch_level() -> int:
     """The cache level (1 or 2) ``lora_rows_`` prefetches the adapters' stacks into: ``TIERGATE_LORA_PREFETCH``
-    (``l1``, ``l2``), or with ``auto`` L1 where the core's L1 data cache holds at least 48 KiB, else L2."""
-    return _prefetch_level(LORA_PREFETCH.get().strip().lower())
-
-
-@functools.cache
-def _prefetch_level(asked: str) -> int:
+    (``l1``, ``l2``), or with ``auto`` L1 where the core's L1 data cache holds at least 48 KiB, else L2. Read
+    once per pool (``LoraPool``), not per step."""
+    asked = LORA_PREFETCH.get().strip().lower()
     if asked == "auto":
         return 1 if l1_data_cache_bytes() >= L1_PREFETCH_MIN_BYTES else 2
     if asked in ("l1", "l2"):

@@ -154,15 +154,8 @@ def test_the_kernel_sums_the_same_whichever_cache_level_it_reads_ahead_into(rows
         rows_kernel(x, ys[1], a, b, k.slots, k.offsets, k.rows, k.ranks, k.scales, 3)
 
 
-@pytest.fixture
-def fresh_prefetch_level():
-    ops._prefetch_level.cache_clear()
-    yield
-    ops._prefetch_level.cache_clear()
-
-
 @pytest.mark.parametrize("l1_bytes, level", [(48 * 1024, 1), (64 * 1024, 1), (32 * 1024, 2), (0, 2)])
-def test_auto_reads_ahead_into_l1_only_where_the_l1_data_cache_holds_48_kib(monkeypatch, fresh_prefetch_level,
+def test_auto_reads_ahead_into_l1_only_where_the_l1_data_cache_holds_48_kib(monkeypatch,
                                                                               l1_bytes, level):
     monkeypatch.delenv("TIERGATE_LORA_PREFETCH", raising=False)
     monkeypatch.setattr(ops, "l1_data_cache_bytes", lambda: l1_bytes)
@@ -170,7 +163,7 @@ def test_auto_reads_ahead_into_l1_only_where_the_l1_data_cache_holds_48_kib(monk
     assert ops.plan_rows([0], {0: (4, 1.0)}, kernel=True, prefetch_to=level).kernel_rows.prefetch_to == level
 
 
-def test_the_variable_picks_the_level_and_a_bad_value_is_refused(monkeypatch, fresh_prefetch_level):
+def test_the_variable_picks_the_level_and_a_bad_value_is_refused(monkeypatch):
     monkeypatch.setattr(ops, "l1_data_cache_bytes", lambda: 32 * 1024)
     monkeypatch.setenv("TIERGATE_LORA_PREFETCH", "L1")
     assert ops.prefetch_level() == 1

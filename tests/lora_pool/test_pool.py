@@ -228,17 +228,12 @@ def test_the_pool_reads_the_kernels_read_ahead_level_once_and_a_bad_one_stops_it
                                                                                 monkeypatch):
     """TIERGATE_LORA_PREFETCH is read when the pool is made (an engine's start): its steps' plans carry the
     level, and a value that is not a level is refused there, not in a step."""
-    from lora_pool import ops
     from tiergate_common.env import EnvError
 
-    ops._prefetch_level.cache_clear()
-    try:
-        monkeypatch.setenv("TIERGATE_LORA_PREFETCH", "l2")
-        pool = make_pool(3, max_loras=3)
-        monkeypatch.setenv("TIERGATE_LORA_PREFETCH", "l1")  # read once: the pool made above keeps l2
-        assert pool.cpu_prefetch_to == 2 and pool.batch_for(CHUNKS)._cpu_plan.kernel_rows.prefetch_to == 2
-        monkeypatch.setenv("TIERGATE_LORA_PREFETCH", "nearby")
-        with pytest.raises(EnvError, match="TIERGATE_LORA_PREFETCH"):
-            LoraPool(shapes, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
-    finally:
-        ops._prefetch_level.cache_clear()
+    monkeypatch.setenv("TIERGATE_LORA_PREFETCH", "l2")
+    pool = make_pool(3, max_loras=3)
+    monkeypatch.setenv("TIERGATE_LORA_PREFETCH", "l1")  # read once: the pool made above keeps l2
+    assert pool.cpu_prefetch_to == 2 and pool.batch_for(CHUNKS)._cpu_plan.kernel_rows.prefetch_to == 2
+    monkeypatch.setenv("TIERGATE_LORA_PREFETCH", "nearby")
+    with pytest.raises(EnvError, match="TIERGATE_LORA_PREFETCH"):
+        LoraPool(shapes, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
