@@ -35,9 +35,9 @@ struct GemvActs {
   std::vector<int32_t> s16;
 };
 
-// quant_kernels.h's quantize_block on AVX-512, bit for bit: a decode step's
-// quantizing of x took about half the time of its products in scalar code. `count` inputs (16 or 32)
-// share one scale; returns it, and each 16's sum of int8 values in sums[0] (and sums[1]).
+// quant_kernels.h's quantize_block on AVX-512 and on AVX2, bit for bit: a decode step's quantizing of x
+// took about half the time of its products in scalar code. `count` inputs (16 or 32) share one scale;
+// returns it, and each 16's sum of int8 values in sums[0] (and sums[1]).
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) float quantize_avx512(const float* src, int8_t* q, int count,
                                                                              int* sums) {
   const __m512 sign_bit = _mm512_set1_ps(-0.f);
@@ -61,8 +61,52 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) float quantize_avx
   return d;
 }
 
+__attribute__((target("avx2,fma"))) float quantize_avx2(const float* src, int8_t* q, int count, int* sums) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  const int vecs = count / 8;
+  __m256 v[4], amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < vecs; ++i) {
+    v[i] = _mm256_loadu_ps(src + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign_bit, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+  for (int h = 0; h < count / 16; ++h) {
+    __m256i n[2];
+    for (int k = 0; k < 2; ++k) {
+      const __m256 s = _mm256_mul_ps(v[2 * h + k], _mm256_set1_ps(id));
+      const __m256 t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      // Half away from zero: one more unit, with s's sign, where |s - t| >= 0.5.
+      const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign_bit, _mm256_sub_ps(s, t)), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+      const __m256 one = _mm256_or_ps(_mm256_set1_ps(1.f), _mm256_and_ps(sign_bit, s));
+      const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(t, _mm256_and_ps(up, one)), _mm256_set1_ps(-127.f)),
+                                     _mm256_set1_ps(127.f));
+      n[k] = _mm256_cvttps_epi32(r);
+    }
+    // 16 int32 in [-127, 127] to int8 in order: the packs interleave 128-bit lanes, the permute restores them.
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[0], n[1]), 0xD8);
+    const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), bytes);
+    __m256i total = _mm256_add_epi32(n[0], n[1]);
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    sums[h] = _mm_cvtsi128_si32(t4);
+  }
+  return d;
+}
+
+// One block of `count` inputs quantized on the job's instruction set.
+inline float quantize_on(int64_t isa, const float* src, int8_t* q, int count, int* sums) {
+  if (isa == AVX512) return quantize_avx512(src, q, count, sums);
+  if (isa == AVX2 || isa == AVXVNNI) return quantize_avx2(src, q, count, sums);
+  return count == 32 ? quantize_block<32>(src, q, sums) : quantize_block<16>(src, q, sums);
+}
+
 // x's rows to int8, with a scale per 32 inputs, or per 16 (`per16`, quant_packed.h's per16_scales).
-void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, bool per16, bool avx512,
+void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, bool per16, int64_t isa,
                    GemvActs& a) {
   a.q.resize(rows * in / 4);
   a.d.resize(rows * in / (per16 ? 16 : 32));
@@ -77,14 +121,13 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, b
         const float* from = src + b * 32;
         int8_t* to = q + b * 32;
         if (per16) {
-          const float d0 = avx512 ? quantize_avx512(from, to, 16, sums) : quantize_block<16>(from, to, sums);
-          const float d1 = avx512 ? quantize_avx512(from + 16, to + 16, 16, sums + 1)
-                                  : quantize_block<16>(from + 16, to + 16, sums + 1);
+          const float d0 = quantize_on(isa, from, to, 16, sums);
+          const float d1 = quantize_on(isa, from + 16, to + 16, 16, sums + 1);
           a.d[r * in / 16 + 2 * b] = d0;
           a.d[r * in / 16 + 2 * b + 1] = d1;
           a.ds[r * in / 32 + b] = d0 * float(sums[0]) + d1 * float(sums[1]);
         } else {
-          const float d = avx512 ? quantize_avx512(from, to, 32, sums) : quantize_block<32>(from, to, sums);
+          const float d = quantize_on(isa, from, to, 32, sums);
           a.d[r * in / 32 + b] = d;
           a.ds[r * in / 32 + b] = d * float(sums[0] + sums[1]);
         }
@@ -113,8 +156,8 @@ void gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, con
   GemvActs& acts = rows <= KEPT_ROWS ? kept : local;
   GemvActs& acts16 = rows <= KEPT_ROWS ? kept16 : local16;
   // x scaled per 32 inputs for the K formats' parts, per 16 for the others; both where the call mixes them.
-  quantize_rows(x, x_stride, rows, in, !any32, isa == AVX512, acts);
-  if (any16 && any32) quantize_rows(x, x_stride, rows, in, true, isa == AVX512, acts16);
+  quantize_rows(x, x_stride, rows, in, !any32, isa, acts);
+  if (any16 && any32) quantize_rows(x, x_stride, rows, in, true, isa, acts16);
   const GemvJob job16{parts, nparts, rows, in, acts16.q.data(), acts16.d.data(), acts16.ds.data(),
                       acts16.s16.data(), out, out_stride, true, nullptr};
   const GemvJob job{parts, nparts, rows, in, acts.q.data(), acts.d.data(), acts.ds.data(), acts.s16.data(), out,

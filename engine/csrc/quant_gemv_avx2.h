@@ -12,6 +12,13 @@ struct Avx2 {
   using F = __m256;
   static constexpr int LANES = 8, SLICES = 2, BYTES = 32;
   static constexpr int S8_OFFSET = VNNI ? 128 : 0;
+  // Without VNNI a product of 4 bytes takes maddubs (pairs to int16), madd (to int32) and an add: the
+  // pairs of several words are added as int16 first (exact while they fit: gemv_body's pair_sums), then
+  // widened once.
+  static constexpr bool PAIR_SUMS = !VNNI;
+  static I mul_pairs(I u, I x) { return _mm256_maddubs_epi16(u, x); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I widen_pairs(I p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
   static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I zero() { return _mm256_setzero_si256(); }
   static I set1_8(char v) { return _mm256_set1_epi8(v); }

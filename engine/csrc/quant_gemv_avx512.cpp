@@ -17,6 +17,7 @@ struct V {
   using F = __m512;
   static constexpr int LANES = 16, SLICES = 1, BYTES = 64;
   // dot_s8 reads the signed weight w as w + 128 (sign bit flipped): the caller's start subtracts 128 sum(x).
+  static constexpr bool PAIR_SUMS = false;  // quant_gemv_avx2.h's
   static constexpr int S8_OFFSET = 128;
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I zero() { return _mm512_setzero_si512(); }

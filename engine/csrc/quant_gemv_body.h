@@ -35,6 +35,22 @@ inline void tile_to_l2(const uint8_t* tile, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(tile + at, 0, 2);
 }
 
+// The sum of `N` words' 4-byte products for one row (x: the row's words) as int32 lanes, their int16
+// pair sums added before one widening (V::PAIR_SUMS). Exact where N pair sums fit int16: weights of at
+// most 5 bits unsigned times |x| <= 127 give pairs of at most 7874, so 4 of them; 4-bit weights 8.
+// A template on W, so that traits without the pair ops compile where no caller instantiates it.
+template <int N, typename W>
+typename W::I pair_sums(const typename W::I* u, const int32_t* x) {
+  typename W::I p = W::mul_pairs(u[0], W::set1_32(x[0]));
+  for (int w = 1; w < N; ++w) p = W::add16(p, W::mul_pairs(u[w], W::set1_32(x[w])));
+  return W::widen_pairs(p);
+}
+
+template <typename W>
+typename W::I widen_pairs(typename W::I p) { return W::widen_pairs(p); }
+template <typename W>
+typename W::I add_pairs(typename W::I acc, typename W::I u, typename W::I x) { return W::add16(acc, W::mul_pairs(u, x)); }
+
 template <int ROWS>
 void store(const GemvJob& j, const GemvPart& p, int64_t first, F (&acc)[ROWS]) {
   const int64_t count = std::min<int64_t>(V::LANES, p.out_features - first);
@@ -87,13 +103,21 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
         for (int w = 0; w < 8; ++w) u[w] = V::or_(u[w], V::slli32(V::and_(V::srli32(qh, w), bit0_of_bytes), 4));
       }
     }
+    if constexpr (V::PAIR_SUMS && !Q8) {  // words 0-3 and 4-7 (a PER16 block's halves), each summed at once
+      for (int r = 0; r < ROWS; ++r)
+        for (int h = 0; h < 2; ++h) {
+          I& s = sum[PER16 ? h * HALF : h][r];
+          s = V::add32(s, pair_sums<4, V>(u + 4 * h, words(j, r) + 8 * b + 4 * h));
+        }
+    } else {
 #pragma GCC unroll 8
-    for (int w = 0; w < 8; ++w)
-      for (int r = 0; r < ROWS; ++r) {
-        const I x = V::set1_32(words(j, r)[8 * b + w]);
-        I& s = sum[PER16 ? (w / 4) * HALF + w % HALF : w % CHAINS][r];
-        s = Q8 ? V::dot_s8(s, u[w], x) : V::dot(s, u[w], x);
-      }
+      for (int w = 0; w < 8; ++w)
+        for (int r = 0; r < ROWS; ++r) {
+          const I x = V::set1_32(words(j, r)[8 * b + w]);
+          I& s = sum[PER16 ? (w / 4) * HALF + w % HALF : w % CHAINS][r];
+          s = Q8 ? V::dot_s8(s, u[w], x) : V::dot(s, u[w], x);
+        }
+    }
     for (int r = 0; r < ROWS; ++r) {
       if (PER16) {
         I low = sum[0][r], high = sum[HALF][r];
@@ -150,10 +174,17 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
         const I l = nibbles_low(v), h = nibbles_high(v);
         for (int r = 0; r < ROWS; ++r) {
           const int32_t* x = words(j, r) + 64 * sb + 16 * c;
-          lo[r] = V::dot(lo[r], l, V::set1_32(x[k]));
-          hi[r] = V::dot(hi[r], h, V::set1_32(x[8 + k]));
+          if constexpr (V::PAIR_SUMS) {  // int16 pair sums of the 8 words (nibbles: pair_sums), widened below
+            lo[r] = add_pairs<V>(lo[r], l, V::set1_32(x[k]));
+            hi[r] = add_pairs<V>(hi[r], h, V::set1_32(x[8 + k]));
+          } else {
+            lo[r] = V::dot(lo[r], l, V::set1_32(x[k]));
+            hi[r] = V::dot(hi[r], h, V::set1_32(x[8 + k]));
+          }
         }
       }
+      if constexpr (V::PAIR_SUMS)
+        for (int r = 0; r < ROWS; ++r) lo[r] = widen_pairs<V>(lo[r]), hi[r] = widen_pairs<V>(hi[r]);
       const int s0 = 2 * c, s1 = 2 * c + 1;
       const F sc0 = byte_of(scales[s0 / 4], s0 % 4), sc1 = byte_of(scales[s1 / 4], s1 % 4);
       const F m0 = byte_of(mins[s0 / 4], s0 % 4), m1 = byte_of(mins[s1 / 4], s1 % 4);

@@ -14,6 +14,7 @@ struct V {
   using I = int32_t;
   using F = float;
   static constexpr int LANES = 1, SLICES = 16, BYTES = 4;
+  static constexpr bool PAIR_SUMS = false;  // quant_gemv_avx2.h's
   static constexpr int S8_OFFSET = 0;  // dot_s8 multiplies signed by signed: no offset to take back
   static I load(const uint8_t* p) {
     I v;

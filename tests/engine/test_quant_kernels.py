@@ -213,6 +213,51 @@ def test_each_row_of_a_many_row_call_gets_exactly_what_a_one_row_call_gives_it(g
             assert torch.equal(y[r], w(x[r:r + 1])[0]), f"row {r} of {rows}"
 
 
+@pytest.fixture(params=["avx2", "avxvnni"])
+def avx2_isa(request):
+    """The 8-lane paths this CPU runs (an AVX-512 CPU runs the AVX2 one too)."""
+    if request.param not in available_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    return request.param
+
+
+def _product_on(isa: str, w: QuantWeight, x: torch.Tensor) -> torch.Tensor:
+    return quant_linear.quant_matmul(x, [w], None, quant_linear.KernelSwitches(ISAS.index(isa), None))
+
+
+@pytest.mark.parametrize("ggml_type", sorted(REPACKED_TYPES), ids=lambda t: t.name)
+def test_the_avx2_paths_give_the_scalar_paths_bits(ggml_type, avx2_isa):
+    """x quantized by AVX2 code and the maddubs pairs summed as int16 before widening change nothing."""
+    for rows, in_features, out_features in [(1, 576, 40), (3, 1536, 17), (4, 512, 33), (9, 768, 16)]:
+        in_features = in_features if gguf.GGML_QUANT_SIZES[ggml_type][0] == 32 else 256 * (in_features // 256)
+        w = weight(ggml_type, in_features, out_features, seed=rows)
+        assert w.packed
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)) * 4
+        x[0, :7] = 0.0  # a block partly zero, and below a row whose every block is
+        assert torch.equal(_product_on(avx2_isa, w, x), _product_on("scalar", w, x))
+
+
+# Bytes at the start of a block that are not quantized values (the scales, and Q4_1's and Q5_1's min);
+# Q6_K keeps its scale last.
+_HEADER_BYTES = {T.Q4_0: 2, T.Q4_1: 4, T.Q5_0: 2, T.Q5_1: 4, T.Q4_K: 4}
+
+
+@pytest.mark.parametrize("ggml_type", sorted(_HEADER_BYTES), ids=lambda t: t.name)
+def test_int16_pair_sums_hold_at_the_largest_weights_and_activations(ggml_type, avx2_isa):
+    """Every weight value at its format's largest (every quant bit set) and x at +-127 after rounding: the
+    most the AVX2 path's int16 pair sums ever hold; an overflow would part them from the scalar path's int32."""
+    in_features, out_features = 512, 16
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
+    blocks = torch.from_numpy(random_blocks(ggml_type, out_features, in_features, seed=3))
+    blocks.view(out_features, -1, block_bytes)[:, :, _HEADER_BYTES[ggml_type]:] = 0xFF
+    w = QuantWeight(blocks, ggml_type, in_features, out_features)
+    x = torch.ones(2, in_features)
+    x[1] = -1.0
+    y = _product_on(avx2_isa, w, x)
+    assert torch.equal(y, _product_on("scalar", w, x))
+    check_product(w, x, y)
+
+
 @pytest.mark.parametrize("ggml_type", sorted(REPACKED_TYPES), ids=lambda t: t.name)
 def test_repacking_keeps_the_file_bytes_exactly_and_only_the_packed_copy(ggml_type):
     for in_features, out_features in [(256, 1), (512, 16), (768, 45)]:
