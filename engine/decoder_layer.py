@@ -26,6 +26,7 @@ from engine.lora_hook import LoraBatchLike
 from engine.model_config import ModelConfig
 from engine.norms import add_rms_norm_, rms_norm
 from engine.packed_linear import Weight, linear, linear_add_rms_norm_
+from engine.quant_linear import QuantWeight, StackedQuantWeight, quant_kernels_present
 from engine.rope import apply_rope_
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -97,13 +98,52 @@ class DecoderLayer(nn.Module):
         self.plain_join = family.pre_norms and not family.sandwich_norms and cfg.residual_multiplier == 1.0
         self.activation = ACTIVATIONS[cfg.activation]
         self.silu_gate = cfg.activation == "silu"  # the fused kernel's gate
+        # The layer's decode step as one call of the quantized kernels (csrc/quant_decode_layer.cpp), where
+        # ``prepare_decode_call`` found it serves; and the fewest rows the panel path takes instead.
+        self.decode_call: torch.ScriptObject | None = None
+        self.decode_call_below_rows: int | None = None
+
+    def prepare_decode_call(self) -> None:
+        """Build ``decode_call`` where this layer's whole decode step can be one call: every projection
+        quantized with its kernel switches fixed (``QuantWeight.switches``), plain RoPE and residual joins, the
+        SiLU gate, no q|k|v bias. The call runs the kernels the separate calls run, in their order."""
+        weights = [self.qkv, self.o, self.gate_up, self.down]
+        quantized = all(isinstance(w, QuantWeight | StackedQuantWeight) and w.switches is not None for w in weights)
+        if not (quantized and self.plain_rope and self.plain_join and self.silu_gate and not self.has_qkv_bias):
+            self.decode_call = None
+            return
+        blocks, types, outs = [], [], []
+        for w in weights:
+            blocks += w.kernel_args[0]
+            types += w.kernel_args[1]
+            outs += w.kernel_args[2]
+        switches = self.qkv.switches
+        self.decode_call = torch.classes.tiergate.QuantDecodeLayer(
+            blocks, types, outs, [len(w.kernel_args[0]) for w in weights], self.post_norm.detach(), self.eps, self.heads,
+            self.attn.scale, self.attn.window or 0, self.attn.softcap or 0.0, self.inter, switches.isa)
+        self.decode_call_below_rows = switches.panel_rows
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, step: LayerInputs,
                 next_norm: torch.Tensor | None) -> torch.Tensor:
         """The layer over ``x`` (its input, ``h`` normed or ``h``), adding into ``h`` in place; returns
         the next layer's input, normed by ``next_norm`` (its input norm; None for the last layer)."""
+        if (self.decode_call is not None and step.fused_decode and step.lora is None and next_norm is not None
+                and self.plain_rope and self.plain_join
+                and x.dtype == torch.float32 and h.dtype == torch.float32
+                and (self.decode_call_below_rows is None or x.shape[0] < self.decode_call_below_rows)
+                and self.qkv.switches is not None and quant_kernels_present()):  # as the separate calls check
+            return self._decode_in_one_call(x, h, step, next_norm)
         x = self.attention(x, h, step)
         return self.mlp(x, h, step, next_norm)
+
+    def _decode_in_one_call(self, x: torch.Tensor, h: torch.Tensor, step: LayerInputs,
+                            next_norm: torch.Tensor) -> torch.Tensor:
+        """``forward`` for a step of decodes only, as one call (``prepare_decode_call``)."""
+        meta = step.meta.windowed if self.attn.window is not None else step.meta
+        cos, sin = step.rope[self.rope_tables]
+        return torch.ops.tiergate.quant_decode_layer_(self.decode_call, x, h, cos, sin, step.kv_cache.layers[self.index],
+                                                      meta.slot_mapping, meta.decode.block_tables,
+                                                      meta.decode.context_lens, next_norm)
 
     def attention(self, x: torch.Tensor, h: torch.Tensor, step: LayerInputs) -> torch.Tensor:
         """Self-attention over the paged KV cache, added into ``h``; returns the MLP's input."""

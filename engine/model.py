@@ -243,19 +243,23 @@ class DecoderModel(nn.Module):
         release_freed_heap()
 
     def _fix_kernel_switches(self) -> None:
-        """The quantized weights' kernel switches, read here once (``QuantWeight.switches``)."""
+        """The quantized weights' kernel switches, read here once (``QuantWeight.switches``), and each layer's
+        one-call decode step built on them (``DecoderLayer.prepare_decode_call``)."""
         if not quant_kernels_present():
             return
         switches = kernel_switches()
         for weight in self._served_weights():
             if isinstance(weight, QuantWeight | StackedQuantWeight):
                 weight.switches = switches
+        for layer in self.layers:
+            layer.prepare_decode_call()
 
     def unpack_weights(self) -> None:
         """Plain ``[in, out]`` Parameters again, as loaded: for moving the model or reading weights."""
         if self.weight_forms() == {"plain"}:
             return
         for layer in self.layers:
+            layer.decode_call = None  # it holds the packed weights
             for name in PROJECTIONS:
                 weight = getattr(layer, name)
                 if isinstance(weight, PackedWeight):

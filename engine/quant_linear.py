@@ -182,6 +182,11 @@ class QuantWeight(PackedWeight):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return quant_matmul(x, [self], self._op_args, self.switches)
 
+    @property
+    def kernel_args(self) -> tuple[list[torch.Tensor], list[int], list[int]]:
+        """The kernels' arguments for this weight: its blocks, types and output counts, one of each."""
+        return self._op_args
+
     def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> torch.Tensor | None:
         return quant_matmul_add_rms_norm_(x, self._op_args, self.switches, residual, weight, eps)
@@ -221,6 +226,11 @@ class StackedQuantWeight(PackedWeight):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return quant_matmul(x, self.parts, self._op_args, self.switches)
+
+    @property
+    def kernel_args(self) -> tuple[list[torch.Tensor], list[int], list[int]]:
+        """The kernels' arguments for the parts side by side: their blocks, types and output counts."""
+        return self._op_args
 
     def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> torch.Tensor | None:

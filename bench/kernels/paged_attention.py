@@ -8,7 +8,9 @@ through the gathered path (order alternating, so both see the same load), both
 in this process on the same weights and KV cache, and a third time through the kernel with each
 layer's RoPE, KV write and attention as separate calls ("separate"; the kernel's step makes them one
 call, attention.rope_decode_attention), and a fourth with the output and down projections' residual add
-and norm apart ("join apart"; quantized weights take them into the projection's call). Then the same for one
+and norm apart ("join apart"; quantized weights take them into the projection's call); with ``--native`` a
+fifth with each layer's calls apart ("layer apart"; the kernel's step makes a quantized layer's whole decode
+one call, csrc/quant_decode_layer.cpp), the reference of the two before it. Then the same for one
 layer's attention call alone (cache flushed between calls, as the rest of a
 step flushes it). ``--long-prompt N``: the first sequence's context is N tokens
 instead, a long context among short ones (how the kernel shares uneven work
@@ -76,13 +78,14 @@ def _prefilled(runner: ModelRunner, lengths: list[int], seed: int) -> list[Seque
     return seqs
 
 
-def _run(runner: ModelRunner, plan: StepPlan, kernel, rope: list[bool], join: list[bool]) -> None:
+def _run(runner: ModelRunner, plan: StepPlan, kernel, rope: list[bool], join: list[bool], calls: list) -> None:
     """One decode step; a layer whose ``rope`` is False keeps its RoPE, KV write and attention as separate
     calls, one whose ``join`` is False its projections' residual add and norm (``DecoderLayer.plain_rope`` and
-    ``plain_join`` let a layer make them one call each)."""
+    ``plain_join`` let a layer make them one call each; either off also takes the layer out of ``calls``,
+    its whole decode step as one call, ``DecoderLayer.decode_call``, None for a layer without)."""
     runner.decode_kernel = kernel
-    for layer, plain_rope, plain_join in zip(runner.model.layers, rope, join):
-        layer.plain_rope, layer.plain_join = plain_rope, plain_join
+    for layer, plain_rope, plain_join, call in zip(runner.model.layers, rope, join, calls):
+        layer.plain_rope, layer.plain_join, layer.decode_call = plain_rope, plain_join, call
     runner.execute(plan)
 
 
@@ -147,7 +150,8 @@ def run(args: argparse.Namespace) -> dict:
     # One fixed thread count for both paths: the tuner's trials would otherwise mix counts.
     runner.thread_tuner = ThreadTuner([args.threads])
     rope, join = [layer.plain_rope for layer in runner.model.layers], [layer.plain_join for layer in runner.model.layers]
-    apart = [False] * len(rope)
+    calls = [layer.decode_call for layer in runner.model.layers]
+    apart, no_calls = [False] * len(rope), [None] * len(rope)
     torch.set_num_threads(args.threads)
     seqs = _prefilled(runner, lengths, seed=0)
 
@@ -155,16 +159,19 @@ def run(args: argparse.Namespace) -> dict:
     for concurrency in args.concurrency:
         # Each step recomputes every sequence's last position, so the contexts stay put.
         plan = StepPlan([ScheduledChunk(seq=s, start=s.num_computed_tokens, num_tokens=1) for s in seqs[:concurrency]])
-        step = _interleaved({"kernel": lambda: _run(runner, plan, kernel, rope, join),
-                             "gathered": lambda: _run(runner, plan, None, rope, join),
-                             "separate": lambda: _run(runner, plan, kernel, apart, join),
-                             "join_apart": lambda: _run(runner, plan, kernel, rope, apart)}, args.steps, args.warmup)
+        step = _interleaved({"kernel": lambda: _run(runner, plan, kernel, rope, join, calls),
+                             "gathered": lambda: _run(runner, plan, None, rope, join, calls),
+                             "layer_apart": lambda: _run(runner, plan, kernel, rope, join, no_calls),
+                             "separate": lambda: _run(runner, plan, kernel, apart, join, no_calls),
+                             "join_apart": lambda: _run(runner, plan, kernel, rope, apart, no_calls)},
+                            args.steps, args.warmup)
         alone = _attention_alone(runner, plan, kernel, rounds=5 * args.steps)
         rows.append({"concurrency": concurrency,
                      "kernel_ms": step["kernel"] * 1e3, "gathered_ms": step["gathered"] * 1e3,
-                     "ratio": step["gathered"] / step["kernel"], "separate_ms": step["separate"] * 1e3,
-                     "one_call_ratio": step["separate"] / step["kernel"], "join_apart_ms": step["join_apart"] * 1e3,
-                     "join_ratio": step["join_apart"] / step["kernel"],
+                     "ratio": step["gathered"] / step["kernel"], "layer_apart_ms": step["layer_apart"] * 1e3,
+                     "layer_ratio": step["layer_apart"] / step["kernel"], "separate_ms": step["separate"] * 1e3,
+                     "one_call_ratio": step["separate"] / step["layer_apart"], "join_apart_ms": step["join_apart"] * 1e3,
+                     "join_ratio": step["join_apart"] / step["layer_apart"],
                      "attention_kernel_ms": alone["kernel"] * 1e3, "attention_gathered_ms": alone["gathered"] * 1e3,
                      "attention_ratio": alone["gathered"] / alone["kernel"]})
     prefill = []
@@ -183,18 +190,20 @@ def render(result: dict) -> str:
     weights = "quantized weights as served" if result.get("native") else "weights dequantized to float32"
     lines = [f"{result['prompt']}-token contexts{long}, {weights}, {result['threads']} thread(s), A/B interleaved, medians "
              f"({result['steps']} decode steps; {5 * result['steps']} attention calls)",
-             f"{'':>11}  {'decode step (ms)':^76}  {'one layer attention (ms)':^36}",
-             f"{'concurrency':>11}  {'kernel':>9} {'gathered':>9} {'ratio':>9} {'separate':>9} {'one call':>9}"
-             f" {'join apart':>10} {'join':>7}  {'kernel':>9} {'gathered':>9} {'ratio':>15}"]
+             f"{'':>11}  {'decode step (ms)':^98}  {'one layer attention (ms)':^36}",
+             f"{'concurrency':>11}  {'kernel':>9} {'gathered':>9} {'ratio':>9} {'layer apart':>11} {'layer':>9}"
+             f" {'separate':>9} {'one call':>9} {'join apart':>10} {'join':>7}  {'kernel':>9} {'gathered':>9} {'ratio':>15}"]
     for r in result["rows"]:
         lines.append(f"{r['concurrency']:>11}  {r['kernel_ms']:>9.2f} {r['gathered_ms']:>9.2f} {r['ratio']:>8.2f}x"
+                     f" {r['layer_apart_ms']:>11.2f} {r['layer_ratio']:>8.2f}x"
                      f" {r['separate_ms']:>9.2f} {r['one_call_ratio']:>8.2f}x {r['join_apart_ms']:>10.2f}"
                      f" {r['join_ratio']:>6.2f}x"
                      f"  {r['attention_kernel_ms']:>9.3f} {r['attention_gathered_ms']:>9.3f} {r['attention_ratio']:>14.2f}x")
-    lines.append("ratio = gathered / kernel: above 1, the in-place kernel is faster; one call = separate / kernel: "
-                 "above 1, a layer's RoPE, KV write and attention in one call (the kernel's path) beat them apart; "
-                 "join = join apart / kernel: above 1, the projections' residual add and norm in their own call "
-                 "(quantized weights, --native) beat add_rms_norm_ apart")
+    lines.append("ratio = gathered / kernel: above 1, the in-place kernel is faster; layer = layer apart / kernel: "
+                 "above 1, a quantized layer's whole decode step as one call (--native) beat its calls apart; "
+                 "one call = separate / layer apart: above 1, a layer's RoPE, KV write and attention in one call beat "
+                 "them apart; join = join apart / layer apart: above 1, the projections' residual add and norm in "
+                 "their own call (quantized weights, --native) beat add_rms_norm_ apart")
     lines += ["", "one layer's causal attention over a whole prompt (ms; GFLOP/s of the causal half)",
               f"{'tokens':>11}  {'kernel':>15} {'sdpa':>15} {'ratio':>9}"]
     for r in result.get("prefill", []):

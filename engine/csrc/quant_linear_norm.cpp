@@ -19,9 +19,6 @@ namespace tiergate_quant {
 // quant_linear.cpp's operator.
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
                         at::IntArrayRef out_features, int64_t isa);
-}  // namespace tiergate_quant
-
-namespace {
 
 at::Tensor quant_linear_add_rms_norm_(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
                                       at::IntArrayRef out_features, int64_t isa, at::Tensor& residual,
@@ -47,10 +44,10 @@ at::Tensor quant_linear_add_rms_norm_(const at::Tensor& x, at::TensorList blocks
   return out;
 }
 
-}  // namespace
+}  // namespace tiergate_quant
 
 TORCH_LIBRARY_FRAGMENT(tiergate, m) {
   m.def("quant_linear_add_rms_norm_(Tensor x, Tensor[] blocks, int[] types, int[] out_features, int isa, "
         "Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
-  m.impl("quant_linear_add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(quant_linear_add_rms_norm_));
+  m.impl("quant_linear_add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(tiergate_quant::quant_linear_add_rms_norm_));
 }

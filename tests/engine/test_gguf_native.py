@@ -154,6 +154,8 @@ def test_decode_steps_add_and_norm_in_the_projections_calls_with_the_separate_ca
     monkeypatch.setattr(engine.quant_linear, "quant_matmul_add_rms_norm_",
                         lambda *args: calls.append(1) or one_call(*args))
     runner = ModelRunner(model, num_blocks=32, block_size=4)
+    for layer in model.model.layers:
+        layer.decode_call = None  # each layer's calls apart: the next test takes them together
     pool = BlockPool(32)
     try:
         seqs = [Sequence("a", PROMPT[:9]), Sequence("b", PROMPT[9:20])]
@@ -172,6 +174,44 @@ def test_decode_steps_add_and_norm_in_the_projections_calls_with_the_separate_ca
         for layer in model.model.layers:
             layer.plain_join = True
         for w in [model.model.head] + [getattr(layer, p) for layer in model.model.layers for p in PROJECTIONS]:
+            if isinstance(w, engine.quant_linear.QuantWeight | engine.quant_linear.StackedQuantWeight):
+                w.switches = None  # as the switches test leaves them: the module's other tests read them per call
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_a_decode_step_makes_each_quantized_layer_one_call_with_the_separate_calls_bits(name, loaded, monkeypatch):
+    """In a step of decodes only, every layer but the last runs as one call (csrc/quant_decode_layer.cpp): logits
+    bit for bit those of its separate calls, and KV written alike; prefill steps, and a layer without the call,
+    keep the separate calls."""
+    model = loaded[name][0]
+    layers = model.model.layers
+    one_call = torch.ops.tiergate.quant_decode_layer_
+    used = []
+    monkeypatch.setattr(torch.ops.tiergate, "quant_decode_layer_", lambda *args: used.append(1) or one_call(*args))
+    runners, logits = [], []
+    try:
+        for together in (True, False):
+            used.clear()
+            runner = ModelRunner(model, num_blocks=32, block_size=4)  # rebuilds the calls on the switches it fixes
+            assert all(layer.decode_call is not None for layer in layers)
+            if not together:
+                for layer in layers:
+                    layer.decode_call = None
+            pool = BlockPool(32)
+            seqs = [Sequence("a", PROMPT[:9]), Sequence("b", PROMPT[9:20])]
+            runner.execute(StepPlan([chunk(s, 0, s.num_tokens, pool, 4) for s in seqs]))
+            assert used == []  # a prefill step keeps the separate calls
+            for s in seqs:
+                s.num_computed_tokens = s.num_tokens
+                s.output_token_ids.append(7)
+            decode = StepPlan([chunk(s, s.num_computed_tokens, 1, pool, 4) for s in seqs])
+            logits.append(runner.execute(decode))
+            assert len(used) == (len(layers) - 1 if together else 0)
+            runners.append(runner)
+        assert torch.equal(logits[0], logits[1])
+        assert all(torch.equal(a, b) for a, b in zip(runners[0].kv_cache.layers, runners[1].kv_cache.layers))
+    finally:
+        for w in [model.model.head] + [getattr(layer, p) for layer in layers for p in PROJECTIONS]:
             if isinstance(w, engine.quant_linear.QuantWeight | engine.quant_linear.StackedQuantWeight):
                 w.switches = None  # as the switches test leaves them: the module's other tests read them per call
 
