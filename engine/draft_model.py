@@ -27,7 +27,7 @@ from engine.grammar import GrammarMatcher, mask_logits
 from engine.loader import LoadedModel
 from engine.request import SamplingParams
 from engine.runner import ModelRunner
-from engine.sampler import draw, filtered_probs, is_greedy
+from engine.sampler import draw, filtered_probs, greedy_tokens, is_greedy
 
 
 def check_same_vocabulary(base: Tokenizer, draft: Tokenizer) -> None:
@@ -164,7 +164,7 @@ class DraftModel:
         if is_greedy(r.params):
             if r.grammar is not None:
                 mask_logits(logits.unsqueeze(0), [r.grammar])
-            token = int(torch.argmax(logits))
+            token = greedy_tokens(logits.unsqueeze(0))[0]
             if token in r.stop_token_ids:
                 return None
             if r.grammar is not None:

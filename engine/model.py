@@ -314,9 +314,17 @@ class DecoderModel(nn.Module):
             h = h * cfg.embedding_multiplier
         # h, the residual stream, is added to in place; x is each layer's input (h normed, or h).
         pre_norms, last = self.family.pre_norms, len(self.layers) - 1
+        # A step of decodes has a plain-joined last layer add into h and apply the final norm in one pass,
+        # as the others do the next layer's norm (the same row norm: the bits of norming h[rows] after it).
+        norm_in_last = step.fused_decode and self.layers[-1].plain_join
         x = rms_norm(h, self.layers[0].input_norm, cfg.rms_norm_eps, fused) if pre_norms else h
         for i, layer in enumerate(self.layers):
-            x = layer(x, h, step, self.layers[i + 1].input_norm if i < last and pre_norms else None)
+            next_norm = None
+            if pre_norms:
+                next_norm = self.layers[i + 1].input_norm if i < last else self.norm if norm_in_last else None
+            x = layer(x, h, step, next_norm)
             if between_layers is not None and i < last:
                 between_layers()
+        if norm_in_last:
+            return x[rows]
         return rms_norm(h[rows], self.norm, cfg.rms_norm_eps, fused)

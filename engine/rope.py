@@ -113,12 +113,35 @@ class Rope(nn.Module):
         self.attention_factor = rope_attention_factor(cfg)
         # None when every dimension rotates (the common case: nothing sliced per layer).
         self.rotary_dim = cfg.rotary_dim if cfg.rotary_dim < cfg.head_dim else None
+        self._cached: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # ``tables`` of positions 0, 1, ...
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype, long_rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ``[T, 1, rotary_dim]`` for this step; ``long_rows`` (bool ``[T]``,
-        LongRoPE only) marks the rows of sequences in the long regime."""
+        LongRoPE only) marks the rows of sequences in the long regime.
+
+        Rows are looked up in tables of every position so far, computed once (as vLLM's cos/sin cache):
+        a decode step's few rows took ten small ops a step, each slow after a forward has streamed the
+        weights through the caches. A position past the tables doubles them."""
+        if long_rows is not None:
+            return self._computed(positions, dtype, long_rows)
+        cached = self._cached.get(dtype)
+        if cached is not None and cached[0].device == positions.device:
+            try:
+                return cached[0].index_select(0, positions), cached[1].index_select(0, positions)
+            except IndexError:
+                pass
+        known = 0 if cached is None else cached[0].shape[0]
+        upto = max(2 * known, 1 << max(int(positions.max()), 255).bit_length()) if positions.numel() else known
+        every = torch.arange(upto, device=positions.device)
+        self._cached[dtype] = self._computed(every, dtype)
+        return self.tables(positions, dtype)
+
+    def _computed(
+        self, positions: torch.Tensor, dtype: torch.dtype, long_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tables`` computed for these positions."""
         inv_freq = self.inv_freq[None, :]
         if long_rows is not None:
             inv_freq = torch.where(long_rows[:, None], self.long_inv_freq[None, :], inv_freq)

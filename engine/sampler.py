@@ -39,6 +39,12 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_TEMPERATURE
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's most likely token (``[rows, vocab]`` on CPU): the first of equal maxima, NaN above all, as
+    ``torch.argmax``, whose CPU reduction took more than twice as long as ``max``'s over a vocabulary."""
+    return logits.max(dim=-1).indices.tolist()
+
+
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     """The request's own random stream; None for greedy decoding, which draws nothing."""
     if is_greedy(params):
@@ -92,7 +98,7 @@ def sample(
 ) -> list[SampledToken]:
     """Sample one token per row of ``logits`` ([rows, vocab], float32)."""
     logits = logits.float().cpu()
-    token_ids = torch.argmax(logits, dim=-1).tolist()
+    token_ids = greedy_tokens(logits)
     errors: dict[int, str] = {}
     for row, p in enumerate(params):
         if not is_greedy(p):

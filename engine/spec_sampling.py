@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import SampledToken, add_logprobs, draw, filtered_probs, is_greedy
+from engine.sampler import SampledToken, add_logprobs, draw, filtered_probs, greedy_tokens, is_greedy
 
 
 def verify_row(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
@@ -30,7 +30,7 @@ def verify_row(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     nothing else)."""
     try:
         if is_greedy(params):
-            tokens = _greedy(torch.argmax(logits, dim=-1).tolist() if best is None else best, drafts)
+            tokens = _greedy(greedy_tokens(logits) if best is None else best, drafts)
         elif draft_probs is None:
             tokens = _rejection(logits, drafts, params, generator)
         else:

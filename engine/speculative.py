@@ -34,7 +34,7 @@ from engine.grammar import GrammarMatcher, mask_logits
 from engine.logit_adjustments import adjust_logits_, adjusts_logits
 from engine.ngram import NgramIndex
 from engine.request_state import RequestState
-from engine.sampler import SampledToken, is_greedy
+from engine.sampler import SampledToken, greedy_tokens, is_greedy
 from engine.spec_gate import BatchGate, draft_lengths
 from engine.spec_sampling import verify_row
 from scheduler import ScheduledChunk, Scheduler, StepPlan
@@ -250,7 +250,7 @@ class Speculator:
         too_slow = _mask_positions(logits, sampling, states, counts, mask_budget_s)
         logits = logits.float().cpu()
         # One argmax over the step rather than one per row: a call's overhead is most of a row's.
-        best = torch.argmax(logits, dim=-1).tolist() if any(is_greedy(s.request.params) for s in states) else None
+        best = greedy_tokens(logits) if any(is_greedy(s.request.params) for s in states) else None
         runs, row = [], 0
         for chunk, state, n in zip(sampling, states, counts):
             runs.append(verify_row(logits[row:row + n], chunk.draft_token_ids, state.request.params, state.generator,

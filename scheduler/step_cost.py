@@ -31,10 +31,11 @@ PRIOR_STEPS = 2.0
 # must not take the fit with it for the next few hundred steps.
 WARMUP_STEPS = 20
 OUTLIER_FACTOR = 1.5
-# That clip compares a step with a fit refreshed every CLIP_REFIT_STEPS observations, not after
-# each one: a clip needs no precision, and a solve per step is a visible share of a small model's
-# single-stream decode step (docs/performance.md).
-CLIP_REFIT_STEPS = 16
+# Past its first WARMUP_STEPS steps the fit is solved again every REFIT_STEPS observations, not after each
+# one: it weighs about the last ``memory_steps`` steps, so a few more barely move it, and a solve a step
+# (a handful of numpy calls, after a forward that streamed the weights through the caches) was a visible
+# share of a small model's single-stream decode step (docs/performance.md). The outlier clip uses it too.
+REFIT_STEPS = 16
 # Observations wait in a list and join the weighted sums this many at a time (or before a solve): one
 # small matrix product instead of three numpy operations a step, which after a forward that streamed
 # the weights through the caches cost a small model's decode step more than the arithmetic suggests.
@@ -63,7 +64,7 @@ def predict(cost: StepCost, features: StepFeatures) -> float:
 
 
 class StepCostModel:
-    """The online fit; ``coefficients()`` refits lazily after new observations."""
+    """The online fit; ``coefficients()`` refits lazily after new observations (``REFIT_STEPS``)."""
 
     def __init__(self, prior: StepCost, memory_steps: int = 200) -> None:
         if memory_steps < 1:
@@ -76,9 +77,8 @@ class StepCostModel:
         self._xtx = np.zeros((_N, _N))
         self._xty = np.zeros(_N)
         self._pending: list[tuple[float, ...]] = []  # (features..., duration) observed, not yet in the sums
-        self._fit: StepCost | None = prior
-        self._clip_fit = prior
-        self._clip_fit_at = 0
+        self._fit = prior
+        self._fit_at = 0  # ``observed`` when ``_fit`` was solved
         self.observed = 0
         self._overruns: deque[float] = deque(maxlen=OVERRUN_MEMORY)
 
@@ -87,13 +87,10 @@ class StepCostModel:
             raise ValueError("a step's duration must not be negative")
         y = duration_s
         if self.observed >= WARMUP_STEPS:
-            if self.observed - self._clip_fit_at >= CLIP_REFIT_STEPS:
-                self._clip_fit, self._clip_fit_at = self.coefficients(), self.observed
-            y = min(y, OUTLIER_FACTOR * max(predict(self._clip_fit, features), 1e-6))
+            y = min(y, OUTLIER_FACTOR * max(predict(self.coefficients(), features), 1e-6))
         self._pending.append((*features.row(), y))
         if len(self._pending) >= FOLD_STEPS:
             self._fold()
-        self._fit = None
         self.observed += 1
 
     def _fold(self) -> None:
@@ -122,8 +119,9 @@ class StepCostModel:
         return min(OVERRUN_MAX, max(1.0, ratios[int(OVERRUN_QUANTILE * (len(ratios) - 1))]))
 
     def coefficients(self) -> StepCost:
-        if self._fit is None:
-            self._fit = self._solve()
+        """The fit: solved again after each of the first ``WARMUP_STEPS`` observations, then every ``REFIT_STEPS``."""
+        if self.observed - self._fit_at >= (REFIT_STEPS if self.observed > WARMUP_STEPS else 1):
+            self._fit, self._fit_at = self._solve(), self.observed
         return self._fit
 
     def predict(self, features: StepFeatures) -> float:

@@ -74,7 +74,9 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
   const int quants = high_bits + (FIVE ? 64 : 0);  // ... and the nibbles or int8 values follow them
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* t = group + b * tb;
-    if (ROWS > 1) tile_to_l2(t + 8 * tb, tb);  // past one row the dot products slow the walk (as in q4_k)
+    // On one row too: without these a core read well short of its memory bandwidth on a Xeon
+    // (bench/RESULTS.md); q4_k's larger tiles read one row at speed without them, and slower with.
+    tile_to_l2(t + 8 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2);
     const F m = MIN ? V::halves(t + 32 + slice * V::LANES * 2) : V::zero_ps();
     I sum[CHAINS][ROWS];

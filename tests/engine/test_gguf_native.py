@@ -146,8 +146,8 @@ def test_a_runner_reads_the_kernel_switches_once_for_its_quantized_weights(loade
 
 def test_decode_steps_add_and_norm_in_the_projections_calls_with_the_separate_calls_bits(loaded, monkeypatch):
     """In a step of decodes only, each layer's output and down projections add into the residual and norm it in
-    their own call (quant_linear_add_rms_norm_; the last layer's down keeps its plain add): logits bit for bit
-    those of the separate calls."""
+    their own call (quant_linear_add_rms_norm_; the last layer's down with the final norm): logits bit for bit
+    those of the separate calls and of the final norm after the last layer."""
     model = loaded["q4_k_m"][0]
     calls = []
     one_call = engine.quant_linear.quant_matmul_add_rms_norm_
@@ -166,7 +166,7 @@ def test_decode_steps_add_and_norm_in_the_projections_calls_with_the_separate_ca
         assert calls == []  # a prefill step keeps the two calls
         decode = StepPlan([chunk(s, s.num_computed_tokens, 1, pool, 4) for s in seqs])
         joined = runner.execute(decode)
-        assert len(calls) == 2 * len(model.model.layers) - 1
+        assert len(calls) == 2 * len(model.model.layers)
         for layer in model.model.layers:
             layer.plain_join = False
         assert torch.equal(runner.execute(decode), joined)
@@ -180,7 +180,7 @@ def test_decode_steps_add_and_norm_in_the_projections_calls_with_the_separate_ca
 
 @pytest.mark.parametrize("name", sorted(FILES))
 def test_a_decode_step_makes_each_quantized_layer_one_call_with_the_separate_calls_bits(name, loaded, monkeypatch):
-    """In a step of decodes only, every layer but the last runs as one call (csrc/quant_decode_layer.cpp): logits
+    """In a step of decodes only, every layer runs as one call (csrc/quant_decode_layer.cpp): logits
     bit for bit those of its separate calls, and KV written alike; prefill steps, and a layer without the call,
     keep the separate calls."""
     model = loaded[name][0]
@@ -206,7 +206,7 @@ def test_a_decode_step_makes_each_quantized_layer_one_call_with_the_separate_cal
                 s.output_token_ids.append(7)
             decode = StepPlan([chunk(s, s.num_computed_tokens, 1, pool, 4) for s in seqs])
             logits.append(runner.execute(decode))
-            assert len(used) == (len(layers) - 1 if together else 0)
+            assert len(used) == (len(layers) if together else 0)
             runners.append(runner)
         assert torch.equal(logits[0], logits[1])
         assert all(torch.equal(a, b) for a, b in zip(runners[0].kv_cache.layers, runners[1].kv_cache.layers))

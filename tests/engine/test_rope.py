@@ -12,7 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.rope import rope_attention_factor, rope_inv_freq
+from engine.rope import Rope, rope_attention_factor, rope_inv_freq
 from engine.runner import ModelRunner
 from scheduler.plan import StepPlan
 from scheduler.sequence import Sequence
@@ -99,3 +99,15 @@ def test_a_yarn_checkpoint_gives_hfs_logits(tmp_path):
     plan = StepPlan([chunk(seq, 0, seq.num_tokens, BlockPool(16), 4)])
     expected = HFReference(model_dir).logits(seq.all_token_ids)
     assert (runner.execute(plan)[0] - expected).abs().max().item() < 1e-3
+
+
+def test_tables_looked_up_are_the_tables_computed_for_those_positions_and_grow_past_the_longest_yet():
+    _, cfg = _configs(factor=3.0, attention_factor=1.25)
+    rope = Rope(cfg, "cpu")
+    for positions in ([0], [5, 3, 5], [255, 256], [1000, 2], [70000], [], [4095, 0, 1]):
+        at = torch.tensor(positions, dtype=torch.long)
+        for dtype in (torch.float32, torch.bfloat16):
+            looked_up, computed = rope.tables(at, dtype), rope._computed(at, dtype)
+            assert all(a.dtype == dtype and a.shape == (len(positions), 1, cfg.rotary_dim) for a in looked_up)
+            assert all(torch.equal(a, b) for a, b in zip(looked_up, computed))
+    assert rope._cached[torch.float32][0].shape[0] == 131072  # grown by doubling to hold 70000

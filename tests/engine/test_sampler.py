@@ -3,7 +3,7 @@
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import make_generator, sample
+from engine.sampler import greedy_tokens, make_generator, sample
 
 
 def _logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -15,6 +15,16 @@ def test_greedy_rows_take_the_argmax():
     params = [SamplingParams(temperature=0)] * 4
     out = sample(logits, params, [make_generator(p) for p in params])
     assert [t.token_id for t in out] == logits.argmax(-1).tolist()
+
+
+def test_greedy_tokens_are_argmax_s_first_of_equal_maxima_and_nan_above_all():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 0.0], [0.0, 0.0, 0.0, 0.0], [-inf] * 4,
+                           [1.0, inf, inf, 0.0], [0.0, 1.0, nan, inf]])
+    assert greedy_tokens(logits) == torch.argmax(logits, dim=-1).tolist() == [1, 0, 0, 0, 1, 2]
+    wide = _logits(8, vocab=49152)
+    wide[:, [7, 30000]] = 40.0  # two equal maxima a vector's width apart and more
+    assert greedy_tokens(wide) == torch.argmax(wide, dim=-1).tolist() == [7] * 8
 
 
 def test_greedy_rows_get_no_random_stream_and_sampled_rows_do():

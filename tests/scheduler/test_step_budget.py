@@ -20,8 +20,8 @@ from scheduler.config import StepCost, TierConfig
 from scheduler.plan import ScheduledChunk, attention_pairs
 from scheduler import step_cost
 from scheduler.step_budget import PLAN_TO, step_target_s
-from scheduler.step_cost import (OVERRUN_MAX, OVERRUN_MEMORY, OVERRUN_MIN_STEPS, StepCostModel, StepFeatures, predict,
-                                 step_features)
+from scheduler.step_cost import (OVERRUN_MAX, OVERRUN_MEMORY, OVERRUN_MIN_STEPS, REFIT_STEPS, WARMUP_STEPS, StepCostModel,
+                                 StepFeatures, predict, step_features)
 
 from scheduler_driver import engine_step, fake_token
 
@@ -425,6 +425,19 @@ def test_the_cost_model_fits_the_same_whether_steps_join_its_sums_one_by_one_or_
     monkeypatch.setattr(step_cost, "FOLD_STEPS", 1)
     assert batched.as_tuple() == pytest.approx(fitted().as_tuple(), rel=1e-9, abs=1e-15)
     assert batched != COST  # the steps moved the fit, so the comparison can fail
+
+
+def test_the_cost_model_is_solved_after_each_of_its_first_steps_then_every_refit_steps():
+    model = StepCostModel(COST, memory_steps=20)
+    step, fits = StepFeatures(16, 4, 800), []
+    for i in range(WARMUP_STEPS + 3 * REFIT_STEPS):
+        model.observe(step, 0.05 + 0.001 * i)  # each step slower: every solve moves the fit
+        fits.append(model.coefficients())
+    warmup, after = fits[:WARMUP_STEPS], fits[WARMUP_STEPS:]
+    assert all(a != b for a, b in zip(warmup, warmup[1:]))
+    changes = [i for i in range(1, len(after)) if after[i] != after[i - 1]]
+    assert changes and all(b - a == REFIT_STEPS for a, b in zip(changes, changes[1:]))
+    assert len(changes) >= 2
 
 
 def test_the_cost_model_predicts_from_its_prior_before_any_step():
