@@ -31,6 +31,7 @@ inline I nibbles_high(I v) { return V::and_(V::srli16(v, 4), V::set1_8(0x0F)); }
 // Asks for a tile ahead of the walk into L2 (prefetcht1), where the hardware's prefetchers fall
 // behind it: into L1 the prefetches stalled, the line fill buffers full. Past the group's end
 // they fetch the next group's tiles; past the weight's, nothing faults.
+// Only a group's first slice asks: the later ones (SLICES > 1: AVX2, scalar) walk the tiles it brought in.
 inline void tile_to_l2(const uint8_t* tile, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(tile + at, 0, 2);
 }
@@ -76,7 +77,7 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
     const uint8_t* t = group + b * tb;
     // On one row too: without these a core read well short of its memory bandwidth on a Xeon
     // (bench/RESULTS.md); q4_k's larger tiles read one row at speed without them, and slower with.
-    tile_to_l2(t + 8 * tb, tb);
+    if (slice == 0) tile_to_l2(t + 8 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2);
     const F m = MIN ? V::halves(t + 32 + slice * V::LANES * 2) : V::zero_ps();
     I sum[CHAINS][ROWS];
@@ -155,7 +156,7 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
     const uint8_t* t = group + sb * tb;
     // Past one row the dot products slow the walk enough that the hardware's prefetchers fell
     // behind (one row reads at memory speed without the prefetch, and lost a little with it).
-    if (ROWS > 1) tile_to_l2(t + 2 * tb, tb);
+    if (ROWS > 1 && slice == 0) tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2), dmin = V::halves(t + 32 + slice * V::LANES * 2);
     // quant_formats.h's scale_min_k4 on 16 rows at once: lane r of w0..w2 is row r's scale bytes 0-11.
     const I w0 = V::load(t + 64 + lanes_at), w1 = V::load(t + 128 + lanes_at), w2 = V::load(t + 192 + lanes_at);
@@ -252,7 +253,7 @@ void q6_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
     const uint8_t* t = group + sb * tb;
     // The parts read ql and qh in turns, jumping back and forth within the tile, and the hardware's
     // prefetchers did not follow them from memory: one row ran at a third of Q4_K's bytes a second.
-    tile_to_l2(t + 2 * tb, tb);
+    if (slice == 0) tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2);
     const uint8_t* scales = t + 32;  // 4 pieces: lane r holds row r's int8 scales 4i..4i+3
     const uint8_t* ql = t + 32 + 256;
