@@ -99,9 +99,8 @@ class DecoderLayer(nn.Module):
         self.activation = ACTIVATIONS[cfg.activation]
         self.silu_gate = cfg.activation == "silu"  # the fused kernel's gate
         # The layer's decode step as one call of the quantized kernels (csrc/quant_decode_layer.cpp), where
-        # ``prepare_decode_call`` found it serves; and the fewest rows the panel path takes instead.
+        # ``prepare_decode_call`` found it serves.
         self.decode_call: torch.ScriptObject | None = None
-        self.decode_call_below_rows: int | None = None
 
     def prepare_decode_call(self) -> None:
         """Build ``decode_call`` where this layer's whole decode step can be one call: every projection
@@ -121,17 +120,17 @@ class DecoderLayer(nn.Module):
         self.decode_call = torch.classes.tiergate.QuantDecodeLayer(
             blocks, types, outs, [len(w.kernel_args[0]) for w in weights], self.post_norm.detach(), self.eps, self.heads,
             self.attn.scale, self.attn.window or 0, self.attn.softcap or 0.0, self.inter, switches.isa)
-        self.decode_call_below_rows = switches.panel_rows
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, step: LayerInputs,
                 next_norm: torch.Tensor | None) -> torch.Tensor:
         """The layer over ``x`` (its input, ``h`` normed or ``h``), adding into ``h`` in place; returns
         the next layer's input, normed by ``next_norm`` (its input norm; None for the last layer)."""
-        if (self.decode_call is not None and step.fused_decode and step.lora is None and next_norm is not None
+        switches = self.qkv.switches if self.decode_call is not None else None
+        if (switches is not None and step.fused_decode and step.lora is None and next_norm is not None
                 and self.plain_rope and self.plain_join
                 and x.dtype == torch.float32 and h.dtype == torch.float32
-                and (self.decode_call_below_rows is None or x.shape[0] < self.decode_call_below_rows)
-                and self.qkv.switches is not None and quant_kernels_present()):  # as the separate calls check
+                and (switches.panel_rows is None or x.shape[0] < switches.panel_rows)  # else the panels serve
+                and quant_kernels_present()):  # as the separate calls check
             return self._decode_in_one_call(x, h, step, next_norm)
         x = self.attention(x, h, step)
         return self.mlp(x, h, step, next_norm)
