@@ -121,13 +121,14 @@ class Rope(nn.Module):
         """cos and sign-folded sin ``[T, 1, rotary_dim]`` for this step; ``long_rows`` (bool ``[T]``,
         LongRoPE only) marks the rows of sequences in the long regime.
 
-        Rows are looked up in tables of every position so far, computed once (as vLLM's cos/sin cache):
-        a decode step's few rows took ten small ops a step, each slow after a forward has streamed the
-        weights through the caches. A position past the tables doubles them."""
-        if long_rows is not None:
+        On CPU, rows are looked up in tables of every position so far, computed once (as vLLM's cos/sin
+        cache): a decode step's few rows took ten small ops a step, each slow after a forward has streamed
+        the weights through the caches. A position past the tables doubles them (found by index_select's
+        IndexError, which on a GPU would be a device-side assert instead: there they are computed)."""
+        if long_rows is not None or positions.device.type != "cpu":
             return self._computed(positions, dtype, long_rows)
         cached = self._cached.get(dtype)
-        if cached is not None and cached[0].device == positions.device:
+        if cached is not None:
             try:
                 return cached[0].index_select(0, positions), cached[1].index_select(0, positions)
             except IndexError:
