@@ -125,10 +125,9 @@ class DecoderLayer(nn.Module):
                 next_norm: torch.Tensor | None) -> torch.Tensor:
         """The layer over ``x`` (its input, ``h`` normed or ``h``), adding into ``h`` in place; returns
         the next layer's input, normed by ``next_norm`` (its input norm; None for the last layer)."""
+        # ``prepare_decode_call`` built the call only for plain RoPE and joins; ``fused_decode`` means float32.
         switches = self.qkv.switches if self.decode_call is not None else None
         if (switches is not None and step.fused_decode and step.lora is None and next_norm is not None
-                and self.plain_rope and self.plain_join
-                and x.dtype == torch.float32 and h.dtype == torch.float32
                 and (switches.panel_rows is None or x.shape[0] < switches.panel_rows)  # else the panels serve
                 and quant_kernels_present()):  # as the separate calls check
             return self._decode_in_one_call(x, h, step, next_norm)
