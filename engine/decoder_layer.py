@@ -119,7 +119,8 @@ class DecoderLayer(nn.Module):
         switches = self.qkv.switches
         self.decode_call = torch.classes.tiergate.QuantDecodeLayer(
             blocks, types, outs, [len(w.kernel_args[0]) for w in weights], self.post_norm.detach(), self.eps, self.heads,
-            self.attn.scale, self.attn.window or 0, self.attn.softcap or 0.0, self.inter, switches.isa)
+            self.attn.scale, self.attn.window or 0, self.attn.softcap or 0.0, self.inter, switches.isa,
+            switches.row_prefetch)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, step: LayerInputs,
                 next_norm: torch.Tensor | None) -> torch.Tensor:

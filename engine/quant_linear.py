@@ -21,6 +21,11 @@ Where the kernels cannot be built, the weight is dequantized in slices and multi
 ``TIERGATE_QUANT_ISA`` forces a kernel path (``avx512``, ``avxvnni``: AVX2 with AVX-VNNI,
 ``avx2`` or ``scalar``); unset or ``auto``, the best this CPU runs.
 
+On one row of x (a single stream's decode step) the kernels of the 32-input formats (Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0) ask for their tiles ahead of the walk only where that pays: on an Intel core (a Xeon's read
+well short of its memory's speed without) and not on an AMD one (a Zen 4's read well short with them);
+bench/RESULTS.md has both. ``TIERGATE_QUANT_ROW_PREFETCH`` (``on``, ``off``) overrides ``auto``.
+
 A call with many rows of x (a prefill chunk, a batch of many streams) takes the panel path
 instead where the CPU runs oneDNN's bfloat16 micro-kernel (AMX): csrc/quant_dequant_panel.cpp
 decodes the weight a panel of outputs at a time to bfloat16 and multiplies on the tiles, with
@@ -42,7 +47,7 @@ from engine.cpu_build import quant_kernels_loaded
 from engine.huge_pages import advise_huge_pages
 from engine.packed_linear import PackedWeight
 from engine.quantize import quantize_rows
-from tiergate_common.env import QUANT_ISA, QUANT_PANEL_ROWS, QUANT_REPACK
+from tiergate_common.env import QUANT_ISA, QUANT_PANEL_ROWS, QUANT_REPACK, QUANT_ROW_PREFETCH, EnvError
 
 T = gguf.GGMLQuantizationType
 SERVED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K,
@@ -92,15 +97,40 @@ def _isa_index(asked: str) -> int:
 
 @dataclass(frozen=True)
 class KernelSwitches:
-    """``TIERGATE_QUANT_ISA`` and ``TIERGATE_QUANT_PANEL_ROWS`` as a call uses them."""
+    """``TIERGATE_QUANT_ISA``, ``TIERGATE_QUANT_PANEL_ROWS`` and ``TIERGATE_QUANT_ROW_PREFETCH`` as a call uses them."""
 
     isa: int  # an index into ISAS
     panel_rows: int | None  # panel_min_rows()
+    row_prefetch: bool  # row_prefetch()
 
 
 def kernel_switches() -> KernelSwitches:
     """The switches as the environment sets them now."""
-    return KernelSwitches(_isa_index(QUANT_ISA.get()), panel_min_rows())
+    return KernelSwitches(_isa_index(QUANT_ISA.get()), panel_min_rows(), row_prefetch())
+
+
+def row_prefetch() -> bool:
+    """Whether one row of x asks for the 32-input formats' tiles ahead: ``TIERGATE_QUANT_ROW_PREFETCH``
+    (``on``, ``off``), or with ``auto`` on Intel cores only (the module's docstring says why)."""
+    asked = QUANT_ROW_PREFETCH.get().strip().lower()
+    if asked == "auto":
+        return cpu_vendor() == "GenuineIntel"
+    if asked in ("on", "off"):
+        return asked == "on"
+    raise EnvError(f"{QUANT_ROW_PREFETCH.env_name} must be auto, on or off, not {asked!r}")
+
+
+@functools.cache
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's vendor string (GenuineIntel, AuthenticAMD, ...); empty where the kernel does not say."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def panel_min_rows() -> int | None:
@@ -269,7 +299,7 @@ def quant_matmul(x: torch.Tensor, parts: list[QuantWeight], op_args: tuple | Non
         switches = kernel_switches()
     if switches.panel_rows is not None and x.shape[0] >= switches.panel_rows:
         return torch.ops.tiergate.quant_panel_linear(x, *op_args)
-    return torch.ops.tiergate.quant_linear(x, *op_args, switches.isa)
+    return torch.ops.tiergate.quant_linear(x, *op_args, switches.isa, switches.row_prefetch)
 
 
 def quant_matmul_add_rms_norm_(x: torch.Tensor, op_args: tuple, switches: KernelSwitches | None,
@@ -281,7 +311,8 @@ def quant_matmul_add_rms_norm_(x: torch.Tensor, op_args: tuple, switches: Kernel
         return None
     if switches.panel_rows is not None and x.shape[0] >= switches.panel_rows:
         return None
-    return torch.ops.tiergate.quant_linear_add_rms_norm_(x, *op_args, switches.isa, residual, weight, eps)
+    return torch.ops.tiergate.quant_linear_add_rms_norm_(x, *op_args, switches.isa, switches.row_prefetch,
+                                                         residual, weight, eps)
 
 
 def _fallback_matmul(x: torch.Tensor, parts: list[QuantWeight]) -> torch.Tensor:

@@ -106,6 +106,9 @@ BF16_AMX_ROWS: Var[str] = Var("BF16_AMX_ROWS", str, "auto")
 # Engine: the cache level the batched LoRA kernel asks for the adapters' stacks ahead of its reads
 # (lora_pool/ops.py): auto (by the core's L1 data cache), l1 or l2.
 LORA_PREFETCH: Var[str] = Var("LORA_PREFETCH", str, "auto")
+# Engine: whether one row of x asks for the 32-input formats' tiles ahead (engine/quant_linear.py):
+# auto (on Intel cores), on or off.
+QUANT_ROW_PREFETCH: Var[str] = Var("QUANT_ROW_PREFETCH", str, "auto")
 # Engine: off attends over a gathered copy of each context instead of the in-place kernels.
 PAGED_ATTENTION = Switch("PAGED_ATTENTION")
 # Engine: off normalizes with torch's rms_norm instead of the fused kernel.

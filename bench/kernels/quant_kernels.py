@@ -21,8 +21,13 @@ The bandwidth floor: the time to read each form's weight bytes at the read bandw
 here (a sum over a buffer 4x the weights' largest form, same threads), and the fraction of it a
 pass reaches.
 
+With ``--row-prefetch-ab`` each 32-input format's int8 kernel also runs with its one-row prefetch forced
+on (``<name> pf on``) and off (``<name> pf off``; ``TIERGATE_QUANT_ROW_PREFETCH``): past one row the
+three forms run the same code, so the comparison is the one-row lines'.
+
     .venv/bin/python -m bench.kernels.quant_kernels [--rows 1,8,32,512] [--rounds 5] [--threads 2] [--layers 2]
-        [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K] [--isa auto|avx512|avx2|scalar] [--json PATH]
+        [--types Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K] [--isa auto|avx512|avx2|scalar] [--row-prefetch-ab]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch
 from bench.common import machine
 from bench.common.report import write_json
 from engine.packed_linear import PackedWeight, pack, panel_kernel_present
-from engine.quant_linear import REPACKED_TYPES, QuantWeight, kernel_isa, quant_kernels_present
+from engine.quant_linear import REPACKED_TYPES, QuantWeight, kernel_isa, quant_kernels_present, row_prefetch
 from engine.quantize import random_blocks
 
 LAYER_SHAPES = ((2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048))  # (in, out)
@@ -73,25 +78,34 @@ def _panel_weights(layers: int, dtype: torch.dtype = torch.float32) -> list[Pack
     return [pack((torch.randn(k, n, generator=gen) * 0.05).to(dtype), "panels") for k, n in LAYER_SHAPES * layers]
 
 
-def _pass(weights: list[PackedWeight], inputs: dict[int, torch.Tensor], amx_rows: str) -> tuple[float, float]:
+def _pass(weights: list[PackedWeight], inputs: dict[int, torch.Tensor], amx_rows: str,
+          row_prefetch: str = "auto") -> tuple[float, float]:
     """(wall seconds, CPU seconds of the process) of one pass over ``weights``, the AMX paths' row
-    thresholds (``TIERGATE_QUANT_PANEL_ROWS``, ``TIERGATE_BF16_AMX_ROWS``) set to ``amx_rows``."""
+    thresholds (``TIERGATE_QUANT_PANEL_ROWS``, ``TIERGATE_BF16_AMX_ROWS``) set to ``amx_rows`` and
+    ``TIERGATE_QUANT_ROW_PREFETCH`` to ``row_prefetch``."""
     os.environ["TIERGATE_QUANT_PANEL_ROWS"] = os.environ["TIERGATE_BF16_AMX_ROWS"] = amx_rows
+    os.environ["TIERGATE_QUANT_ROW_PREFETCH"] = row_prefetch
     started, cpu = time.perf_counter(), time.process_time()
     for w in weights:
         w(inputs[w.in_features])
     return time.perf_counter() - started, time.process_time() - cpu
 
 
-def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: list[str]) -> dict:
+def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: list[str],
+        row_prefetch_ab: bool = False) -> dict:
     torch.set_num_threads(threads)
     if not quant_kernels_present() or not panel_kernel_present():
         raise SystemExit("the CPU kernels did not build here")
     forms: dict[str, list[PackedWeight]] = {}
     panel_rows: dict[str, str] = {}  # each form's AMX row threshold: off (the int8 kernels) or 1 (always AMX)
+    prefetch: dict[str, str] = {}  # forms whose one-row prefetch is forced on or off
     amx = bool(torch.ops.tiergate.quant_panel_supported())
     for t in types:
         forms[f"{t} int8"], panel_rows[f"{t} int8"] = _quant_weights(t, layers, repack=True), "off"
+        if row_prefetch_ab and gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]][0] == 32:
+            for setting in ("on", "off"):
+                name = f"{t} pf {setting}"
+                forms[name], panel_rows[name], prefetch[name] = forms[f"{t} int8"], "off", setting
         if gguf.GGMLQuantizationType[t] in REPACKED_TYPES:
             forms[f"{t} file"], panel_rows[f"{t} file"] = _quant_weights(t, layers, repack=False), "off"
         if amx:
@@ -110,7 +124,8 @@ def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: lis
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in forms}
         for i in range(rounds + 1):  # the first round warms up
             for name in forms if i % 2 == 0 else reversed(list(forms)):
-                elapsed = _pass(forms[name], inputs_bf16 if name.startswith("BF16") else inputs, panel_rows[name])
+                elapsed = _pass(forms[name], inputs_bf16 if name.startswith("BF16") else inputs, panel_rows[name],
+                                prefetch.get(name, "auto"))
                 if i:
                     times[name].append(elapsed)
         medians = {name: statistics.median(wall for wall, _ in t) for name, t in times.items()}
@@ -128,11 +143,12 @@ def run(rows_list: list[int], rounds: int, threads: int, layers: int, types: lis
                             "gmac_s": macs * rows / median / 1e9, "panel_time_over_this": panel / median,
                             "int8_time_over_this": int8 / median})
     return {"machine": machine.describe(), "threads": threads, "layers": layers, "isa": kernel_isa(),
-            "rounds": rounds, "read_gb_s": bandwidth / 1e9, "results": results}
+            "row_prefetch": row_prefetch(), "rounds": rounds, "read_gb_s": bandwidth / 1e9, "results": results}
 
 
 def _print(report: dict) -> None:
-    print(f"isa {report['isa']}, {report['threads']} threads, {report['layers']} layers of the ~1B shape, "
+    print(f"isa {report['isa']} (one-row prefetch {'on' if report['row_prefetch'] else 'off'}), "
+          f"{report['threads']} threads, {report['layers']} layers of the ~1B shape, "
           f"median of {report['rounds']} rounds; read bandwidth {report['read_gb_s']:.1f} GB/s; "
           f"load {report['machine']['load_average']}")
     print(f"{'rows':>5} {'form':>11} {'ms':>9} {'cpu ms':>9} {'MB':>7} {'GB/s':>7} {'GMAC/s':>8} {'panel/this':>10} "
@@ -154,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--isa", default="auto")
+    parser.add_argument("--row-prefetch-ab", action="store_true",
+                        help="the 32-input formats' int8 kernels also with the one-row prefetch forced on and off")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     os.environ["TIERGATE_QUANT_ISA"] = args.isa
@@ -162,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"--types: unknown {unknown}; expected some of {','.join(TYPES)}", file=sys.stderr)
         return 2
-    report = run([int(r) for r in args.rows.split(",")], args.rounds, args.threads, args.layers, types)
+    report = run([int(r) for r in args.rows.split(",")], args.rounds, args.threads, args.layers, types,
+                 args.row_prefetch_ab)
     _print(report)
     if args.json:
         write_json(report, args.json)

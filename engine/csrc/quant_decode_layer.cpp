@@ -23,10 +23,10 @@ namespace tiergate_quant {
 
 // quant_linear.cpp's and quant_linear_norm.cpp's operators.
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
-                        at::IntArrayRef out_features, int64_t isa);
+                        at::IntArrayRef out_features, int64_t isa, bool row_prefetch);
 at::Tensor quant_linear_add_rms_norm_(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
-                                      at::IntArrayRef out_features, int64_t isa, at::Tensor& residual,
-                                      const at::Tensor& weight, double eps);
+                                      at::IntArrayRef out_features, int64_t isa, bool row_prefetch,
+                                      at::Tensor& residual, const at::Tensor& weight, double eps);
 
 namespace {
 
@@ -40,9 +40,9 @@ struct QuantDecodeLayer : torch::CustomClassHolder {
   // The four projections (q|k|v, o, gate|up, down) flattened: `parts[i]` weights each, in that order.
   QuantDecodeLayer(std::vector<at::Tensor> blocks, std::vector<int64_t> types, std::vector<int64_t> out_features,
                    std::vector<int64_t> parts, at::Tensor post_norm, double eps, int64_t num_heads, double scale,
-                   int64_t window, double softcap, int64_t inter, int64_t isa)
+                   int64_t window, double softcap, int64_t inter, int64_t isa, bool row_prefetch)
       : post_norm(std::move(post_norm)), eps(eps), num_heads(num_heads), scale(scale), window(window),
-        softcap(softcap), inter(inter), isa(isa) {
+        softcap(softcap), inter(inter), isa(isa), row_prefetch(row_prefetch) {
     TORCH_CHECK(parts.size() == 4, "QuantDecodeLayer: four projections (qkv, o, gate_up, down)");
     TORCH_CHECK(types.size() == blocks.size() && out_features.size() == blocks.size(),
                 "QuantDecodeLayer: one type and one output count per weight");
@@ -66,15 +66,18 @@ struct QuantDecodeLayer : torch::CustomClassHolder {
   int64_t window;
   double softcap;
   int64_t inter, isa;
+  bool row_prefetch;
 };
 
-at::Tensor project(const Projection& p, const at::Tensor& x, int64_t isa) {
-  return quant_linear(x, p.blocks, p.types, p.out_features, isa);
+at::Tensor project(const QuantDecodeLayer& l, int which, const at::Tensor& x) {
+  const Projection& p = l.projections[which];
+  return quant_linear(x, p.blocks, p.types, p.out_features, l.isa, l.row_prefetch);
 }
 
-at::Tensor project_add_norm_(const Projection& p, const at::Tensor& x, int64_t isa, at::Tensor& h,
-                             const at::Tensor& norm, double eps) {
-  return quant_linear_add_rms_norm_(x, p.blocks, p.types, p.out_features, isa, h, norm, eps);
+at::Tensor project_add_norm_(const QuantDecodeLayer& l, int which, const at::Tensor& x, at::Tensor& h,
+                             const at::Tensor& norm) {
+  const Projection& p = l.projections[which];
+  return quant_linear_add_rms_norm_(x, p.blocks, p.types, p.out_features, l.isa, l.row_prefetch, h, norm, l.eps);
 }
 
 // paged_attention.cpp and pointwise.cpp build into the other extension: reached through the dispatcher.
@@ -103,12 +106,12 @@ at::Tensor quant_decode_layer_(const c10::intrusive_ptr<QuantDecodeLayer>& layer
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, const at::Tensor& next_norm) {
   const QuantDecodeLayer& l = *layer;
-  at::Tensor qkv = project(l.projections[0], x, l.isa);
+  at::Tensor qkv = project(l, 0, x);
   const at::Tensor attn = rope_decode_attention(qkv, cos, sin, kv_cache, slot_mapping, block_tables, context_lens,
                                                 l.num_heads, l.scale, l.window, l.softcap);
-  const at::Tensor mlp_in = project_add_norm_(l.projections[1], attn, l.isa, h, l.post_norm, l.eps);
-  const at::Tensor act = silu_mul(project(l.projections[2], mlp_in, l.isa), l.inter);
-  return project_add_norm_(l.projections[3], act, l.isa, h, next_norm, l.eps);
+  const at::Tensor mlp_in = project_add_norm_(l, 1, attn, h, l.post_norm);
+  const at::Tensor act = silu_mul(project(l, 2, mlp_in), l.inter);
+  return project_add_norm_(l, 3, act, h, next_norm);
 }
 
 }  // namespace
@@ -117,7 +120,7 @@ at::Tensor quant_decode_layer_(const c10::intrusive_ptr<QuantDecodeLayer>& layer
 TORCH_LIBRARY_FRAGMENT(tiergate, m) {
   m.class_<tiergate_quant::QuantDecodeLayer>("QuantDecodeLayer")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-                       at::Tensor, double, int64_t, double, int64_t, double, int64_t, int64_t>());
+                       at::Tensor, double, int64_t, double, int64_t, double, int64_t, int64_t, bool>());
   m.def("quant_decode_layer_(__torch__.torch.classes.tiergate.QuantDecodeLayer layer, Tensor x, Tensor(a!) h, "
         "Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
         "Tensor next_norm) -> Tensor");

@@ -145,7 +145,7 @@ constexpr int64_t KEPT_ROWS = 16;
 }  // namespace
 
 void gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, const GemvPart* parts, int nparts,
-                 int64_t isa, float* out, int64_t out_stride) {
+                 int64_t isa, bool row_prefetch, float* out, int64_t out_stride) {
   if (rows < 1) return;
   int64_t groups = 0;
   for (int p = 0; p < nparts; ++p) groups += (parts[p].out_features + PACK_ROWS - 1) / PACK_ROWS;
@@ -159,9 +159,9 @@ void gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, con
   quantize_rows(x, x_stride, rows, in, !any32, isa, acts);
   if (any16 && any32) quantize_rows(x, x_stride, rows, in, true, isa, acts16);
   const GemvJob job16{parts, nparts, rows, in, acts16.q.data(), acts16.d.data(), acts16.ds.data(),
-                      acts16.s16.data(), out, out_stride, true, nullptr};
+                      acts16.s16.data(), out, out_stride, true, nullptr, row_prefetch};
   const GemvJob job{parts, nparts, rows, in, acts.q.data(), acts.d.data(), acts.ds.data(), acts.s16.data(), out,
-                    out_stride, !any32, any16 && any32 ? &job16 : nullptr};
+                    out_stride, !any32, any16 && any32 ? &job16 : nullptr, row_prefetch};
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (isa == AVX512) gemv_groups_avx512(job, g0, g1);
     else if (isa == AVXVNNI) gemv_groups_avxvnni(job, g0, g1);

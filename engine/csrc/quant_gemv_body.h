@@ -75,9 +75,10 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
   const int quants = high_bits + (FIVE ? 64 : 0);  // ... and the nibbles or int8 values follow them
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* t = group + b * tb;
-    // On one row too: without these a core read well short of its memory bandwidth on a Xeon
-    // (bench/RESULTS.md); q4_k's larger tiles read one row at speed without them, and slower with.
-    if (slice == 0) tile_to_l2(t + 8 * tb, tb);
+    // On one row only where the job asks (row_prefetch): without these a Xeon's core read well short of
+    // its memory bandwidth, with them a Zen 4's did (bench/RESULTS.md); q4_k's larger tiles read one row
+    // at speed without them on both.
+    if (slice == 0 && (ROWS > 1 || j.row_prefetch)) tile_to_l2(t + 8 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2);
     const F m = MIN ? V::halves(t + 32 + slice * V::LANES * 2) : V::zero_ps();
     I sum[CHAINS][ROWS];

@@ -266,7 +266,7 @@ struct Group {
 namespace tiergate_quant {
 
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
-                        at::IntArrayRef out_features, int64_t isa) {
+                        at::IntArrayRef out_features, int64_t isa, bool row_prefetch) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "quant_linear: x must be a float32 CPU tensor [rows, in] with contiguous rows");
   TORCH_CHECK(!blocks.empty() && blocks.size() == types.size() && blocks.size() == out_features.size(),
@@ -292,7 +292,8 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
   if (rows == 0) return out;
   float* outp = out.mutable_data_ptr<float>();
   if (!packed.empty())
-    gemv_packed(x.const_data_ptr<float>(), x.stride(0), rows, in, packed.data(), int(packed.size()), isa, outp, total);
+    gemv_packed(x.const_data_ptr<float>(), x.stride(0), rows, in, packed.data(), int(packed.size()), isa, row_prefetch, outp,
+                total);
   if (groups.empty()) return out;
   if (isa == AVXVNNI) isa = AVX2;  // the scratch tiles' AVX2 path: maddubs serves them as well
   const Acts a = quantize_acts(x);
@@ -349,6 +350,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
 }  // namespace tiergate_quant
 
 TORCH_LIBRARY_FRAGMENT(tiergate, m) {
-  m.def("quant_linear(Tensor x, Tensor[] blocks, int[] types, int[] out_features, int isa) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor[] blocks, int[] types, int[] out_features, int isa, bool row_prefetch) "
+        "-> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(tiergate_quant::quant_linear));
 }

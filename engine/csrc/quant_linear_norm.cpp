@@ -18,17 +18,17 @@
 namespace tiergate_quant {
 // quant_linear.cpp's operator.
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
-                        at::IntArrayRef out_features, int64_t isa);
+                        at::IntArrayRef out_features, int64_t isa, bool row_prefetch);
 
 at::Tensor quant_linear_add_rms_norm_(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef types,
-                                      at::IntArrayRef out_features, int64_t isa, at::Tensor& residual,
-                                      const at::Tensor& weight, double eps) {
+                                      at::IntArrayRef out_features, int64_t isa, bool row_prefetch,
+                                      at::Tensor& residual, const at::Tensor& weight, double eps) {
   TORCH_CHECK(residual.device().is_cpu() && residual.scalar_type() == at::kFloat && residual.dim() == 2 &&
                   residual.stride(1) == 1 && residual.size(0) == x.size(0),
               "quant_linear_add_rms_norm_: residual must be a float32 CPU [rows, out] with contiguous rows");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.is_contiguous() &&
                   weight.size(0) == residual.size(1), "quant_linear_add_rms_norm_: weight must be float32 [out]");
-  const at::Tensor delta = tiergate_quant::quant_linear(x, blocks, types, out_features, isa);
+  const at::Tensor delta = tiergate_quant::quant_linear(x, blocks, types, out_features, isa, row_prefetch);
   TORCH_CHECK(delta.size(1) == residual.size(1), "quant_linear_add_rms_norm_: the weights give ", delta.size(1),
               " outputs, the residual has ", residual.size(1));
   const int64_t rows = residual.size(0), hidden = residual.size(1), stride = residual.stride(0);
@@ -48,6 +48,6 @@ at::Tensor quant_linear_add_rms_norm_(const at::Tensor& x, at::TensorList blocks
 
 TORCH_LIBRARY_FRAGMENT(tiergate, m) {
   m.def("quant_linear_add_rms_norm_(Tensor x, Tensor[] blocks, int[] types, int[] out_features, int isa, "
-        "Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+        "bool row_prefetch, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.impl("quant_linear_add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(tiergate_quant::quant_linear_add_rms_norm_));
 }

@@ -138,6 +138,9 @@ struct GemvJob {
   // Where the call also has parts of per16_scales' formats and this job is scaled per 32: the same
   // rows of x scaled per 16, which those parts read.
   const GemvJob* per16_job;
+  // The 32-input formats' kernel asks for its tiles ahead on one row of x too (past one row it always
+  // does): the caller's choice, as it pays on some cores and costs on others (engine/quant_linear.py).
+  bool row_prefetch;
 };
 
 // Whether a part's kernel reads x with a scale per 16 inputs instead of 32: the 32-input formats, whose
@@ -154,8 +157,8 @@ void gemv_groups_avx2(const GemvJob& job, int64_t g0, int64_t g1);
 void gemv_groups_scalar(const GemvJob& job, int64_t g0, int64_t g1);
 
 // x [rows, in] (rows x_stride apart) times the packed parts, into their columns of out. Every
-// part must be packed; isa: quant_linear.cpp's numbering.
+// part must be packed; isa: quant_linear.cpp's numbering; row_prefetch: GemvJob's.
 void gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, const GemvPart* parts, int nparts,
-                 int64_t isa, float* out, int64_t out_stride);
+                 int64_t isa, bool row_prefetch, float* out, int64_t out_stride);
 
 }  // namespace tiergate_quant

@@ -134,7 +134,8 @@ def test_a_runner_reads_the_kernel_switches_once_for_its_quantized_weights(loade
     try:
         ModelRunner(loaded["q4_k_m"][0], num_blocks=4, block_size=4)
         fixed = engine.quant_linear.KernelSwitches(engine.quant_linear.ISAS.index("scalar"),
-                                                   engine.quant_linear.panel_min_rows())
+                                                   engine.quant_linear.panel_min_rows(),
+                                                   engine.quant_linear.row_prefetch())
         assert quant and all(w.switches == fixed for w in quant)
         monkeypatch.setenv("TIERGATE_QUANT_ISA", "no-such-path")  # read no more: the weights' calls do not fail
         x = torch.randn(2, quant[0].in_features)

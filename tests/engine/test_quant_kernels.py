@@ -221,8 +221,8 @@ def avx2_isa(request):
     return request.param
 
 
-def _product_on(isa: str, w: QuantWeight, x: torch.Tensor) -> torch.Tensor:
-    return quant_linear.quant_matmul(x, [w], None, quant_linear.KernelSwitches(ISAS.index(isa), None))
+def _product_on(isa: str, w: QuantWeight, x: torch.Tensor, row_prefetch: bool = True) -> torch.Tensor:
+    return quant_linear.quant_matmul(x, [w], None, quant_linear.KernelSwitches(ISAS.index(isa), None, row_prefetch))
 
 
 @pytest.mark.parametrize("ggml_type", sorted(REPACKED_TYPES), ids=lambda t: t.name)
@@ -378,6 +378,33 @@ def test_auto_picks_the_widest_path_and_unknown_or_unsupported_paths_are_refused
         kernel_isa()
     monkeypatch.setenv("TIERGATE_QUANT_ISA", "scalar")
     assert kernel_isa() == "scalar"
+
+
+@pytest.mark.parametrize("ggml_type", sorted(REPACKED_TYPES), ids=lambda t: t.name)
+def test_one_row_gets_the_same_bits_with_its_tiles_asked_for_ahead_or_not(ggml_type, isa):
+    for rows, in_features, out_features in [(1, 512, 40), (1, 2048, 33), (5, 512, 17)]:
+        w = weight(ggml_type, in_features, out_features, seed=in_features + rows)
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(_product_on(isa, w, x, row_prefetch=True), _product_on(isa, w, x, row_prefetch=False))
+
+
+def test_one_row_prefetch_is_on_for_intel_cores_and_off_for_amd_ones_unless_the_variable_says(monkeypatch, tmp_path):
+    monkeypatch.delenv("TIERGATE_QUANT_ROW_PREFETCH", raising=False)
+    assert quant_linear.row_prefetch() == (quant_linear.cpu_vendor() == "GenuineIntel")
+    read_vendor = quant_linear.cpu_vendor.__wrapped__
+    assert read_vendor(str(tmp_path / "missing")) == ""
+    for vendor, expected in [("GenuineIntel", True), ("AuthenticAMD", False)]:
+        cpuinfo = tmp_path / vendor
+        cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 6\n")
+        assert read_vendor(str(cpuinfo)) == vendor
+        monkeypatch.setattr(quant_linear, "cpu_vendor", lambda v=vendor: v)
+        assert quant_linear.row_prefetch() is expected
+    for asked, expected in [("on", True), ("OFF", False)]:
+        monkeypatch.setenv("TIERGATE_QUANT_ROW_PREFETCH", asked)
+        assert quant_linear.row_prefetch() is expected
+    monkeypatch.setenv("TIERGATE_QUANT_ROW_PREFETCH", "sometimes")
+    with pytest.raises(ValueError, match="TIERGATE_QUANT_ROW_PREFETCH must be auto, on or off"):
+        quant_linear.row_prefetch()
 
 
 def test_empty_x_gives_an_empty_result():

@@ -53,7 +53,7 @@ def int8_tiles(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """The int8 kernels on the weight as served (repacked where its format is): what the dispatch runs below the
     panel path's threshold."""
     return torch.ops.tiergate.quant_linear(x, [w.storage], [int(w.ggml_type)], [w.out_features],
-                                           quant_linear.ISAS.index(quant_linear.kernel_isa()))
+                                           quant_linear.ISAS.index(quant_linear.kernel_isa()), quant_linear.row_prefetch())
 
 
 def check_product(w_rows: np.ndarray, x: torch.Tensor, y: torch.Tensor) -> None:
