@@ -10,6 +10,10 @@ cache for up to `stale_if_error_s` past their expiry (RFC 5861's stale-if-error)
 and unknown keys get 503 with Retry-After; after a failed lookup, the next one
 waits `DATABASE_RETRY_S`, so a flood of new keys during an outage is not a
 flood of connection attempts.
+
+A burst of requests with a key not yet cached makes one lookup, not one each: the
+others wait for its answer. Each lookup is a hop to a worker thread, and a burst of
+them had the event loop start threads for them while every stream waited on it.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Authenticator:
         self.stale_if_error_s = stale_if_error_s
         self.clock = clock
         self._cache: dict[str, _Entry] = {}
+        self._looking_up: dict[str, anyio.Event] = {}  # by digest: set when that lookup ends, however it ends
         self._database_down_until = 0.0
 
     async def authenticate(self, request: Request) -> Any:
@@ -91,7 +96,14 @@ class Authenticator:
         return tenant
 
     async def _look_up(self, secret: str, digest: str, stale: _Entry | None, now: float) -> Any:
+        while (pending := self._looking_up.get(digest)) is not None:
+            await pending.wait()
+            entry = self._cache.get(digest)
+            if entry is not None and entry.expires > now:
+                return entry.tenant
+            # That lookup failed, or its caller left before it ended: look again, or rest as it found.
         if now >= self._database_down_until:
+            done = self._looking_up[digest] = anyio.Event()
             try:
                 tenant = await anyio.to_thread.run_sync(self.lookup, secret)
             except UNAVAILABLE as exc:
@@ -103,6 +115,9 @@ class Authenticator:
                 if len(self._cache) > 100_000:
                     self._evict_expired(now)
                 return tenant
+            finally:
+                del self._looking_up[digest]
+                done.set()
         if stale is not None and stale.usable_until > now:
             return stale.tenant
         raise database_unavailable()
