@@ -10,7 +10,10 @@ keep them whole and cheap:
   its tenant what the cache holds;
 - rows recomputed after a preemption are not scored again (the request keeps what it has);
 - the LM head runs over ``SLICE_ROWS`` rows at a time, so a long prompt never holds a whole
-  ``[prompt, vocab]`` matrix beside a step's other work.
+  ``[prompt, vocab]`` matrix beside a step's other work; once others are served between the
+  slices (express work beside the step), over ``SLICE_ROWS_BESIDE_OTHERS``, so that their streams
+  wait one short slice, not a long one, and each slice's scores become its rows' logprobs before
+  the next one starts.
 
 Only the first choice of an n > 1 request scores; the gateway gives its scores to every choice.
 """
@@ -28,6 +31,9 @@ from engine.tokenizer import TextTokenizer
 from scheduler.plan import ScheduledChunk
 
 SLICE_ROWS = 128  # the panel kernel reads the head once per slice: more rows, fewer passes over it
+# A slice is as long as the streams served between slices wait for their next token: this many rows keep it
+# to a few of their decode steps on a CPU, for a few more passes over the head, paid by the scored request.
+SLICE_ROWS_BESIDE_OTHERS = 32
 
 
 @dataclass(frozen=True)
@@ -62,36 +68,35 @@ def rows_to_score(chunks: Sequence[ScheduledChunk],
 @torch.inference_mode()
 def score_prompts(hidden: torch.Tensor, wanted: Sequence[PromptRows],
                   head_logits: Callable[[torch.Tensor], torch.Tensor], tokenizer: TextTokenizer,
-                  between_slices: Callable[[], None] | None = None) -> None:
+                  between_slices: Callable[[], bool] | None = None) -> None:
     """Append each request's scores for ``wanted`` rows (``hidden``: their final hidden states, in order).
 
-    ``between_slices`` is called between two slices, as the forward calls the step loop between two
+    ``between_slices`` is called before each slice, as the forward calls the step loop between two
     layers: a long prompt's scores are a large part of its step, and a neighbour's short request
-    that arrives meanwhile need not wait for all of them."""
-    targets = torch.tensor([t for w in wanted for t in w.state.seq.prompt_token_ids[w.first + 1:w.first + 1 + w.count]],
-                           dtype=torch.long, device=hidden.device)
-    top_k = max(w.state.request.params.prompt_logprobs or 0 for w in wanted)
-    chosen: list[float] = []
-    ranks: list[int] = []
-    top: list[list[tuple[int, float]]] = []
-    for lo in range(0, targets.shape[0], SLICE_ROWS):
-        if lo and between_slices is not None:
-            between_slices()
-        logprobs = torch.log_softmax(head_logits(hidden[lo:lo + SLICE_ROWS]), dim=-1)
-        picked = logprobs.gather(1, targets[lo:lo + SLICE_ROWS, None])
-        chosen += picked.squeeze(1).tolist()
-        ranks += ((logprobs > picked).sum(dim=1, dtype=torch.int32) + 1).tolist()
-        if top_k:
-            values, ids = torch.topk(logprobs, top_k)
-            top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    row = 0
+    that arrives meanwhile need not wait for all of them. It returns whether others are being served
+    beside the step (the slices from then on are ``SLICE_ROWS_BESIDE_OTHERS`` rows)."""
+    # Per row: the request's scores it appends to, the prompt token it scores, and how many alternatives.
+    owners = [(w.state.prompt_scores, token_id, w.state.request.params.prompt_logprobs or 0)
+              for w in wanted for token_id in w.state.seq.prompt_token_ids[w.first + 1:w.first + 1 + w.count]]
+    targets = torch.tensor([token_id for _, token_id, _ in owners], dtype=torch.long, device=hidden.device)
+    top_k = max((k for _, _, k in owners), default=0)
+    lo, rows = 0, SLICE_ROWS
+    while lo < len(owners):
+        if between_slices is not None and between_slices():
+            rows = SLICE_ROWS_BESIDE_OTHERS
+        hi = min(len(owners), lo + rows)
+        logprobs = torch.log_softmax(head_logits(hidden[lo:hi]), dim=-1)
+        picked = logprobs.gather(1, targets[lo:hi, None])
+        chosen = picked.squeeze(1).tolist()
+        ranks = ((logprobs > picked).sum(dim=1, dtype=torch.int32) + 1).tolist()
+        top = torch.topk(logprobs, top_k) if top_k else None
+        top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+        for i, (scores, token_id, k) in enumerate(owners[lo:hi]):
+            alternatives = tuple((tid, tokenizer.id_to_token_text(tid), lp)
+                                 for tid, lp in zip(top_ids[i][:k], top_values[i][:k])) if k else ()
+            scores.append(TokenLogprob(token_id, tokenizer.id_to_token_text(token_id), chosen[i], alternatives,
+                                       ranks[i]))
+        lo = hi
     for w in wanted:
-        k = w.state.request.params.prompt_logprobs or 0
-        scores = w.state.prompt_scores
-        for token_id in w.state.seq.prompt_token_ids[w.first + 1:w.first + 1 + w.count]:
-            alternatives = tuple((tid, tokenizer.id_to_token_text(tid), lp) for tid, lp in top[row][:k]) if k else ()
-            scores.append(TokenLogprob(token_id, tokenizer.id_to_token_text(token_id), chosen[row], alternatives,
-                                       ranks[row]))
-            row += 1
-        if len(scores) == w.state.seq.num_prompt_tokens:
+        if len(w.state.prompt_scores) == w.state.seq.num_prompt_tokens:
             w.state.seq.reads_prefix_cache = True

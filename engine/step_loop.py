@@ -227,6 +227,12 @@ class StepLoop:
         finally:
             under_way.express_ended_at = time.monotonic()
 
+    def _between_slices(self) -> bool:
+        """Before each slice of the step's prompt scores (engine/prompt_scoring.py), as between its layers;
+        whether express work has run beside the step, whose streams then wait on each slice."""
+        self._between_layers()
+        return self._between is not None and self._between.express_ended_at is not None
+
     def _take_arrivals(self) -> None:
         """Between layers: add the inbox's new requests; aborts and unloads touch the step under way, so they
         and everything after them wait for its end."""
@@ -287,7 +293,8 @@ class StepLoop:
         logits, hidden = self.runner.execute_with_hidden(step.plan, rows.hidden_rows, rows.lora_batch, between,
                                                          step.nested)
         if rows.scoring:
-            score_prompts(hidden, rows.scoring, self.runner.head_logits, self.tokenizer, between)
+            score_prompts(hidden, rows.scoring, self.runner.head_logits, self.tokenizer,
+                          self._between_slices if between is not None else None)
         return logits
 
     def _choose_tokens(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> list[list[SampledToken]]:

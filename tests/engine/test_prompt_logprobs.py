@@ -175,5 +175,47 @@ def test_a_long_prompts_scores_let_a_neighbour_in_between_their_slices():
     score_prompts(torch.randn(rows, 8), [PromptRows(state, 0, rows)], lambda h: h @ head, tokenizer,
                   between_slices=lambda: calls.append(len(state.prompt_scores)))
 
-    assert len(calls) == 2  # three slices of rows, a call between each two
+    assert len(calls) == 3  # three slices of rows, a call before each
     assert len(state.prompt_scores) == len(prompt) and seq.reads_prefix_cache
+
+
+def test_once_others_are_served_between_slices_the_slices_shorten_and_each_ends_with_its_rows_scored():
+    """Streams served between the slices wait on each one: once ``between_slices`` (called before each
+    slice) says so, slices are SLICE_ROWS_BESIDE_OTHERS rows, and a slice's logprobs are its rows' before
+    the next begins (the per-row work does not pile up after the last slice). The scores are the same."""
+    from engine.prompt_scoring import SLICE_ROWS, SLICE_ROWS_BESIDE_OTHERS, PromptRows, score_prompts
+
+    prompt = list(range(1, 2 * SLICE_ROWS + 12))
+    rows = len(prompt) - 1
+    hidden = torch.randn(rows, 8, generator=torch.Generator().manual_seed(0))
+    head = torch.randn(8, 600, generator=torch.Generator().manual_seed(1))
+    tokenizer = SimpleNamespace(id_to_token_text=str)
+
+    def scored(between_slices) -> tuple[list, list[int], Sequence]:
+        seq = Sequence("s", prompt)
+        state = SimpleNamespace(prompt_scores=[TokenLogprob(prompt[0], "a", None)], seq=seq,
+                                request=SimpleNamespace(params=SamplingParams(prompt_logprobs=2)))
+        slices: list[int] = []
+
+        def head_logits(h: torch.Tensor) -> torch.Tensor:
+            slices.append(h.shape[0])
+            return torch.stack([row @ head for row in h])  # row by row: the same bits whatever the slice
+
+        score_prompts(hidden, [PromptRows(state, 0, rows)], head_logits, tokenizer,
+                      between_slices=lambda: between_slices(state))
+        return state.prompt_scores, slices, seq
+
+    alone, alone_slices, _ = scored(lambda state: False)
+    seen_before_each_call: list[int] = []
+
+    def others_served(state) -> bool:
+        seen_before_each_call.append(len(state.prompt_scores) - 1)
+        return True
+
+    beside, beside_slices, seq = scored(others_served)
+    assert alone_slices == [SLICE_ROWS, SLICE_ROWS, rows - 2 * SLICE_ROWS]
+    assert set(beside_slices[:-1]) == {SLICE_ROWS_BESIDE_OTHERS} and 0 < beside_slices[-1] <= SLICE_ROWS_BESIDE_OTHERS
+    assert sum(beside_slices) == rows
+    # Each call comes after the slice before it is scored: the rows scored so far are the slices so far.
+    assert seen_before_each_call == [sum(beside_slices[:i]) for i in range(len(beside_slices))]
+    assert beside == alone and seq.reads_prefix_cache
