@@ -1,25 +1,21 @@
 """The engine thread: take in what callers sent, ask the scheduler for a plan, run it, hand out tokens.
 
-``_run_step`` reads as the step's phases, one method each: begin (the step's clock, what an
-express step inside it may use), prepare rows (drafts, the batch's LoRA adapters, prompts to
-score), forward, choose tokens (penalties, grammars, sampling, verifying drafts), account (the
-step metered before any of its requests ends), update the scheduler, detokenize, hand out
-(publish, then send the deltas).
+``_run_step`` reads as the step's phases, one method each: begin (the step's clock, what an express step inside it
+may use), prepare rows (drafts, the batch's LoRA adapters, prompts to score), forward, choose tokens (penalties,
+grammars, sampling, verifying drafts), account (the step metered before any of its requests ends), update the
+scheduler, detokenize, hand out (publish, then send the deltas).
 
-A light tenant's short request (the policy's ``express``) does not wait for other tenants'
-work: between two layers of a step under way the loop asks the scheduler for an express step
-(``Scheduler.schedule_express``), runs it whole, hands out its first token, and then
-finishes the step under way (then, as their bound nears, decode steps of the requests it started:
-``Scheduler.schedule_express_decodes``). Another such step of new requests comes at most every
-``EXPRESS_AGAIN_AFTER_S`` inside one step, so that step is delayed by one short prefill that often at
-most, while a request arriving late in a long step (a long prompt's scores can take a second) does
-not wait for all of it. At a step boundary, such a request gets a step of its own before the next
-(never two in a row).
+A light tenant's short request (the policy's ``express``) does not wait for other tenants' work: between two layers
+of a step under way the loop asks the scheduler for an express step (``Scheduler.schedule_express``), runs it whole,
+hands out its first token, and then finishes the step under way (then, as their bound nears, decode steps of the
+requests it started: ``Scheduler.schedule_express_decodes``). Another such step of new requests comes at most every
+``EXPRESS_AGAIN_AFTER_S`` inside one step, so that step is delayed by one short prefill that often at most, while a
+request arriving late in a long step (a long prompt's scores can take a second) does not wait for all of it. At a
+step boundary, such a request gets a step of its own before the next (never two in a row).
 
-An exception inside a step's forward pass fails that step's requests and the loop keeps
-serving; a failure confined to one request's sampling or detokenizing ends that request
-alone. What callers on other threads read of the engine's state (load, KV usage, ...) is
-a snapshot this thread publishes after each change.
+An exception inside a step's forward pass fails that step's requests and the loop keeps serving; a failure confined
+to one request's sampling or detokenizing ends that request alone. What callers on other threads read of the
+engine's state (load, KV usage, ...) is a snapshot this thread publishes after each change.
 """
 
 from __future__ import annotations
@@ -228,8 +224,7 @@ class StepLoop:
             under_way.express_ended_at = time.monotonic()
 
     def _between_slices(self) -> bool:
-        """Before each slice of the step's prompt scores (engine/prompt_scoring.py), as between its layers;
-        whether express work has run beside the step, whose streams then wait on each slice."""
+        """Before each slice of the step's prompt scores, as between its layers: whether express work ran beside it."""
         self._between_layers()
         return self._between is not None and self._between.express_ended_at is not None
 
