@@ -79,12 +79,12 @@ def _panel_weights(layers: int, dtype: torch.dtype = torch.float32) -> list[Pack
 
 
 def _pass(weights: list[PackedWeight], inputs: dict[int, torch.Tensor], amx_rows: str,
-          row_prefetch: str = "auto") -> tuple[float, float]:
+          one_row_prefetch: str = "auto") -> tuple[float, float]:
     """(wall seconds, CPU seconds of the process) of one pass over ``weights``, the AMX paths' row
     thresholds (``TIERGATE_QUANT_PANEL_ROWS``, ``TIERGATE_BF16_AMX_ROWS``) set to ``amx_rows`` and
-    ``TIERGATE_QUANT_ROW_PREFETCH`` to ``row_prefetch``."""
+    ``TIERGATE_QUANT_ROW_PREFETCH`` to ``one_row_prefetch``."""
     os.environ["TIERGATE_QUANT_PANEL_ROWS"] = os.environ["TIERGATE_BF16_AMX_ROWS"] = amx_rows
-    os.environ["TIERGATE_QUANT_ROW_PREFETCH"] = row_prefetch
+    os.environ["TIERGATE_QUANT_ROW_PREFETCH"] = one_row_prefetch
     started, cpu = time.perf_counter(), time.process_time()
     for w in weights:
         w(inputs[w.in_features])

@@ -292,8 +292,8 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArray
   if (rows == 0) return out;
   float* outp = out.mutable_data_ptr<float>();
   if (!packed.empty())
-    gemv_packed(x.const_data_ptr<float>(), x.stride(0), rows, in, packed.data(), int(packed.size()), isa, row_prefetch, outp,
-                total);
+    gemv_packed(x.const_data_ptr<float>(), x.stride(0), rows, in, packed.data(), int(packed.size()), isa, row_prefetch,
+                outp, total);
   if (groups.empty()) return out;
   if (isa == AVXVNNI) isa = AVX2;  // the scratch tiles' AVX2 path: maddubs serves them as well
   const Acts a = quantize_acts(x);
