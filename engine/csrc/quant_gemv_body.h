@@ -6,11 +6,12 @@
 // passes); a 4-byte piece of the tile then loads as LANES rows x 4 inputs, and V::dot adds, per
 // row, the products of its 4 unsigned weight bytes with 4 int8 activations broadcast to every lane.
 // Per block of 32 inputs (16 for Q6_K) that int32 sum is converted once and multiplied by the
-// rows' scales times the activation block's scale. A format's unsigned offset (Q4_0's 8, Q6_K's 32,
+// rows' scales times the activation block's scale (x scaled per 16 for a 32-input block: each half
+// times its scale of x, summed, then times the rows' scales). A format's unsigned offset (Q4_0's 8, Q6_K's 32,
 // Q8_0's 128 after V flips its sign bit) starts the int32 sum at -offset times the block's sum
 // of activations, the same for every row; Q4_K's mins multiply that sum in float.
 //
-// A kernel runs 1 to GEMV_CHUNK_ROWS rows of x, or twice that for the 32-input formats on AVX-512 (ROWS,
+// A kernel runs 1 to GEMV_CHUNK_ROWS rows of x, or GEMV_WIDE_ROWS for the 32-input formats on AVX-512 (ROWS,
 // a template argument, so their sums live in registers); a call of more rows takes them in chunks over
 // each group (`groups`). Each row's sums are the same, in integers and in float, whatever chunk it falls in.
 //
@@ -24,6 +25,24 @@ using F = typename V::F;
 
 // Row r's int8 activations as int32 words (word w holds inputs 4w..4w+3).
 inline const int32_t* words(const GemvJob& j, int r) { return j.xq + r * (j.in / 4); }
+
+// Row r's activations as a kernel of ROWS rows reads them: GEMV_WIDE_ROWS rows from their interleaved
+// chunk (GemvJob::wide, scaled per 16), fewer from the rows themselves.
+template <int ROWS>
+struct Acts {
+  static constexpr bool WIDE = ROWS == GEMV_WIDE_ROWS;
+  static int32_t word(const GemvJob& j, int r, int64_t w) { return WIDE ? j.wide.xq[w * ROWS + r] : words(j, r)[w]; }
+  static int32_t sum16(const GemvJob& j, int r, int64_t i) {
+    return WIDE ? j.wide.xs16[i * ROWS + r] : j.xs16[r * (j.in / 16) + i];
+  }
+  static float scale16(const GemvJob& j, int r, int64_t i) {
+    return WIDE ? j.wide.xd[i * ROWS + r] : j.xd[r * (j.in / 16) + i];
+  }
+  static float scale32(const GemvJob& j, int r, int64_t b) { return j.xd[r * (j.in / 32) + b]; }  // never wide
+  static float scaled_sum(const GemvJob& j, int r, int64_t b) {
+    return WIDE ? j.wide.xds[b * ROWS + r] : j.xds[r * (j.in / 32) + b];
+  }
+};
 
 inline I nibbles_low(I v) { return V::and_(v, V::set1_8(0x0F)); }
 inline I nibbles_high(I v) { return V::and_(V::srli16(v, 4), V::set1_8(0x0F)); }
@@ -60,14 +79,22 @@ void store(const GemvJob& j, const GemvPart& p, int64_t first, F (&acc)[ROWS]) {
 
 // Q4_0, Q4_1, Q5_0, Q5_1 (nibbles: low inputs 0-15, high 16-31; Q5's fifth bits or-ed in) and Q8_0
 // (int8, read as unsigned by V::dot_s8). Q4_1's and Q5_1's min m adds m times the block's sum of x, in float.
-// Each row's int32 sums run in CHAINS independent chains per block (summed at its end), so the
-// dot products' latency overlaps: a single chain of 8 would wait on each before the next.
-// PER16: x has a scale per 16 inputs (GemvJob::per16); chains [0, CHAINS / 2) then sum words 0-3 of
-// a block (inputs 0-15) and the others words 4-7, each half scaled by its own.
+// A block is walked in halves, words 0-3 then 4-7 (the low and the high nibbles), so that only one half's
+// weights and int32 sums are held at a time: at 8 rows, sums for the whole block with the rows' float
+// sums beside them outgrew AVX-512's 32 registers, and the float sums went to the stack every block.
+// 8 rows (GEMV_WIDE_ROWS) read x from its interleaved chunk, so scaled per 16 (Acts).
+// Each row's sums run in CHAINS independent chains (summed at the end), so the dot products' latency
+// overlaps where few rows would leave each waiting on the one before; 8 rows are 8 chains already.
+// PER16: x has a scale per 16 inputs (GemvJob::per16), one per half; each half's sum is converted as it
+// ends and times its scale of x, and the rows' scale d multiplies their sum once: one float multiply a
+// row and block fewer than d times each scale of x, which at 8 rows held the dot products back.
+// Otherwise the chains run on through both halves and the block's sum is scaled once.
 template <int ROWS, int64_t TYPE, bool PER16>
 void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
   constexpr bool Q8 = TYPE == Q8_0, MIN = TYPE == Q4_1 || TYPE == Q5_1, FIVE = TYPE == Q5_0 || TYPE == Q5_1;
-  constexpr int CHAINS = ROWS <= 2 ? 4 : 2, HALF = CHAINS / 2;
+  static_assert(PER16 || !Acts<ROWS>::WIDE, "the wide chunks are scaled per 16");
+  using X = Acts<ROWS>;
+  constexpr int CHAINS = ROWS <= 2 ? 4 : ROWS <= 4 ? 2 : 1;
   const int64_t blocks = j.in / 32, tb = PACK_ROWS * format_of(TYPE).block_bytes;
   const int64_t lanes_at = slice * V::BYTES;
   const int offset = Q8 ? V::S8_OFFSET : MIN ? 0 : FIVE ? 16 : 8;
@@ -81,68 +108,65 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
     if (slice == 0 && (ROWS > 1 || j.row_prefetch)) tile_to_l2(t + 8 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2);
     const F m = MIN ? V::halves(t + 32 + slice * V::LANES * 2) : V::zero_ps();
+    const I qh = FIVE ? V::load(t + high_bits + lanes_at) : V::zero();
     I sum[CHAINS][ROWS];
-    for (int r = 0; r < ROWS; ++r) {
-      const int32_t* s = j.xs16 + r * (j.in / 16) + 2 * b;
-      for (int c = 0; c < CHAINS; ++c) sum[c][r] = V::zero();
-      if (PER16) {
-        sum[0][r] = V::set1_32(-offset * s[0]);
-        sum[HALF][r] = V::set1_32(-offset * s[1]);
-      } else {
-        sum[0][r] = V::set1_32(-offset * (s[0] + s[1]));
-      }
-    }
-    // Word w of the block's activations (inputs 4w..4w+3) meets u[w]: 8 of LANES rows x 4 bytes.
-    I u[8];
-    if (Q8) {
-      for (int w = 0; w < 8; ++w) u[w] = V::load(t + quants + w * 64 + lanes_at);
-    } else {
-      for (int k = 0; k < 4; ++k) {
-        const I v = V::load(t + quants + k * 64 + lanes_at);
-        u[k] = nibbles_low(v), u[4 + k] = nibbles_high(v);
-      }
-      if (FIVE) {  // word w's high bits are at bit w of each byte (quant_packed.h's qh_bit_in_tile)
-        const I qh = V::load(t + high_bits + lanes_at);
-        const I bit0_of_bytes = V::set1_32(0x01010101);
-        for (int w = 0; w < 8; ++w) u[w] = V::or_(u[w], V::slli32(V::and_(V::srli32(qh, w), bit0_of_bytes), 4));
-      }
-    }
-    if constexpr (V::PAIR_SUMS && !Q8) {  // words 0-3 and 4-7 (a PER16 block's halves), each summed at once
-      for (int r = 0; r < ROWS; ++r)
-        for (int h = 0; h < 2; ++h) {
-          I& s = sum[PER16 ? h * HALF : h][r];
-          s = V::add32(s, pair_sums<4, V>(u + 4 * h, words(j, r) + 8 * b + 4 * h));
-        }
-    } else {
-#pragma GCC unroll 8
-      for (int w = 0; w < 8; ++w)
+    F halves[ROWS];  // PER16: the block's halves, each times its scale of x, summed; d scales it once
+    for (int h = 0; h < 2; ++h) {
+      if (h == 0 || PER16)
         for (int r = 0; r < ROWS; ++r) {
-          const I x = V::set1_32(words(j, r)[8 * b + w]);
-          I& s = sum[PER16 ? (w / 4) * HALF + w % HALF : w % CHAINS][r];
-          s = Q8 ? V::dot_s8(s, u[w], x) : V::dot(s, u[w], x);
+          const int32_t s = PER16 ? X::sum16(j, r, 2 * b + h) : X::sum16(j, r, 2 * b) + X::sum16(j, r, 2 * b + 1);
+          sum[0][r] = V::set1_32(-offset * s);
+          for (int c = 1; c < CHAINS; ++c) sum[c][r] = V::zero();
+        }
+      // Word 4h + k of the block's activations (inputs 16h + 4k ..) meets u[k]: LANES rows x 4 bytes.
+      I u[4];
+      for (int k = 0; k < 4; ++k) {
+        if (Q8) {
+          u[k] = V::load(t + quants + (4 * h + k) * 64 + lanes_at);
+        } else {
+          const I v = V::load(t + quants + k * 64 + lanes_at);
+          u[k] = h == 0 ? nibbles_low(v) : nibbles_high(v);
+        }
+        if (FIVE) {  // word w's high bits are at bit w of each byte (quant_packed.h's qh_bit_in_tile)
+          const I bit0_of_bytes = V::set1_32(0x01010101);
+          u[k] = V::or_(u[k], V::slli32(V::and_(V::srli32(qh, 4 * h + k), bit0_of_bytes), 4));
+        }
+      }
+      if constexpr (V::PAIR_SUMS && !Q8) {  // the half's 4 words summed at once
+        for (int r = 0; r < ROWS; ++r)
+          sum[h % CHAINS][r] = V::add32(sum[h % CHAINS][r], pair_sums<4, V>(u, words(j, r) + 8 * b + 4 * h));
+      } else {
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k)
+          for (int r = 0; r < ROWS; ++r) {
+            const I x = V::set1_32(X::word(j, r, 8 * b + 4 * h + k));
+            I& s = sum[(4 * h + k) % CHAINS][r];
+            s = Q8 ? V::dot_s8(s, u[k], x) : V::dot(s, u[k], x);
+          }
+      }
+      if (PER16 || h == 1)
+        for (int r = 0; r < ROWS; ++r) {
+          I total = sum[0][r];
+          for (int c = 1; c < CHAINS; ++c) total = V::add32(total, sum[c][r]);
+          if (!PER16) {
+            acc[r] = V::fmadd(V::cvt(total), V::mul(d, V::set1_ps(X::scale32(j, r, b))), acc[r]);
+          } else {
+            const F xd = V::set1_ps(X::scale16(j, r, 2 * b + h));
+            halves[r] = h == 0 ? V::mul(V::cvt(total), xd) : V::fmadd(V::cvt(total), xd, halves[r]);
+            if (h == 1) acc[r] = V::fmadd(halves[r], d, acc[r]);
+          }
         }
     }
-    for (int r = 0; r < ROWS; ++r) {
-      if (PER16) {
-        I low = sum[0][r], high = sum[HALF][r];
-        for (int c = 1; c < HALF; ++c) low = V::add32(low, sum[c][r]), high = V::add32(high, sum[HALF + c][r]);
-        const float* xd = j.xd + r * (j.in / 16) + 2 * b;
-        acc[r] = V::fmadd(V::cvt(low), V::mul(d, V::set1_ps(xd[0])), acc[r]);
-        acc[r] = V::fmadd(V::cvt(high), V::mul(d, V::set1_ps(xd[1])), acc[r]);
-      } else {
-        I total = sum[0][r];
-        for (int c = 1; c < CHAINS; ++c) total = V::add32(total, sum[c][r]);
-        acc[r] = V::fmadd(V::cvt(total), V::mul(d, V::set1_ps(j.xd[r * (j.in / 32) + b])), acc[r]);
-      }
-      if (MIN) acc[r] = V::fmadd(m, V::set1_ps(j.xds[r * (j.in / 32) + b]), acc[r]);
-    }
+    if (MIN)
+      for (int r = 0; r < ROWS; ++r) acc[r] = V::fmadd(m, V::set1_ps(X::scaled_sum(j, r, b)), acc[r]);
   }
 }
 
 // blocks32 for x as the job scaled it (per 16 or per 32 inputs).
 template <int ROWS, int64_t TYPE>
 void blocks32_as_scaled(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
-  if (j.per16) blocks32<ROWS, TYPE, true>(j, group, slice, acc);
+  if constexpr (Acts<ROWS>::WIDE) blocks32<ROWS, TYPE, true>(j, group, slice, acc);
+  else if (j.per16) blocks32<ROWS, TYPE, true>(j, group, slice, acc);
   else blocks32<ROWS, TYPE, false>(j, group, slice, acc);
 }
 
@@ -302,20 +326,25 @@ inline GemvJob rows_of(const GemvJob& j, int64_t r0, int64_t rows) {
   c.xq += r0 * (j.in / 4), c.xd += r0 * (j.in / (j.per16 ? 16 : 32));
   c.xds += r0 * (j.in / 32), c.xs16 += r0 * (j.in / 16);
   c.out += r0 * j.out_stride;
+  if (r0 % GEMV_WIDE_ROWS == 0 && j.wide.xq != nullptr) {  // a chunk's start: row r0's index (GemvWide)
+    c.wide.xq += r0 * (j.in / 4), c.wide.xd += r0 * (j.in / 16);
+    c.wide.xds += r0 * (j.in / 32), c.wide.xs16 += r0 * (j.in / 16);
+  } else {
+    c.wide = GemvWide{};
+  }
   return c;
 }
 
-// Rows [r0, r1) of x times group g of part p, GEMV_CHUNK_ROWS rows at a time (or twice that, below):
+// Rows [r0, r1) of x times group g of part p, GEMV_CHUNK_ROWS rows at a time (or GEMV_WIDE_ROWS, below):
 // the group's tiles are read from memory by the first chunk and from the caches by the others.
 inline void group_chunks(const GemvJob& j, const GemvPart& p, int64_t g, int64_t r0, int64_t r1) {
   int64_t r = r0;
   // With AVX-512's 32 registers the 32-input formats take 8 rows at a time while 8 remain: a tile's
   // weights are unpacked once for 8 rows instead of 4. Not the K formats, whose kernels hold more per
-  // row, nor AVX2, with 16 registers.
+  // row, nor AVX2, with 16 registers. r0 starts a chunk of GemvWide (groups' blocks are whole chunks).
   if constexpr (V::LANES == 16) {
-    if (format_of(p.type).block_values == 32)
-      for (; r + 2 * GEMV_CHUNK_ROWS <= r1; r += 2 * GEMV_CHUNK_ROWS)
-        group_rows<2 * GEMV_CHUNK_ROWS>(rows_of(j, r, 2 * GEMV_CHUNK_ROWS), p, g);
+    if (format_of(p.type).block_values == 32 && j.wide.xq != nullptr)
+      for (; r + GEMV_WIDE_ROWS <= r1; r += GEMV_WIDE_ROWS) group_rows<GEMV_WIDE_ROWS>(rows_of(j, r, GEMV_WIDE_ROWS), p, g);
   }
   for (; r < r1; r += GEMV_CHUNK_ROWS) {
     const GemvJob c = rows_of(j, r, std::min(GEMV_CHUNK_ROWS, r1 - r));
@@ -333,7 +362,8 @@ inline void group_chunks(const GemvJob& j, const GemvPart& p, int64_t g, int64_t
 // before the next block does.
 inline void groups(const GemvJob& j, int64_t g0, int64_t g1) {
   static_assert(GEMV_CHUNK_ROWS == 4, "group_chunks instantiates the kernels for 1 to 4 rows");
-  const int64_t block = std::max<int64_t>(1, GEMV_BLOCK_BYTES / j.in / GEMV_CHUNK_ROWS) * GEMV_CHUNK_ROWS;
+  static_assert(GEMV_WIDE_ROWS % GEMV_CHUNK_ROWS == 0, "a block is whole chunks of either");
+  const int64_t block = std::max<int64_t>(1, GEMV_BLOCK_BYTES / j.in / GEMV_WIDE_ROWS) * GEMV_WIDE_ROWS;
   for (int64_t r0 = 0; r0 < j.rows; r0 += block) {
     const int64_t r1 = std::min(j.rows, r0 + block);
     int64_t base = 0;

@@ -5,6 +5,7 @@
 #include "quant_packed.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace tiergate_quant {
@@ -48,8 +49,10 @@ struct V {
   static F set1_ps(float v) { return v; }
   static F cvt(I a) { return float(a); }
   static F mul(F a, F b) { return a * b; }
-  static F fmadd(F a, F b, F c) { return a * b + c; }
-  static F fnmadd(F a, F b, F c) { return c - a * b; }
+  // One rounding, as the vector paths' fused multiply-adds: `a * b + c` left it to the compiler's
+  // contraction, which changed with the code around it.
+  static F fmadd(F a, F b, F c) { return std::fma(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return std::fma(-a, b, c); }
   static F halves(const uint8_t* p) { return half_at(p); }
   static void store(float* out, F v, int64_t) { *out = v; }
 };

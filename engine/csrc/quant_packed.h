@@ -118,6 +118,20 @@ inline void unpack_group(int64_t type, const uint8_t* packed, int64_t blocks, in
 // its bytes are in L1/L2, and the block's activations stay in L2 while the thread's groups pass.
 constexpr int64_t GEMV_CHUNK_ROWS = 4;
 constexpr int64_t GEMV_BLOCK_BYTES = 256 * 1024;
+// The 32-input formats on AVX-512 take GEMV_WIDE_ROWS rows at a time while that many remain
+// (quant_gemv_body.h's group_chunks), reading them from GemvWide.
+constexpr int64_t GEMV_WIDE_ROWS = 8;
+
+// x scaled per 16 inputs, as GemvJob's arrays, with each chunk of GEMV_WIDE_ROWS rows interleaved:
+// value i of the chunk's row r at [chunk][i][r], so a chunk's rows are read at fixed offsets from one
+// pointer. With a pointer per row, 8 rows' pointers and sums outgrew the registers and went to the stack.
+// A chunk of rows starting at row r0 starts at the same index as row r0 in the row-major arrays.
+struct GemvWide {
+  const int32_t* xq = nullptr;    // [chunks, in / 4, 8]
+  const float* xd = nullptr;      // [chunks, in / 16, 8]
+  const float* xds = nullptr;     // [chunks, in / 32, 8]
+  const int32_t* xs16 = nullptr;  // [chunks, in / 16, 8]
+};
 
 struct GemvPart {
   const uint8_t* packed;
@@ -141,6 +155,9 @@ struct GemvJob {
   // The 32-input formats' kernel asks for its tiles ahead on one row of x too (past one row it always
   // does): the caller's choice, as it pays on some cores and costs on others (engine/quant_linear.py).
   bool row_prefetch;
+  // The whole chunks of GEMV_WIDE_ROWS rows interleaved, where the job is scaled per 16 and runs on
+  // AVX-512; null pointers elsewhere.
+  GemvWide wide;
 };
 
 // Whether a part's kernel reads x with a scale per 16 inputs instead of 32: the 32-input formats, whose
