@@ -6,11 +6,7 @@ grammars, sampling, verifying drafts), account (the step metered before any of i
 scheduler, detokenize, hand out (publish, then send the deltas).
 
 A light tenant's short request (the policy's ``express``) does not wait for other tenants' work: between two layers
-of a step under way the loop asks the scheduler for an express step (``Scheduler.schedule_express``), runs it whole,
-hands out its first token, and then finishes the step under way (then, as their bound nears, decode steps of the
-requests it started: ``Scheduler.schedule_express_decodes``). Another such step of new requests comes at most every
-``EXPRESS_AGAIN_AFTER_S`` inside one step, so that step is delayed by one short prefill that often at most, while a
-request arriving late in a long step (a long prompt's scores can take a second) does not wait for all of it. At a
+of a step under way the loop may run an express step of it whole (engine/express_steps.py: when, and what). At a
 step boundary, such a request gets a step of its own before the next (never two in a row).
 
 An exception inside a step's forward pass fails that step's requests and the loop keeps serving; a failure confined
@@ -30,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.events import EngineEvent, Listener, StepDrafts, step_event
+from engine.express_steps import StepUnderWay, plan_between_layers
 from engine.grammar import mask_logits
 from engine.in_flight import InFlight, Outgoing
 from engine.inbox import AbortRequest, AddRequest, Inbox, Message, UnregisterAdapter
@@ -48,24 +45,6 @@ from scheduler import ScheduledChunk, Scheduler, StepPlan, TierLoad
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # an idle loop still looks at its stop flag this often
-# Inside one step under way, an express step of new requests at most this often (the module's docstring).
-EXPRESS_AGAIN_AFTER_S = 0.1
-
-
-@dataclass
-class _StepUnderWay:
-    """What an express step run between its layers must know of the step under way."""
-
-    adapters: frozenset[str]  # an express request may use only these (a slot load could evict one)
-    seq_ids: frozenset[str]  # the sequences it runs: a decode step inside it runs only others
-    express_s: float | None = None  # the metered seconds of the express steps inside it, once one ran
-    express_ended_at: float | None = None  # when the last of them ended (time.monotonic())
-    admitted_at: float | None = None  # when the last of them that started new requests began (time.monotonic())
-    began_at: float = 0.0  # when the step began (time.monotonic())
-    asked_for_waiting: bool = False  # whether requests waiting since before it began were asked for between layers
-    asked_at: float | None = None  # when it last asked between two layers (time.monotonic())
-    asked_every_s: float = 0.0  # the time between its last two asks: about when the next one comes
-
 
 @dataclass
 class _Step:
@@ -76,7 +55,7 @@ class _Step:
     sampling: list[ScheduledChunk]  # the chunks that sample a token, in the order of the logits' rows
     started_at: float
     timer: StepTimer
-    under_way: _StepUnderWay | None  # the step's own record for express steps; None when nested
+    under_way: StepUnderWay | None  # the step's own record for express steps; None when nested
 
 
 @dataclass
@@ -116,7 +95,7 @@ class StepLoop:
         self.express_steps = express_steps  # the policy picks express requests (tiered with fair share)
         self._express_timer = StepTimer(timer.device)
         self._deferred: list[Message] = []  # taken between layers, handled after the step
-        self._between: _StepUnderWay | None = None
+        self._between: StepUnderWay | None = None
         self._express_ran = False  # the last step was an express step of its own
         self.grammar_mask_budget_s = grammar_mask_budget_s  # CPU seconds one row's mask may take
         self.speculator = speculator  # speculative decoding (engine/speculative.py), or None
@@ -191,27 +170,7 @@ class StepLoop:
         under_way = self._between
         if under_way is None:
             return
-        now = time.monotonic()
-        if under_way.asked_at is not None:
-            under_way.asked_every_s = now - under_way.asked_at
-        under_way.asked_at = now
-        plan = StepPlan()
-        admits = under_way.admitted_at is None or now - under_way.admitted_at >= EXPRESS_AGAIN_AFTER_S
-        if admits and not self._deferred:
-            arrived = self._inbox.has_messages()
-            if arrived:
-                self._take_arrivals()
-            # A request that was already waiting when the step was planned (it arrived with the long request, or
-            # the plan had no room for it) is asked for too, once the step has run long.
-            long_step = not under_way.asked_for_waiting and now - under_way.began_at >= EXPRESS_AGAIN_AFTER_S
-            if arrived or long_step:
-                under_way.asked_for_waiting |= long_step
-                plan = self.scheduler.schedule_express(under_way.adapters, under_way.seq_ids)
-                if not plan.is_empty:
-                    under_way.admitted_at = now
-        if plan.is_empty and under_way.express_ended_at is not None:  # started ones' next tokens, as their bound nears
-            plan = self.scheduler.schedule_express_decodes(under_way.seq_ids, now - under_way.express_ended_at,
-                                                           under_way.asked_every_s)
+        plan = plan_between_layers(under_way, self.scheduler, self._take_arrivals, may_admit=not self._deferred)
         if plan.is_empty:
             return
         try:
@@ -228,14 +187,17 @@ class StepLoop:
         self._between_layers()
         return self._between is not None and self._between.express_ended_at is not None
 
-    def _take_arrivals(self) -> None:
-        """Between layers: add the inbox's new requests; aborts and unloads touch the step under way, so they
-        and everything after them wait for its end."""
+    def _take_arrivals(self) -> bool:
+        """Between layers: add the inbox's new requests, and say whether any message came; aborts and unloads
+        touch the step under way, so they and everything after them wait for its end."""
+        if not self._inbox.has_messages():
+            return False
         for i, message in enumerate(messages := self._inbox.take_all()):
             if not isinstance(message, AddRequest):
                 self._deferred.extend(messages[i:])
                 break
             self._add(message)
+        return True
 
     def _run_step(self, plan: StepPlan, nested: bool = False) -> None:
         """Run, sample and hand out one step (``nested``: an express step between another's layers)."""
@@ -263,8 +225,7 @@ class StepLoop:
         timer = self._express_timer if nested else self._timer
         under_way = None
         if not nested:
-            under_way = _StepUnderWay(frozenset(c.seq.adapter for c in plan.chunks if c.seq.adapter is not None),
-                                      frozenset(c.seq.seq_id for c in plan.chunks), began_at=time.monotonic())
+            under_way = StepUnderWay.of(plan)
             self._between = under_way
         step = _Step(plan, nested, [c for c in plan.chunks if c.samples], time.time(), timer, under_way)
         timer.start()
@@ -368,7 +329,7 @@ class StepLoop:
         """End one request with an error (its delta into ``outgoing`` when the step is handing out)."""
         self.requests.end(seq_id, "error", "error", error=error, outgoing=outgoing)
 
-    def _stop(self, timer: StepTimer, under_way: _StepUnderWay | None) -> float:
+    def _stop(self, timer: StepTimer, under_way: StepUnderWay | None) -> float:
         """The step's metered seconds: an express step run inside it is metered (and billed) as its own."""
         elapsed = timer.stop()
         if under_way is None:  # an express step: the step it ran inside leaves these seconds to it

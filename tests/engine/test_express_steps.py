@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from engine import step_loop
+from engine import express_steps
 from engine.events import StepEvent
 from engine.request import EngineRequest, SamplingParams
 from engine.stream import BlockingCollector
@@ -179,7 +179,7 @@ def test_a_second_light_request_arriving_inside_the_same_long_step_goes_between_
         make_engine, hf_greedy, monkeypatch, again_after_s, inside):
     # No wall-clock wait in a test: the time between two express steps of new requests is set to none
     # (the second one goes in) or to more than any test runs (it waits for the step's end).
-    monkeypatch.setattr(step_loop, "EXPRESS_AGAIN_AFTER_S", again_after_s)
+    monkeypatch.setattr(express_steps, "EXPRESS_AGAIN_AFTER_S", again_after_s)
     engine, events = make_engine()
     flood, light = _flood(), _light()
     second = EngineRequest("second", _prompt(98, 6), SamplingParams(max_tokens=3, **GREEDY), tenant="second")
@@ -212,7 +212,7 @@ def test_a_light_request_already_waiting_when_a_long_step_began_goes_between_its
     # A long prompt and the light request arrive together, during a first request's step: the long prompt's
     # chunk takes the whole of the next step, and the light request waits in the queue, not in the inbox. Once
     # that step has run ``EXPRESS_AGAIN_AFTER_S`` (none, or more than any test runs) it is asked for between layers.
-    monkeypatch.setattr(step_loop, "EXPRESS_AGAIN_AFTER_S", again_after_s)
+    monkeypatch.setattr(express_steps, "EXPRESS_AGAIN_AFTER_S", again_after_s)
     engine, events = make_engine()
     first = EngineRequest("first", _prompt(97, 7), SamplingParams(max_tokens=6, **GREEDY), tenant="first")
     flood = [EngineRequest("flood-0", _prompt(0, 3 * FLOOD_PROMPT), SamplingParams(max_tokens=4, **GREEDY),
