@@ -2,7 +2,8 @@
 
 On the bundled SmolLM2-135M's shapes (30 layers; hook calls qkv, o, gate_up, down), ``--slots``
 adapter slots filled with random weights of ranks 8 and 16 alternating on all seven projections
-(``max_lora_rank`` 16, so the rank-8 slots are zero-padded as the pool keeps them), ``--rows``
+(``--ranks halves``: the first half of the slots rank 8, the rest 16, so an even count of slots per
+thread gives one thread twice the other's bytes) (``max_lora_rank`` 16, so the rank-8 slots are zero-padded as the pool keeps them), ``--rows``
 decode rows spread round-robin over the slots: every hook call of a step, as the engine makes
 them, through ``lora_pool.ops.apply_group``, on three paths: ``torch`` (a gather, padded bmms over
 float32 stacks, an index_add per call), ``kernel`` (torch.ops.tiergate.lora_rows_,
@@ -17,8 +18,8 @@ step must read), the rate a step reads those at, and torch's time over each path
 With ``--prefill`` each slot's rows are one run, as prefill chunks are (torch's path then gives each
 its own matmul pair, as it does in the engine without the kernel).
 
-    .venv/bin/python -m bench.kernels.lora_step [--slots 16] [--rows 32] [--prefill] [--rounds 15] [--threads 2]
-        [--json PATH]
+    .venv/bin/python -m bench.kernels.lora_step [--slots 16] [--rows 32] [--prefill] [--ranks alternating|halves]
+        [--rounds 15] [--threads 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,23 +41,25 @@ PROJECTIONS = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV), "v": (HIDDEN, KV), "o":
 HOOKS = ("qkv", "o", "gate_up", "down")
 
 
-def rank_of(slot: int) -> int:
+def rank_of(slot: int, slots: int, layout: str = "alternating") -> int:
+    if layout == "halves":
+        return 8 if slot < slots // 2 else 16
     return 16 if slot % 2 else 8
 
 
-def adapter_bytes(slots: int, dtype: torch.dtype) -> int:
+def adapter_bytes(slots: int, dtype: torch.dtype, layout: str) -> int:
     """The bytes of the slots' adapters at their own ranks: what a step that uses them all must read."""
     per_rank = sum(fan_in + fan_out for fan_in, fan_out in PROJECTIONS.values()) * LAYERS * dtype.itemsize
-    return sum(rank_of(slot) for slot in range(slots)) * per_rank
+    return sum(rank_of(slot, slots, layout) for slot in range(slots)) * per_rank
 
 
-def stacks_of(slots: int, dtype: torch.dtype) -> tuple[dict[str, list[ops.LayerStacks]], int]:
-    """Every hook's per-layer views of random stacks (ranks 8 and 16 alternating), and their bytes."""
+def stacks_of(slots: int, dtype: torch.dtype, layout: str) -> tuple[dict[str, list[ops.LayerStacks]], int]:
+    """Every hook's per-layer views of random stacks (ranks 8 and 16 laid out as ``layout``), and their bytes."""
     a, b, fused_a = ops.cpu_stacks(PROJECTIONS, LAYERS, slots, 16, dtype)
     gen = torch.Generator().manual_seed(0)
     for proj, (fan_in, fan_out) in PROJECTIONS.items():
         for slot in range(slots):
-            rank = rank_of(slot)
+            rank = rank_of(slot, slots, layout)
             a[proj][:, slot, :rank] = (torch.randn(LAYERS, rank, fan_in, generator=gen) / fan_in**0.5).to(dtype)
             b[proj][:, slot, :, :rank] = (torch.randn(LAYERS, fan_out, rank, generator=gen) * 0.01).to(dtype)
     nbytes = sum(t.untyped_storage().nbytes() for t in [*fused_a.values(), *b.values()])
@@ -79,6 +82,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill", action="store_true",
                         help="each slot's rows in one run (prefill chunks: torch's path gives each its own matmuls)")
+    parser.add_argument("--ranks", choices=["alternating", "halves"], default="alternating",
+                        help="ranks 8 and 16 by slot: alternating, or the first half 8 and the rest 16")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -87,13 +92,13 @@ def main() -> None:
         row_slots = [row * args.slots // args.rows for row in range(args.rows)]
     else:
         row_slots = [row % args.slots for row in range(args.rows)]
-    info = {slot: (rank_of(slot), 2.0) for slot in range(args.slots)}
+    info = {slot: (rank_of(slot, args.slots, args.ranks), 2.0) for slot in range(args.slots)}
     slots = list(range(args.slots))
     in_of = {"qkv": HIDDEN, "o": HIDDEN, "gate_up": HIDDEN, "down": INTERMEDIATE}
     out_of = {"qkv": HIDDEN + 2 * KV, "o": HIDDEN, "gate_up": 2 * INTERMEDIATE, "down": HIDDEN}
     xs = {hook: torch.randn(args.rows, in_of[hook]) for hook in HOOKS}
     ys = {hook: torch.zeros(args.rows, out_of[hook]) for hook in HOOKS}
-    stacks = {dtype: stacks_of(args.slots, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    stacks = {dtype: stacks_of(args.slots, dtype, args.ranks) for dtype in (torch.float32, torch.bfloat16)}
     auto = ops.prefetch_level()
     paths = {"torch": (torch.float32, False), "kernel": (torch.float32, auto), "kernel bf16": (torch.bfloat16, auto),
              "kernel bf16 L1": (torch.bfloat16, 1), "kernel bf16 L2": (torch.bfloat16, 2)}
@@ -110,14 +115,14 @@ def main() -> None:
     host = machine.describe()
     print(machine.render_markdown(host))
     kind = "prefill" if args.prefill else "decode"
-    print(f"{args.rows} {kind} rows over {args.slots} slots (ranks 8 and 16, max 16), {LAYERS} layers x "
+    print(f"{args.rows} {kind} rows over {args.slots} slots (ranks 8 and 16 {args.ranks}, max 16), {LAYERS} layers x "
           f"{len(HOOKS)} hook calls, {args.threads} threads, median of {args.rounds} rounds; the kernel reads "
           f"ahead into L{auto} here (L1 data cache {ops.l1_data_cache_bytes() // 1024} KiB)")
     torch_ms = statistics.median(times["torch"]) * 1e3
     results = {}
     for name, (dtype, _) in paths.items():
         ms = statistics.median(times[name]) * 1e3
-        nbytes, needed = stacks[dtype][1], adapter_bytes(args.slots, dtype)
+        nbytes, needed = stacks[dtype][1], adapter_bytes(args.slots, dtype, args.ranks)
         results[name] = {"ms": ms, "stack_mb": nbytes / 1e6, "adapter_mb": needed / 1e6,
                          "gb_per_s": needed / ms / 1e6, "torch_over": torch_ms / ms}
         print(f"{name:>14}: {ms:7.2f} ms a step, stacks {nbytes / 1e6:6.1f} MB, adapters {needed / 1e6:6.1f} MB "

@@ -212,6 +212,25 @@ std::vector<Piece> pieces_of(const int64_t* offsets, int64_t groups) {
   return pieces;
 }
 
+// Where to cut the pieces into `parts` consecutive runs of about equal work, one a thread: a piece costs its
+// rank times its rows plus MAX_ROWS (reading its slot's stacks from memory weighs about as much as that
+// many rows of arithmetic). Cut by count, as at::parallel_for cuts, 16 adapters whose first 8 were rank 8
+// and the rest rank 16 left one thread twice the other's bytes (bench/kernels/lora_step.py --ranks halves).
+std::vector<int64_t> cuts_of(const std::vector<Piece>& pieces, const int64_t* ranks, int64_t parts) {
+  std::vector<double> upto(pieces.size() + 1, 0.0);
+  for (size_t i = 0; i < pieces.size(); ++i)
+    upto[i + 1] = upto[i] + double(ranks[pieces[i].group]) * double(pieces[i].end - pieces[i].begin + MAX_ROWS);
+  std::vector<int64_t> cuts{0};
+  for (int64_t k = 1; k < parts; ++k) {
+    const double goal = upto.back() * double(k) / double(parts);
+    int64_t at = std::lower_bound(upto.begin(), upto.end(), goal) - upto.begin();
+    if (at > 0 && goal - upto[at - 1] < upto[at] - goal) --at;  // the nearer of the two boundaries
+    cuts.push_back(std::max(cuts.back(), at));
+  }
+  cuts.push_back(static_cast<int64_t>(pieces.size()));
+  return cuts;
+}
+
 template <typename W, int LOCALITY>
 void lora_pieces(const float* x, int64_t x_stride, float* y, int64_t y_stride, const W* a, const std::vector<const W*>& b,
                  const Stacks& st, const int64_t* slots, const int64_t* rows, const int64_t* ranks, const float* scales,
@@ -303,10 +322,14 @@ void lora_rows_(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, const s
     std::vector<const W*> bs;
     for (const at::Tensor& bp : b) bs.push_back(bp.const_data_ptr<W>());
     const std::vector<Piece> pieces = pieces_of(bounds, groups);
-    // Pieces write disjoint rows of y (a row is in one group once), so they run in parallel.
-    at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
-      lora_pieces<W, LOCALITY>(x.const_data_ptr<float>(), x.stride(0), y.mutable_data_ptr<float>(), y.stride(0),
-                     a.const_data_ptr<W>(), bs, st, slot_ids, row_ids, rank_of, scale_of, pieces.data() + p0, p1 - p0);
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pieces.size()));
+    const std::vector<int64_t> cuts = cuts_of(pieces, rank_of, parts);
+    // Pieces write disjoint rows of y (a row is in one group once), so they run in parallel: a run each.
+    at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        lora_pieces<W, LOCALITY>(x.const_data_ptr<float>(), x.stride(0), y.mutable_data_ptr<float>(), y.stride(0),
+                                 a.const_data_ptr<W>(), bs, st, slot_ids, row_ids, rank_of, scale_of,
+                                 pieces.data() + cuts[t], cuts[t + 1] - cuts[t]);
     });
   };
   auto run_at = [&](auto weight) {

@@ -154,6 +154,38 @@ def test_the_kernel_sums_the_same_whichever_cache_level_it_reads_ahead_into(rows
         rows_kernel(x, ys[1], a, b, k.slots, k.offsets, k.rows, k.ranks, k.scales, 3)
 
 
+def test_the_kernel_sums_the_same_however_many_threads_share_slots_of_uneven_ranks(rows_kernel):
+    """The threads take runs of slots of about equal work (ranks times rows), not equal counts: the small ranks
+    first and the large last, every row still gets the same sums bit for bit on 1 to 5 threads, and the reference's."""
+    gen = torch.Generator().manual_seed(11)
+    slots, max_rank, fan_in, widths = 9, 16, 64, (48, 24)
+    ranks = [2, 2, 2, 4, 4, 8, 16, 16, 16]
+    a = torch.randn(slots, len(widths) * max_rank, fan_in, generator=gen)
+    b = [torch.randn(slots, max_rank, w, generator=gen) for w in widths]
+    row_slots = [s for s in range(slots) for _ in range(1 + (s * 5) % 7)]
+    x = torch.randn(len(row_slots), fan_in, generator=gen)
+    scales = {s: 0.25 + s for s in range(slots)}
+    k = ops.plan_rows(row_slots, {s: (ranks[s], scales[s]) for s in range(slots)}, kernel=True).kernel_rows
+    expected = torch.zeros(len(row_slots), sum(widths), dtype=torch.float64)
+    for row, s in enumerate(row_slots):
+        for p, w in enumerate(widths):
+            a_p = a[s, p * max_rank:p * max_rank + ranks[s]].double()
+            shrunk = a_p @ x[row].double()
+            column = sum(widths[:p])
+            expected[row, column:column + w] = scales[s] * (b[p][s, :ranks[s]].double().T @ shrunk)
+    ys = {}
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            ys[threads] = torch.zeros(len(row_slots), sum(widths))
+            rows_kernel(x, ys[threads], a, b, k.slots, k.offsets, k.rows, k.ranks, k.scales, 2)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(ys[1], y) for y in ys.values())
+    torch.testing.assert_close(ys[1].double(), expected, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("l1_bytes, level", [(48 * 1024, 1), (64 * 1024, 1), (32 * 1024, 2), (0, 2)])
 def test_auto_reads_ahead_into_l1_only_where_the_l1_data_cache_holds_48_kib(monkeypatch,
                                                                               l1_bytes, level):
