@@ -1,0 +1,186 @@
+// The K formats' packed kernels (Q4_K, Q6_K: super-blocks of 256 inputs), part of quant_gemv_body.h:
+// included by it inside its namespace, after the 32-input formats' kernels, and under the same
+// expectations (a traits struct V, GemvJob, `words`). Split off to keep each file readable at one sitting.
+
+// Byte `byte` of each 32-bit lane, unsigned, as float.
+inline F byte_of(I v, int byte) { return V::cvt(V::and_(V::srli32(v, 8 * byte), V::set1_32(0xFF))); }
+
+template <int ROWS>
+void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
+  const int64_t supers = j.in / 256, tb = PACK_ROWS * 144;
+  const int64_t lanes_at = slice * V::BYTES;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* t = group + sb * tb;
+    // Past one row the dot products slow the walk enough that the hardware's prefetchers fell
+    // behind (one row reads at memory speed without the prefetch, and lost a little with it).
+    if (ROWS > 1 && slice == 0) tile_to_l2(t + 2 * tb, tb);
+    const F d = V::halves(t + slice * V::LANES * 2), dmin = V::halves(t + 32 + slice * V::LANES * 2);
+    // quant_formats.h's scale_min_k4 on 16 rows at once: lane r of w0..w2 is row r's scale bytes 0-11.
+    const I w0 = V::load(t + 64 + lanes_at), w1 = V::load(t + 128 + lanes_at), w2 = V::load(t + 192 + lanes_at);
+    const I low6 = V::set1_8(0x3F), low4 = V::set1_8(0x0F), top2 = V::set1_8(0x03);
+    const I scales[2] = {V::and_(w0, low6),
+                         V::or_(V::and_(w2, low4), V::slli32(V::and_(V::srli32(w0, 6), top2), 4))};
+    const I mins[2] = {V::and_(w1, low6),
+                       V::or_(V::and_(V::srli32(w2, 4), low4), V::slli32(V::and_(V::srli32(w1, 6), top2), 4))};
+    F sums[ROWS], offs[ROWS];
+    for (int r = 0; r < ROWS; ++r) sums[r] = offs[r] = V::zero_ps();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      I lo[ROWS], hi[ROWS];
+      for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = V::zero();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        const I v = V::load(t + 256 + (c * 8 + k) * 64 + lanes_at);
+        const I l = nibbles_low(v), h = nibbles_high(v);
+        for (int r = 0; r < ROWS; ++r) {
+          const int32_t* x = words(j, r) + 64 * sb + 16 * c;
+          if constexpr (V::PAIR_SUMS) {  // int16 pair sums of the 8 words (nibbles: pair_sums), widened below
+            lo[r] = add_pairs<V>(lo[r], l, V::set1_32(x[k]));
+            hi[r] = add_pairs<V>(hi[r], h, V::set1_32(x[8 + k]));
+          } else {
+            lo[r] = V::dot(lo[r], l, V::set1_32(x[k]));
+            hi[r] = V::dot(hi[r], h, V::set1_32(x[8 + k]));
+          }
+        }
+      }
+      if constexpr (V::PAIR_SUMS)
+        for (int r = 0; r < ROWS; ++r) lo[r] = widen_pairs<V>(lo[r]), hi[r] = widen_pairs<V>(hi[r]);
+      const int s0 = 2 * c, s1 = 2 * c + 1;
+      const F sc0 = byte_of(scales[s0 / 4], s0 % 4), sc1 = byte_of(scales[s1 / 4], s1 % 4);
+      const F m0 = byte_of(mins[s0 / 4], s0 % 4), m1 = byte_of(mins[s1 / 4], s1 % 4);
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xd = j.xd + r * (j.in / 32) + 8 * sb;
+        const float* xds = j.xds + r * (j.in / 32) + 8 * sb;
+        sums[r] = V::fmadd(V::cvt(lo[r]), V::mul(sc0, V::set1_ps(xd[s0])), sums[r]);
+        sums[r] = V::fmadd(V::cvt(hi[r]), V::mul(sc1, V::set1_ps(xd[s1])), sums[r]);
+        offs[r] = V::fmadd(m0, V::set1_ps(xds[s0]), offs[r]);
+        offs[r] = V::fmadd(m1, V::set1_ps(xds[s1]), offs[r]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) acc[r] = V::fnmadd(dmin, offs[r], V::fmadd(d, sums[r], acc[r]));
+  }
+}
+
+// Inputs 128h + 32s + l (l < 32) of a Q6_K super-block: nibble s / 2 of ql byte 64h + 32(s % 2) + l,
+// bits 2s of qh byte 32h + l. H and S are template arguments so every shift and mask is a constant:
+// as loop counters they left the compiler a variable shift and a choice of nibble per step.
+// Part (H, S)'s values of one word as unsigned bytes, from its ql vector `low` and qh vector `high`.
+template <int S>
+I q6_values(I low, I high) {
+  const I nib = V::and_(S / 2 ? V::srli16(low, 4) : low, V::set1_8(0x0F));
+  // Bits 2S, 2S + 1 of each qh byte to bits 4, 5 (shifts within a 32-bit lane; the mask drops what
+  // crossed from the neighbouring byte).
+  const I top = V::and_(S == 0 ? V::slli32(high, 4) : S == 1 ? V::slli32(high, 2) : S == 2 ? high : V::srli32(high, 2),
+                        V::set1_8(0x30));
+  return V::or_(nib, top);
+}
+
+// Part (H, S)'s int32 sums, `first` (l < 16) and `second`, started at -32 times x's sums.
+template <int ROWS, int H, int S>
+void q6_k_start(const GemvJob& j, int64_t sb, I (&first)[ROWS], I (&second)[ROWS]) {
+  for (int r = 0; r < ROWS; ++r) {
+    const int32_t* xs = j.xs16 + r * (j.in / 16) + 16 * sb + 8 * H + 2 * S;
+    first[r] = V::set1_32(-32 * xs[0]);
+    second[r] = V::set1_32(-32 * xs[1]);
+  }
+}
+
+// Word k of part (H, S) (values v) into its sums.
+template <int ROWS, int H, int S>
+void q6_k_word(const GemvJob& j, int64_t sb, int k, I v, I (&first)[ROWS], I (&second)[ROWS]) {
+  for (int r = 0; r < ROWS; ++r) {
+    const int32_t* x = words(j, r) + 64 * sb + 32 * H + 8 * S;
+    if (k < 4) first[r] = V::dot(first[r], v, V::set1_32(x[k]));
+    else second[r] = V::dot(second[r], v, V::set1_32(x[k]));
+  }
+}
+
+// Part (H, S)'s sums times its int8 scales and x's scale, into `sums`.
+template <int ROWS, int H, int S>
+void q6_k_scale(const GemvJob& j, const uint8_t* scales, int64_t sb, int64_t lanes_at, const I (&first)[ROWS],
+                const I (&second)[ROWS], F (&sums)[ROWS]) {
+  constexpr int sub = 8 * H + 2 * S;  // the 16-input sub-blocks of l < 16 and l >= 16
+  // int8 scales sub and sub + 1: bytes sub % 4 and sub % 4 + 1 of piece sub / 4, sign-extended.
+  const I sc = V::load(scales + (sub / 4) * 64 + lanes_at);
+  const F sc0 = V::cvt(V::srai32(V::slli32(sc, 24 - 8 * (sub % 4)), 24));
+  const F sc1 = V::cvt(V::srai32(V::slli32(sc, 24 - 8 * (sub % 4 + 1)), 24));
+  for (int r = 0; r < ROWS; ++r) {
+    const F xd = V::set1_ps(j.xd[r * (j.in / 32) + 8 * sb + 4 * H + S]);
+    sums[r] = V::fmadd(V::cvt(first[r]), V::mul(sc0, xd), sums[r]);
+    sums[r] = V::fmadd(V::cvt(second[r]), V::mul(sc1, xd), sums[r]);
+  }
+}
+
+template <int ROWS, int H, int S>
+void q6_k_part(const GemvJob& j, const uint8_t* ql, const uint8_t* qh, const uint8_t* scales, int64_t sb,
+               int64_t lanes_at, F (&sums)[ROWS]) {
+  I first[ROWS], second[ROWS];
+  q6_k_start<ROWS, H, S>(j, sb, first, second);
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    const I low = V::load(ql + (16 * H + 8 * (S % 2) + k) * 64 + lanes_at);
+    const I high = V::load(qh + (8 * H + k) * 64 + lanes_at);
+    q6_k_word<ROWS, H, S>(j, sb, k, q6_values<S>(low, high), first, second);
+  }
+  q6_k_scale<ROWS, H, S>(j, scales, sb, lanes_at, first, second, sums);
+}
+
+// The four parts of half H in one pass, for a row or two on AVX-512 (their 8 or 16 sums fit beside the
+// weights): each ql vector is read once for its two nibbles and each qh vector once for its four pairs of
+// bits, where the parts one by one read them two and four times, and one row ran at three quarters of the
+// memory's speed, bound by those reads and the masks (bench/RESULTS.md). The same sums and float steps in
+// the same order as the parts one by one.
+template <int ROWS, int H>
+void q6_k_half(const GemvJob& j, const uint8_t* ql, const uint8_t* qh, const uint8_t* scales, int64_t sb,
+               int64_t lanes_at, F (&sums)[ROWS]) {
+  I first[4][ROWS], second[4][ROWS];
+  q6_k_start<ROWS, H, 0>(j, sb, first[0], second[0]);
+  q6_k_start<ROWS, H, 1>(j, sb, first[1], second[1]);
+  q6_k_start<ROWS, H, 2>(j, sb, first[2], second[2]);
+  q6_k_start<ROWS, H, 3>(j, sb, first[3], second[3]);
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    const I low_even = V::load(ql + (16 * H + k) * 64 + lanes_at), low_odd = V::load(ql + (16 * H + 8 + k) * 64 + lanes_at);
+    const I high = V::load(qh + (8 * H + k) * 64 + lanes_at);
+    q6_k_word<ROWS, H, 0>(j, sb, k, q6_values<0>(low_even, high), first[0], second[0]);
+    q6_k_word<ROWS, H, 1>(j, sb, k, q6_values<1>(low_odd, high), first[1], second[1]);
+    q6_k_word<ROWS, H, 2>(j, sb, k, q6_values<2>(low_even, high), first[2], second[2]);
+    q6_k_word<ROWS, H, 3>(j, sb, k, q6_values<3>(low_odd, high), first[3], second[3]);
+  }
+  q6_k_scale<ROWS, H, 0>(j, scales, sb, lanes_at, first[0], second[0], sums);
+  q6_k_scale<ROWS, H, 1>(j, scales, sb, lanes_at, first[1], second[1], sums);
+  q6_k_scale<ROWS, H, 2>(j, scales, sb, lanes_at, first[2], second[2], sums);
+  q6_k_scale<ROWS, H, 3>(j, scales, sb, lanes_at, first[3], second[3], sums);
+}
+
+template <int ROWS>
+void q6_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
+  const int64_t supers = j.in / 256, tb = PACK_ROWS * 210;
+  const int64_t lanes_at = slice * V::BYTES;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* t = group + sb * tb;
+    // The parts read ql and qh in turns, jumping back and forth within the tile, and the hardware's
+    // prefetchers did not follow them from memory: one row ran at a third of Q4_K's bytes a second.
+    if (slice == 0) tile_to_l2(t + 2 * tb, tb);
+    const F d = V::halves(t + slice * V::LANES * 2);
+    const uint8_t* scales = t + 32;  // 4 pieces: lane r holds row r's int8 scales 4i..4i+3
+    const uint8_t* ql = t + 32 + 256;
+    const uint8_t* qh = ql + 2048;
+    F sums[ROWS];
+    for (int r = 0; r < ROWS; ++r) sums[r] = V::zero_ps();
+    if constexpr (V::LANES == 16 && ROWS <= 2) {
+      q6_k_half<ROWS, 0>(j, ql, qh, scales, sb, lanes_at, sums);
+      q6_k_half<ROWS, 1>(j, ql, qh, scales, sb, lanes_at, sums);
+    } else {
+      q6_k_part<ROWS, 0, 0>(j, ql, qh, scales, sb, lanes_at, sums);
+      q6_k_part<ROWS, 0, 1>(j, ql, qh, scales, sb, lanes_at, sums);
+      q6_k_part<ROWS, 0, 2>(j, ql, qh, scales, sb, lanes_at, sums);
+      q6_k_part<ROWS, 0, 3>(j, ql, qh, scales, sb, lanes_at, sums);
+      q6_k_part<ROWS, 1, 0>(j, ql, qh, scales, sb, lanes_at, sums);
+      q6_k_part<ROWS, 1, 1>(j, ql, qh, scales, sb, lanes_at, sums);
+      q6_k_part<ROWS, 1, 2>(j, ql, qh, scales, sb, lanes_at, sums);
+      q6_k_part<ROWS, 1, 3>(j, ql, qh, scales, sb, lanes_at, sums);
+    }
+    for (int r = 0; r < ROWS; ++r) acc[r] = V::fmadd(d, sums[r], acc[r]);
+  }
+}
