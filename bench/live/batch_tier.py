@@ -197,10 +197,16 @@ def run(args: argparse.Namespace) -> dict:
     result["machine"] = host
     result["load_average_end"] = os.getloadavg()
     result["ratios"] = ratios(result)
-    result["plots"] = [str(plot(result, OUT / "tokens_by_tier.png").relative_to(paths.ROOT))]
+    result["plots"] = [str(plot(result, plot_path(args.json)).relative_to(paths.ROOT))]
     for phase in ("capacity", "alone", "beside"):
         result[phase].pop("requests", None)
     return result
+
+
+def plot_path(json_path: Path | None) -> Path:
+    """Where a run's plot goes: named after its JSON where it has one, so that a run does not overwrite the plot
+    an earlier result embeds."""
+    return OUT / (f"{json_path.stem}_tokens_by_tier.png" if json_path is not None else "tokens_by_tier.png")
 
 
 def _f(x: float | None, spec: str = ".2f") -> str:

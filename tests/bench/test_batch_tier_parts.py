@@ -1,9 +1,10 @@
 """The batch tier bench's parts: feature detection of the Files API, the completions driver's window and
-retries, token rates between samples and the goal ratios."""
+retries, token rates between samples, the goal ratios and where a run's plot goes."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 from starlette.applications import Starlette
@@ -12,7 +13,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from bench.live.batch_driver import has_files_api, line_body, run_via_completions
-from bench.live.batch_tier import ratios, tokens_between
+from bench.live.batch_tier import OUT, plot_path, ratios, tokens_between
 
 
 def gateway_without_files_api(seen: list[dict], busy_first: int) -> Starlette:
@@ -65,3 +66,9 @@ def test_token_rates_and_ratios_from_samples():
     got = ratios(result)
     assert abs(got["ttft_p99_premium"] - 1.1) < 1e-9 and abs(got["ttft_p99_standard"] - 0.9) < 1e-9
     assert (got["engine_tokens"], got["batch_tail_vs_capacity"], got["batch_outlived_load"]) == (4.0, 1.2, True)
+
+
+def test_a_run_with_a_json_names_its_plot_after_it_so_earlier_plots_stay():
+    assert plot_path(Path("bench/out/batch_tier_zen4.json")) == OUT / "batch_tier_zen4_tokens_by_tier.png"
+    assert plot_path(Path("/tmp/run2.json")) == OUT / "run2_tokens_by_tier.png"
+    assert plot_path(None) == OUT / "tokens_by_tier.png"
