@@ -8,7 +8,7 @@ dot products run on integers, as llama.cpp does, so a decode step reads the file
 float32 copy 4-7x their size. ``stack_outputs`` puts several weights side by side behind one
 call (a fused q|k|v or gate|up whose parts may differ in type).
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights are repacked at load (``REPACKED_TYPES``) into an
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights are repacked at load (``REPACKED_TYPES``) into an
 interleaved layout of 16 output rows (csrc/quant_packed.h; docs/quantization.md says why) that the packed
 kernels (csrc/quant_gemv*.cpp) read at every row count with one integer dot product per 16 rows and 4
 inputs. Only bytes move (and Q5's high bits within their word): ``blocks`` unpacks the file's bytes back
@@ -61,7 +61,7 @@ AUTO_ORDER = ("avx512", "avxvnni", "avx2", "scalar")
 PACK_ROWS = 16
 # Formats repacked at load into csrc/quant_packed.h's layout for the few-row kernels.
 REPACKED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K,
-                                                               T.Q6_K})
+                                                               T.Q5_K, T.Q6_K})
 # Rows of x from which the panel path beat the int8 tiles on the AMX CPU it was measured on
 # (bench/kernels/quant_kernels.py, bench/RESULTS.md).
 PANEL_MIN_ROWS = 64

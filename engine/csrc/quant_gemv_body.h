@@ -188,6 +188,7 @@ void group_rows(const GemvJob& j, const GemvPart& p, int64_t g) {
       case Q5_1: blocks32_as_scaled<ROWS, Q5_1>(j, group, slice, acc); break;
       case Q8_0: blocks32_as_scaled<ROWS, Q8_0>(j, group, slice, acc); break;
       case Q4_K: q4_k<ROWS>(j, group, slice, acc); break;
+      case Q5_K: q4_k<ROWS, true>(j, group, slice, acc); break;
       default: q6_k<ROWS>(j, group, slice, acc); break;
     }
     store<ROWS>(j, p, first, acc);

@@ -5,9 +5,12 @@
 // Byte `byte` of each 32-bit lane, unsigned, as float.
 inline F byte_of(I v, int byte) { return V::cvt(V::and_(V::srli32(v, 8 * byte), V::set1_32(0xFF))); }
 
-template <int ROWS>
+// Q4_K, and Q5_K (FIVE) whose fifth bits come from its qh pieces: bit 2c of a byte tops the low nibble of the
+// nibbles' byte in the same place of chunk c's pieces, bit 2c + 1 the high one.
+template <int ROWS, bool FIVE = false>
 void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
-  const int64_t supers = j.in / 256, tb = PACK_ROWS * 144;
+  const int64_t supers = j.in / 256, tb = PACK_ROWS * (FIVE ? 176 : 144);
+  const int64_t nibbles_at = FIVE ? 768 : 256;  // past d, dmin, the scales (and qh)
   const int64_t lanes_at = slice * V::BYTES;
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* t = group + sb * tb;
@@ -24,17 +27,29 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
                        V::or_(V::and_(V::srli32(w2, 4), low4), V::slli32(V::and_(V::srli32(w1, 6), top2), 4))};
     F sums[ROWS], offs[ROWS];
     for (int r = 0; r < ROWS; ++r) sums[r] = offs[r] = V::zero_ps();
+    I qh[8];  // Q5_K: its qh pieces, read once for the four chunks
+    if (FIVE)
+      for (int k = 0; k < 8; ++k) qh[k] = V::load(t + 256 + k * 64 + lanes_at);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
       I lo[ROWS], hi[ROWS];
       for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = V::zero();
 #pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) {
-        const I v = V::load(t + 256 + (c * 8 + k) * 64 + lanes_at);
-        const I l = nibbles_low(v), h = nibbles_high(v);
+        const I v = V::load(t + nibbles_at + (c * 8 + k) * 64 + lanes_at);
+        I l = nibbles_low(v), h = nibbles_high(v);
+        if (FIVE) {
+          // Bits 2c and 2c + 1 of each byte to bit 4 by one shift within the 32-bit lane each (what crosses from a
+          // neighbouring byte never lands on bit 4), then masked and or-ed in (one vpternlogd on AVX-512).
+          const I bit4_of_bytes = V::set1_8(0x10);
+          const I low_top = 2 * c <= 4 ? V::slli32(qh[k], 4 - 2 * c) : V::srli32(qh[k], 2 * c - 4);
+          const I high_top = 2 * c + 1 <= 4 ? V::slli32(qh[k], 3 - 2 * c) : V::srli32(qh[k], 2 * c - 3);
+          l = V::or_(l, V::and_(low_top, bit4_of_bytes));
+          h = V::or_(h, V::and_(high_top, bit4_of_bytes));
+        }
         for (int r = 0; r < ROWS; ++r) {
           const int32_t* x = words(j, r) + 64 * sb + 16 * c;
-          if constexpr (V::PAIR_SUMS) {  // int16 pair sums of the 8 words (nibbles: pair_sums), widened below
+          if constexpr (V::PAIR_SUMS && !FIVE) {  // int16 pair sums of the 8 words (4-bit: pair_sums), widened below
             lo[r] = add_pairs<V>(lo[r], l, V::set1_32(x[k]));
             hi[r] = add_pairs<V>(hi[r], h, V::set1_32(x[8 + k]));
           } else {
@@ -43,7 +58,7 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
           }
         }
       }
-      if constexpr (V::PAIR_SUMS)
+      if constexpr (V::PAIR_SUMS && !FIVE)
         for (int r = 0; r < ROWS; ++r) lo[r] = widen_pairs<V>(lo[r]), hi[r] = widen_pairs<V>(hi[r]);
       const int s0 = 2 * c, s1 = 2 * c + 1;
       const F sc0 = byte_of(scales[s0 / 4], s0 % 4), sc1 = byte_of(scales[s1 / 4], s1 % 4);

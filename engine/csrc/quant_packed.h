@@ -33,11 +33,12 @@ struct Field {
 
 struct Layout {
   int fields;
-  Field field[4];
+  Field field[5];
 };
 
 inline bool repacked(int64_t type) {
-  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K || type == Q5_K ||
+         type == Q6_K;
 }
 
 // Fields in tile order; each kernel reads them at the offsets this order gives (tile_offsets).
@@ -46,6 +47,9 @@ constexpr Layout layout_of(int64_t type) {
     case Q4_0: return {2, {{0, 2, 2}, {2, 16, 4}}};  // d; nibbles (low: inputs 0-15, high: 16-31)
     case Q8_0: return {2, {{0, 2, 2}, {2, 32, 4}}};  // d; int8 quants
     case Q4_K: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 128, 4}}};  // d; dmin; 6-bit scales, mins; nibbles
+    // Q5_K: as Q4_K, with qh (bit 2c / 2c + 1 of byte l: the fifth bit of the low / high nibble of qs byte 32c + l)
+    // before the nibbles: a 4-byte piece of qh holds the bits of the same bytes l as a piece of nibbles.
+    case Q5_K: return {5, {{0, 2, 2}, {2, 2, 2}, {4, 12, 4}, {16, 32, 4}, {48, 128, 4}}};
     case Q4_1: return {3, {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}}};  // d; m; nibbles
     case Q5_0: return {3, {{0, 2, 2}, {2, 4, 4, true}, {6, 16, 4}}};  // d; high bits; nibbles
     case Q5_1: return {4, {{0, 2, 2}, {2, 2, 2}, {4, 4, 4, true}, {8, 16, 4}}};  // d; m; high bits; nibbles
