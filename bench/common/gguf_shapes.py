@@ -5,10 +5,10 @@ depends on the weights' bytes and shapes, not their values, so the bench builds 
 of ~360M and ~1B parameters from the bundled file's metadata and tokenizer, with F16 weights drawn
 from a seeded normal(0, 0.02) (norms at 1: each layer's output stays of order one, so logits are
 spread, not degenerate), then quantizes them with llama.cpp's own quantizer
-(``llama_model_quantize``, its default parameters), as a user's Q8_0, Q4_0 or Q4_K_M file is made.
+(``llama_model_quantize``, its default parameters), as a user's Q8_0, Q4_0, Q4_K_M or Q5_K_M file is made.
 Files are written once into the bench cache (bench/common/model_files.py's ``cache_dir``).
 
-    .venv/bin/python -m bench.common.gguf_shapes [--models 360m,1b] [--quants q8_0,q4_0,q4_k_m]
+    .venv/bin/python -m bench.common.gguf_shapes [--models 360m,1b] [--quants q8_0,q4_0,q4_k_m,q5_k_m]
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ SHAPES = {
 }
 
 # llama.cpp's file types by the names users know them by (llama_ftype in llama.h).
-QUANTS = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+QUANTS = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+          "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M"}
 
 # Keys of the bundled file the shape replaces (or that gguf-py writes itself).
 _SHAPE_KEYS = {"block_count", "embedding_length", "feed_forward_length", "attention.head_count",
