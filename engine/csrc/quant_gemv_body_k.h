@@ -1,4 +1,4 @@
-// The K formats' packed kernels (Q4_K, Q6_K: super-blocks of 256 inputs), part of quant_gemv_body.h:
+// The K formats' packed kernels (Q4_K, Q5_K, Q6_K: super-blocks of 256 inputs), part of quant_gemv_body.h:
 // included by it inside its namespace, after the 32-input formats' kernels, and under the same
 // expectations (a traits struct V, GemvJob, `words`). Split off to keep each file readable at one sitting.
 
