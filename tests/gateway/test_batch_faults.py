@@ -114,15 +114,6 @@ def max_attempts(database_url: str, batch_id: str) -> int:
     return n
 
 
-def leased(database_url: str, batch_id: str) -> int:
-    db = create_engine_for(database_url)
-    with db.connect() as connection:
-        n = len(connection.execute(select(BatchLine.line).where(BatchLine.batch_id == batch_id,
-                                                                BatchLine.state == "leased")).all())
-    db.dispose()
-    return n
-
-
 def leased_by(database_url: str, batch_id: str, pid: int) -> int:
     """Lines of the batch leased by the process of this pid (a lease's owner is host/pid/token)."""
     db = create_engine_for(database_url)
@@ -133,6 +124,15 @@ def leased_by(database_url: str, batch_id: str, pid: int) -> int:
     return sum(1 for owner in owners if owner and owner.split("/")[1] == str(pid))
 
 
+def stopped_holding_leases(replica: Replica, database_url: str, batch_id: str) -> bool:
+    """SIGSTOPs the replica and says whether it holds leases of the batch; continues it when it holds none."""
+    replica.proc.send_signal(signal.SIGSTOP)
+    if leased_by(database_url, batch_id, replica.proc.pid) > 0:
+        return True
+    replica.proc.send_signal(signal.SIGCONT)
+    return False
+
+
 def test_sigkill_mid_batch_then_restart_answers_and_bills_every_line_once(database, tiny_model_dir, tmp_path):
     key = tenant_key(database)
     replica = Replica("solo", free_port(), replica_env(tiny_model_dir, database), tmp_path)
@@ -140,9 +140,10 @@ def test_sigkill_mid_batch_then_restart_answers_and_bills_every_line_once(databa
     try:
         replica.wait_ready(START_TIMEOUT_S)
         client, batch_id = start_batch(replica.url, key, model_name(replica.url, key))
-        # Killed with some lines answered and others running.
+        # Killed with some lines answered and others running. It is stopped before its leases are counted, so a
+        # line seen leased cannot finish between the count and the kill.
         assert wait_for(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 4, 180, 0.1)
-        assert wait_for(lambda: leased(database, batch_id) > 0, 30, 0.02)
+        assert wait_for(lambda: stopped_holding_leases(replica, database, batch_id), 30, 0.02)
         replica.proc.send_signal(signal.SIGKILL)
         replica.proc.wait(30)
         replica.start()
@@ -191,16 +192,7 @@ def test_three_replicas_behind_haproxy_share_one_batch_and_answer_each_line_once
     # its claims would leave nothing to take over, and the test would show nothing). It is stopped before its
     # leases are counted, so it cannot answer them between the count and the kill.
 
-    def stopped_holding_leases() -> bool:
-        if batch_lines_run(victim) < 1:
-            return False
-        victim.proc.send_signal(signal.SIGSTOP)
-        if leased_by(url, batch_id, victim.proc.pid) > 0:
-            return True
-        victim.proc.send_signal(signal.SIGCONT)
-        return False
-
-    assert wait_for(stopped_holding_leases, 180, 0.05)
+    assert wait_for(lambda: batch_lines_run(victim) >= 1 and stopped_holding_leases(victim, url, batch_id), 180, 0.05)
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(30)
     assert leased_by(url, batch_id, victim.proc.pid) > 0
