@@ -140,13 +140,14 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in, b
   });
 }
 
-// The whole chunks of GEMV_WIDE_ROWS rows of `a` (x scaled per 16) interleaved as GemvWide lays them out.
-GemvWide interleave_wide(GemvActs& a, int64_t rows, int64_t in) {
+// The whole chunks of GEMV_WIDE_ROWS rows of `a` (x scaled per `scaled` inputs, 16 or 32) interleaved as
+// GemvWide lays them out.
+GemvWide interleave_wide(GemvActs& a, int64_t rows, int64_t in, int64_t scaled) {
   constexpr int64_t W = GEMV_WIDE_ROWS;
   const int64_t chunks = rows / W;
   if (chunks == 0) return {};
   a.wide_q.resize(chunks * W * in / 4);
-  a.wide_d.resize(chunks * W * in / 16);
+  a.wide_d.resize(chunks * W * in / scaled);
   a.wide_ds.resize(chunks * W * in / 32);
   a.wide_s16.resize(chunks * W * in / 16);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
@@ -154,10 +155,8 @@ GemvWide interleave_wide(GemvActs& a, int64_t rows, int64_t in) {
       for (int64_t r = 0; r < W; ++r) {
         const int64_t row = c * W + r;
         for (int64_t i = 0; i < in / 4; ++i) a.wide_q[(c * in / 4 + i) * W + r] = a.q[row * in / 4 + i];
-        for (int64_t i = 0; i < in / 16; ++i) {
-          a.wide_d[(c * in / 16 + i) * W + r] = a.d[row * in / 16 + i];
-          a.wide_s16[(c * in / 16 + i) * W + r] = a.s16[row * in / 16 + i];
-        }
+        for (int64_t i = 0; i < in / scaled; ++i) a.wide_d[(c * in / scaled + i) * W + r] = a.d[row * in / scaled + i];
+        for (int64_t i = 0; i < in / 16; ++i) a.wide_s16[(c * in / 16 + i) * W + r] = a.s16[row * in / 16 + i];
         for (int64_t i = 0; i < in / 32; ++i) a.wide_ds[(c * in / 32 + i) * W + r] = a.ds[row * in / 32 + i];
       }
   });
@@ -184,10 +183,10 @@ void gemv_packed(const float* x, int64_t x_stride, int64_t rows, int64_t in, con
   // x scaled per 32 inputs for the K formats' parts, per 16 for the others; both where the call mixes them.
   quantize_rows(x, x_stride, rows, in, !any32, isa, acts);
   if (any16 && any32) quantize_rows(x, x_stride, rows, in, true, isa, acts16);
-  // Only AVX-512's kernels take rows GEMV_WIDE_ROWS at a time, and only the 32-input formats' (scaled per 16).
-  const bool wide = isa == AVX512 && any16;
-  const GemvWide wide16 = wide && any32 ? interleave_wide(acts16, rows, in) : GemvWide{};
-  const GemvWide wide_acts = wide && !any32 ? interleave_wide(acts, rows, in) : GemvWide{};
+  // Only AVX-512's kernels take rows GEMV_WIDE_ROWS at a time.
+  const bool wide = isa == AVX512;
+  const GemvWide wide16 = wide && any16 && any32 ? interleave_wide(acts16, rows, in, 16) : GemvWide{};
+  const GemvWide wide_acts = wide ? interleave_wide(acts, rows, in, any32 ? 32 : 16) : GemvWide{};
   const GemvJob job16{parts, nparts, rows, in, acts16.q.data(), acts16.d.data(), acts16.ds.data(),
                       acts16.s16.data(), out, out_stride, true, nullptr, row_prefetch, wide16};
   const GemvJob job{parts, nparts, rows, in, acts.q.data(), acts.d.data(), acts.ds.data(), acts.s16.data(), out,

@@ -34,10 +34,12 @@ struct Avx2 {
     if constexpr (VNNI) return dpbusd(acc, u, x);
     else return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
   }
+  static I dot_at(I acc, I u, const int32_t* x) { return dot(acc, u, set1_32(*x)); }
   static I dot_s8(I acc, I w, I x) {
     if constexpr (VNNI) return dpbusd(acc, _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80))), x);
     else return dot(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
   }
+  static I dot_s8_at(I acc, I w, const int32_t* x) { return dot_s8(acc, w, set1_32(*x)); }
   static F zero_ps() { return _mm256_setzero_ps(); }
   static F set1_ps(float v) { return _mm256_set1_ps(v); }
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }

@@ -30,8 +30,16 @@ struct V {
   static I srli32(I a, int n) { return _mm512_srli_epi32(a, n); }
   static I slli32(I a, int n) { return _mm512_slli_epi32(a, n); }
   static I srai32(I a, int n) { return _mm512_srai_epi32(a, n); }
-  static I dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
-  static I dot_s8(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), x); }
+  // dot with x's word *x broadcast by the instruction's own memory operand ({1to16}): GCC 12 left a separate
+  // vpbroadcastd before each vpdpbusd, one more vector instruction per product where the many-row kernels are
+  // bound by their instructions, not their bytes.
+  static I dot_at(I acc, I u, const int32_t* x) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*x));
+    return acc;
+  }
+  static I dot_s8_at(I acc, I w, const int32_t* x) {
+    return dot_at(acc, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), x);
+  }
   static F zero_ps() { return _mm512_setzero_ps(); }
   static F set1_ps(float v) { return _mm512_set1_ps(v); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }

@@ -31,14 +31,18 @@ inline const int32_t* words(const GemvJob& j, int r) { return j.xq + r * (j.in /
 template <int ROWS>
 struct Acts {
   static constexpr bool WIDE = ROWS == GEMV_WIDE_ROWS;
-  static int32_t word(const GemvJob& j, int r, int64_t w) { return WIDE ? j.wide.xq[w * ROWS + r] : words(j, r)[w]; }
+  static const int32_t* word(const GemvJob& j, int r, int64_t w) {
+    return WIDE ? j.wide.xq + w * ROWS + r : words(j, r) + w;
+  }
   static int32_t sum16(const GemvJob& j, int r, int64_t i) {
     return WIDE ? j.wide.xs16[i * ROWS + r] : j.xs16[r * (j.in / 16) + i];
   }
   static float scale16(const GemvJob& j, int r, int64_t i) {
     return WIDE ? j.wide.xd[i * ROWS + r] : j.xd[r * (j.in / 16) + i];
   }
-  static float scale32(const GemvJob& j, int r, int64_t b) { return j.xd[r * (j.in / 32) + b]; }  // never wide
+  static float scale32(const GemvJob& j, int r, int64_t b) {  // x scaled per 32 (GemvJob::per16 false)
+    return WIDE ? j.wide.xd[b * ROWS + r] : j.xd[r * (j.in / 32) + b];
+  }
   static float scaled_sum(const GemvJob& j, int r, int64_t b) {
     return WIDE ? j.wide.xds[b * ROWS + r] : j.xds[r * (j.in / 32) + b];
   }
@@ -139,9 +143,9 @@ void blocks32(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS])
 #pragma GCC unroll 4
         for (int k = 0; k < 4; ++k)
           for (int r = 0; r < ROWS; ++r) {
-            const I x = V::set1_32(X::word(j, r, 8 * b + 4 * h + k));
+            const int32_t* x = X::word(j, r, 8 * b + 4 * h + k);
             I& s = sum[(4 * h + k) % CHAINS][r];
-            s = Q8 ? V::dot_s8(s, u[k], x) : V::dot(s, u[k], x);
+            s = Q8 ? V::dot_s8_at(s, u[k], x) : V::dot_at(s, u[k], x);
           }
       }
       if (PER16 || h == 1)
@@ -187,8 +191,14 @@ void group_rows(const GemvJob& j, const GemvPart& p, int64_t g) {
       case Q5_0: blocks32_as_scaled<ROWS, Q5_0>(j, group, slice, acc); break;
       case Q5_1: blocks32_as_scaled<ROWS, Q5_1>(j, group, slice, acc); break;
       case Q8_0: blocks32_as_scaled<ROWS, Q8_0>(j, group, slice, acc); break;
-      case Q4_K: q4_k<ROWS>(j, group, slice, acc); break;
-      case Q5_K: q4_k<ROWS, true>(j, group, slice, acc); break;
+      case Q4_K:
+        if constexpr (Acts<ROWS>::WIDE) q4_k_wide<false>(j, group, slice, acc);
+        else q4_k<ROWS>(j, group, slice, acc);
+        break;
+      case Q5_K:
+        if constexpr (Acts<ROWS>::WIDE) q4_k_wide<true>(j, group, slice, acc);
+        else q4_k<ROWS, true>(j, group, slice, acc);
+        break;
       default: q6_k<ROWS>(j, group, slice, acc); break;
     }
     store<ROWS>(j, p, first, acc);
@@ -203,7 +213,7 @@ inline GemvJob rows_of(const GemvJob& j, int64_t r0, int64_t rows) {
   c.xds += r0 * (j.in / 32), c.xs16 += r0 * (j.in / 16);
   c.out += r0 * j.out_stride;
   if (r0 % GEMV_WIDE_ROWS == 0 && j.wide.xq != nullptr) {  // a chunk's start: row r0's index (GemvWide)
-    c.wide.xq += r0 * (j.in / 4), c.wide.xd += r0 * (j.in / 16);
+    c.wide.xq += r0 * (j.in / 4), c.wide.xd += r0 * (j.in / (j.per16 ? 16 : 32));
     c.wide.xds += r0 * (j.in / 32), c.wide.xs16 += r0 * (j.in / 16);
   } else {
     c.wide = GemvWide{};
@@ -215,11 +225,11 @@ inline GemvJob rows_of(const GemvJob& j, int64_t r0, int64_t rows) {
 // the group's tiles are read from memory by the first chunk and from the caches by the others.
 inline void group_chunks(const GemvJob& j, const GemvPart& p, int64_t g, int64_t r0, int64_t r1) {
   int64_t r = r0;
-  // With AVX-512's 32 registers the 32-input formats take 8 rows at a time while 8 remain: a tile's
-  // weights are unpacked once for 8 rows instead of 4. Not the K formats, whose kernels hold more per
-  // row, nor AVX2, with 16 registers. r0 starts a chunk of GemvWide (groups' blocks are whole chunks).
+  // With AVX-512's 32 registers every format takes 8 rows at a time while 8 remain: a tile's weights are
+  // unpacked once for 8 rows instead of 4. Not AVX2, with 16 registers. r0 starts a chunk of GemvWide
+  // (groups' blocks are whole chunks).
   if constexpr (V::LANES == 16) {
-    if (format_of(p.type).block_values == 32 && j.wide.xq != nullptr)
+    if (j.wide.xq != nullptr)
       for (; r + GEMV_WIDE_ROWS <= r1; r += GEMV_WIDE_ROWS) group_rows<GEMV_WIDE_ROWS>(rows_of(j, r, GEMV_WIDE_ROWS), p, g);
   }
   for (; r < r1; r += GEMV_CHUNK_ROWS) {

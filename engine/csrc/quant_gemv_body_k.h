@@ -14,9 +14,10 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
   const int64_t lanes_at = slice * V::BYTES;
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* t = group + sb * tb;
-    // Past one row the dot products slow the walk enough that the hardware's prefetchers fell
-    // behind (one row reads at memory speed without the prefetch, and lost a little with it).
-    if (ROWS > 1 && slice == 0) tile_to_l2(t + 2 * tb, tb);
+    // Past one row, or with Q5_K's fifth bits, the vector work slows the walk enough that the hardware's
+    // prefetchers fell behind (one row of Q4_K reads at memory speed without the prefetch, and lost a little
+    // with it; one row of Q5_K read at 60% of it without, 80% with).
+    if ((ROWS > 1 || FIVE) && slice == 0) tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2), dmin = V::halves(t + 32 + slice * V::LANES * 2);
     // quant_formats.h's scale_min_k4 on 16 rows at once: lane r of w0..w2 is row r's scale bytes 0-11.
     const I w0 = V::load(t + 64 + lanes_at), w1 = V::load(t + 128 + lanes_at), w2 = V::load(t + 192 + lanes_at);
@@ -53,8 +54,8 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
             lo[r] = add_pairs<V>(lo[r], l, V::set1_32(x[k]));
             hi[r] = add_pairs<V>(hi[r], h, V::set1_32(x[8 + k]));
           } else {
-            lo[r] = V::dot(lo[r], l, V::set1_32(x[k]));
-            hi[r] = V::dot(hi[r], h, V::set1_32(x[8 + k]));
+            lo[r] = V::dot_at(lo[r], l, x + k);
+            hi[r] = V::dot_at(hi[r], h, x + 8 + k);
           }
         }
       }
@@ -76,6 +77,61 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
   }
 }
 
+// q4_k on GEMV_WIDE_ROWS rows of interleaved x (GemvWide, scaled per 32), on AVX-512: each word of nibbles
+// is unpacked once for 8 rows where two 4-row chunks unpacked it twice. Many rows are bound by the vector
+// instructions, not the bytes, and at 4 rows the unpacking and scaling were most of them. To fit the
+// registers, the sub-blocks are walked one at a time (8 rows' int32 sums beside their 8 float sums), and the
+// mins' offsets are added once the super-block's sums are done. The same sums and float steps, in the same
+// order, as q4_k's: each row's result is the same bits. (q6_k walks its parts one at a time already: at
+// 8 rows it reads x through Acts, as it does at fewer.)
+template <bool FIVE>
+void q4_k_wide(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[GEMV_WIDE_ROWS]) {
+  constexpr int R = GEMV_WIDE_ROWS;
+  using X = Acts<R>;
+  const int64_t supers = j.in / 256, tb = PACK_ROWS * (FIVE ? 176 : 144);
+  const int64_t nibbles_at = FIVE ? 768 : 256;
+  const int64_t lanes_at = slice * V::BYTES;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* t = group + sb * tb;
+    if (slice == 0) tile_to_l2(t + 2 * tb, tb);
+    const F d = V::halves(t + slice * V::LANES * 2), dmin = V::halves(t + 32 + slice * V::LANES * 2);
+    const I w0 = V::load(t + 64 + lanes_at), w1 = V::load(t + 128 + lanes_at), w2 = V::load(t + 192 + lanes_at);
+    const I low6 = V::set1_8(0x3F), low4 = V::set1_8(0x0F), top2 = V::set1_8(0x03);
+    const I scales[2] = {V::and_(w0, low6),
+                         V::or_(V::and_(w2, low4), V::slli32(V::and_(V::srli32(w0, 6), top2), 4))};
+    F sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = V::zero_ps();
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {  // sub-block s: chunk s / 2's low (even s) or high nibbles
+      I dots[R];
+      for (int r = 0; r < R; ++r) dots[r] = V::zero();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        const I v = V::load(t + nibbles_at + ((s / 2) * 8 + k) * 64 + lanes_at);
+        I u = s % 2 ? nibbles_high(v) : nibbles_low(v);
+        if (FIVE) {  // bit s of each qh byte to bit 4, as q4_k does
+          const I qh = V::load(t + 256 + k * 64 + lanes_at);
+          const I top = s <= 4 ? V::slli32(qh, 4 - s) : V::srli32(qh, s - 4);
+          u = V::or_(u, V::and_(top, V::set1_8(0x10)));
+        }
+        for (int r = 0; r < R; ++r) dots[r] = V::dot_at(dots[r], u, X::word(j, r, 64 * sb + 8 * s + k));
+      }
+      const F sc = byte_of(scales[s / 4], s % 4);
+      for (int r = 0; r < R; ++r)
+        sums[r] = V::fmadd(V::cvt(dots[r]), V::mul(sc, V::set1_ps(X::scale32(j, r, 8 * sb + s))), sums[r]);
+    }
+    const I mins[2] = {V::and_(w1, low6),
+                       V::or_(V::and_(V::srli32(w2, 4), low4), V::slli32(V::and_(V::srli32(w1, 6), top2), 4))};
+    F m[8];
+    for (int s = 0; s < 8; ++s) m[s] = byte_of(mins[s / 4], s % 4);
+    for (int r = 0; r < R; ++r) {
+      F offs = V::zero_ps();
+      for (int s = 0; s < 8; ++s) offs = V::fmadd(m[s], V::set1_ps(X::scaled_sum(j, r, 8 * sb + s)), offs);
+      acc[r] = V::fnmadd(dmin, offs, V::fmadd(d, sums[r], acc[r]));
+    }
+  }
+}
+
 // Inputs 128h + 32s + l (l < 32) of a Q6_K super-block: nibble s / 2 of ql byte 64h + 32(s % 2) + l,
 // bits 2s of qh byte 32h + l. H and S are template arguments so every shift and mask is a constant:
 // as loop counters they left the compiler a variable shift and a choice of nibble per step.
@@ -93,10 +149,10 @@ I q6_values(I low, I high) {
 // Part (H, S)'s int32 sums, `first` (l < 16) and `second`, started at -32 times x's sums.
 template <int ROWS, int H, int S>
 void q6_k_start(const GemvJob& j, int64_t sb, I (&first)[ROWS], I (&second)[ROWS]) {
+  using X = Acts<ROWS>;
   for (int r = 0; r < ROWS; ++r) {
-    const int32_t* xs = j.xs16 + r * (j.in / 16) + 16 * sb + 8 * H + 2 * S;
-    first[r] = V::set1_32(-32 * xs[0]);
-    second[r] = V::set1_32(-32 * xs[1]);
+    first[r] = V::set1_32(-32 * X::sum16(j, r, 16 * sb + 8 * H + 2 * S));
+    second[r] = V::set1_32(-32 * X::sum16(j, r, 16 * sb + 8 * H + 2 * S + 1));
   }
 }
 
@@ -104,9 +160,9 @@ void q6_k_start(const GemvJob& j, int64_t sb, I (&first)[ROWS], I (&second)[ROWS
 template <int ROWS, int H, int S>
 void q6_k_word(const GemvJob& j, int64_t sb, int k, I v, I (&first)[ROWS], I (&second)[ROWS]) {
   for (int r = 0; r < ROWS; ++r) {
-    const int32_t* x = words(j, r) + 64 * sb + 32 * H + 8 * S;
-    if (k < 4) first[r] = V::dot(first[r], v, V::set1_32(x[k]));
-    else second[r] = V::dot(second[r], v, V::set1_32(x[k]));
+    const int32_t* x = Acts<ROWS>::word(j, r, 64 * sb + 32 * H + 8 * S + k);
+    if (k < 4) first[r] = V::dot_at(first[r], v, x);
+    else second[r] = V::dot_at(second[r], v, x);
   }
 }
 
@@ -120,7 +176,7 @@ void q6_k_scale(const GemvJob& j, const uint8_t* scales, int64_t sb, int64_t lan
   const F sc0 = V::cvt(V::srai32(V::slli32(sc, 24 - 8 * (sub % 4)), 24));
   const F sc1 = V::cvt(V::srai32(V::slli32(sc, 24 - 8 * (sub % 4 + 1)), 24));
   for (int r = 0; r < ROWS; ++r) {
-    const F xd = V::set1_ps(j.xd[r * (j.in / 32) + 8 * sb + 4 * H + S]);
+    const F xd = V::set1_ps(Acts<ROWS>::scale32(j, r, 8 * sb + 4 * H + S));
     sums[r] = V::fmadd(V::cvt(first[r]), V::mul(sc0, xd), sums[r]);
     sums[r] = V::fmadd(V::cvt(second[r]), V::mul(sc1, xd), sums[r]);
   }

@@ -44,7 +44,9 @@ struct V {
     return acc;
   }
   static I dot(I acc, I u, I x) { return dot4<false>(acc, u, x); }
+  static I dot_at(I acc, I u, const int32_t* x) { return dot(acc, u, set1_32(*x)); }
   static I dot_s8(I acc, I w, I x) { return dot4<true>(acc, w, x); }
+  static I dot_s8_at(I acc, I w, const int32_t* x) { return dot_s8(acc, w, set1_32(*x)); }
   static F zero_ps() { return 0.f; }
   static F set1_ps(float v) { return v; }
   static F cvt(I a) { return float(a); }

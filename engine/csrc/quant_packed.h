@@ -122,17 +122,17 @@ inline void unpack_group(int64_t type, const uint8_t* packed, int64_t blocks, in
 // its bytes are in L1/L2, and the block's activations stay in L2 while the thread's groups pass.
 constexpr int64_t GEMV_CHUNK_ROWS = 4;
 constexpr int64_t GEMV_BLOCK_BYTES = 256 * 1024;
-// The 32-input formats on AVX-512 take GEMV_WIDE_ROWS rows at a time while that many remain
+// On AVX-512 every format takes GEMV_WIDE_ROWS rows at a time while that many remain
 // (quant_gemv_body.h's group_chunks), reading them from GemvWide.
 constexpr int64_t GEMV_WIDE_ROWS = 8;
 
-// x scaled per 16 inputs, as GemvJob's arrays, with each chunk of GEMV_WIDE_ROWS rows interleaved:
+// x as GemvJob's arrays (scaled per 16 or 32 inputs, as the job), with each chunk of GEMV_WIDE_ROWS rows interleaved:
 // value i of the chunk's row r at [chunk][i][r], so a chunk's rows are read at fixed offsets from one
 // pointer. With a pointer per row, 8 rows' pointers and sums outgrew the registers and went to the stack.
 // A chunk of rows starting at row r0 starts at the same index as row r0 in the row-major arrays.
 struct GemvWide {
   const int32_t* xq = nullptr;    // [chunks, in / 4, 8]
-  const float* xd = nullptr;      // [chunks, in / 16, 8]
+  const float* xd = nullptr;      // [chunks, in / 16, 8], or in / 32 where the job is scaled per 32
   const float* xds = nullptr;     // [chunks, in / 32, 8]
   const int32_t* xs16 = nullptr;  // [chunks, in / 16, 8]
 };
