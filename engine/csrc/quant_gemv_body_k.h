@@ -5,6 +5,14 @@
 // Byte `byte` of each 32-bit lane, unsigned, as float.
 inline F byte_of(I v, int byte) { return V::cvt(V::and_(V::srli32(v, 8 * byte), V::set1_32(0xFF))); }
 
+// quant_formats.h's scale_min_k4 on 16 rows at once. A K tile's pieces at 64, 128 and 192 (w0, w1, w2) hold
+// in lane r row r's scale bytes 0-11: the sub-blocks' 6-bit scales are six_bits_k(w0, w2), their mins
+// six_bits_k(w1, w2 >> 4), sub-block s's in byte s % 4 of piece s / 4 of the result.
+inline void six_bits_k(I low, I nibbles, I (&out)[2]) {
+  out[0] = V::and_(low, V::set1_8(0x3F));
+  out[1] = V::or_(V::and_(nibbles, V::set1_8(0x0F)), V::slli32(V::and_(V::srli32(low, 6), V::set1_8(0x03)), 4));
+}
+
 // Q4_K, and Q5_K (FIVE) whose fifth bits come from its qh pieces: bit 2c of a byte tops the low nibble of the
 // nibbles' byte in the same place of chunk c's pieces, bit 2c + 1 the high one.
 template <int ROWS, bool FIVE = false>
@@ -15,17 +23,14 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* t = group + sb * tb;
     // Past one row, or with Q5_K's fifth bits, the vector work slows the walk enough that the hardware's
-    // prefetchers fell behind (one row of Q4_K reads at memory speed without the prefetch, and lost a little
-    // with it; one row of Q5_K read at 60% of it without, 80% with).
+    // prefetchers fell behind; one row of Q4_K reads at memory speed without the prefetch, and lost a little
+    // with it (bench/RESULTS.md, 2026-11-29).
     if ((ROWS > 1 || FIVE) && slice == 0) tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2), dmin = V::halves(t + 32 + slice * V::LANES * 2);
-    // quant_formats.h's scale_min_k4 on 16 rows at once: lane r of w0..w2 is row r's scale bytes 0-11.
     const I w0 = V::load(t + 64 + lanes_at), w1 = V::load(t + 128 + lanes_at), w2 = V::load(t + 192 + lanes_at);
-    const I low6 = V::set1_8(0x3F), low4 = V::set1_8(0x0F), top2 = V::set1_8(0x03);
-    const I scales[2] = {V::and_(w0, low6),
-                         V::or_(V::and_(w2, low4), V::slli32(V::and_(V::srli32(w0, 6), top2), 4))};
-    const I mins[2] = {V::and_(w1, low6),
-                       V::or_(V::and_(V::srli32(w2, 4), low4), V::slli32(V::and_(V::srli32(w1, 6), top2), 4))};
+    I scales[2], mins[2];
+    six_bits_k(w0, w2, scales);
+    six_bits_k(w1, V::srli32(w2, 4), mins);
     F sums[ROWS], offs[ROWS];
     for (int r = 0; r < ROWS; ++r) sums[r] = offs[r] = V::zero_ps();
     I qh[8];  // Q5_K: its qh pieces, read once for the four chunks
@@ -96,9 +101,8 @@ void q4_k_wide(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[GEMV_
     if (slice == 0) tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2), dmin = V::halves(t + 32 + slice * V::LANES * 2);
     const I w0 = V::load(t + 64 + lanes_at), w1 = V::load(t + 128 + lanes_at), w2 = V::load(t + 192 + lanes_at);
-    const I low6 = V::set1_8(0x3F), low4 = V::set1_8(0x0F), top2 = V::set1_8(0x03);
-    const I scales[2] = {V::and_(w0, low6),
-                         V::or_(V::and_(w2, low4), V::slli32(V::and_(V::srli32(w0, 6), top2), 4))};
+    I scales[2];
+    six_bits_k(w0, w2, scales);
     F sums[R];
     for (int r = 0; r < R; ++r) sums[r] = V::zero_ps();
 #pragma GCC unroll 8
@@ -120,8 +124,8 @@ void q4_k_wide(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[GEMV_
       for (int r = 0; r < R; ++r)
         sums[r] = V::fmadd(V::cvt(dots[r]), V::mul(sc, V::set1_ps(X::scale32(j, r, 8 * sb + s))), sums[r]);
     }
-    const I mins[2] = {V::and_(w1, low6),
-                       V::or_(V::and_(V::srli32(w2, 4), low4), V::slli32(V::and_(V::srli32(w1, 6), top2), 4))};
+    I mins[2];
+    six_bits_k(w1, V::srli32(w2, 4), mins);
     F m[8];
     for (int s = 0; s < 8; ++s) m[s] = byte_of(mins[s / 4], s % 4);
     for (int r = 0; r < R; ++r) {
