@@ -59,6 +59,14 @@ inline void tile_to_l2(const uint8_t* tile, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(tile + at, 0, 2);
 }
 
+// The same a vector at a time: each vector of a tile asks for its place in the tile `ahead` bytes on as it
+// is read, so the requests stream at the walk's pace instead of a tile's worth at once. Two lines, as a
+// 64-byte vector spans two where a tile's size is not a multiple of 64 (Q6_K's 16 x 210 bytes).
+inline void vector_to_l2(const uint8_t* vector, int64_t ahead) {
+  __builtin_prefetch(vector + ahead, 0, 2);
+  __builtin_prefetch(vector + ahead + 63, 0, 2);
+}
+
 // The sum of `N` words' 4-byte products for one row (x: the row's words) as int32 lanes, their int16
 // pair sums added before one widening (V::PAIR_SUMS). Exact where N pair sums fit int16: weights of at
 // most 5 bits unsigned times |x| <= 127 give pairs of at most 7874, so 4 of them; 4-bit weights 8.

@@ -24,8 +24,11 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
     const uint8_t* t = group + sb * tb;
     // Past one row, or with Q5_K's fifth bits, the vector work slows the walk enough that the hardware's
     // prefetchers fell behind; one row of Q4_K reads at memory speed without the prefetch, and lost a little
-    // with it (bench/RESULTS.md, 2026-11-29).
-    if ((ROWS > 1 || FIVE) && slice == 0) tile_to_l2(t + 2 * tb, tb);
+    // with it (bench/RESULTS.md, 2026-11-29). On AVX-512 the nibbles are asked for a vector at a time as
+    // they are read, which read faster than the tile at once (bench/RESULTS.md, 2026-11-29, "a vector at a time").
+    constexpr bool by_vector = (ROWS > 1 || FIVE) && V::LANES == 16;
+    if (by_vector) tile_to_l2(t + 2 * tb, nibbles_at);  // d, dmin, the scales and qh: read first
+    else if ((ROWS > 1 || FIVE) && slice == 0) tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2), dmin = V::halves(t + 32 + slice * V::LANES * 2);
     const I w0 = V::load(t + 64 + lanes_at), w1 = V::load(t + 128 + lanes_at), w2 = V::load(t + 192 + lanes_at);
     I scales[2], mins[2];
@@ -43,6 +46,7 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
 #pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) {
         const I v = V::load(t + nibbles_at + (c * 8 + k) * 64 + lanes_at);
+        if (by_vector) __builtin_prefetch(t + 2 * tb + nibbles_at + (c * 8 + k) * 64, 0, 2);  // lines: tb % 64 == 0
         I l = nibbles_low(v), h = nibbles_high(v);
         if (FIVE) {
           // Bits 2c and 2c + 1 of each byte to bit 4 by one shift within the 32-bit lane each (what crosses from a
@@ -186,15 +190,19 @@ void q6_k_scale(const GemvJob& j, const uint8_t* scales, int64_t sb, int64_t lan
   }
 }
 
+// `ahead`: where not 0, the bytes on to the tile whose vectors are asked for as these are read
+// (vector_to_l2); parts 0 and 1 read every ql vector of the half between them, part 0 every qh one.
 template <int ROWS, int H, int S>
 void q6_k_part(const GemvJob& j, const uint8_t* ql, const uint8_t* qh, const uint8_t* scales, int64_t sb,
-               int64_t lanes_at, F (&sums)[ROWS]) {
+               int64_t lanes_at, int64_t ahead, F (&sums)[ROWS]) {
   I first[ROWS], second[ROWS];
   q6_k_start<ROWS, H, S>(j, sb, first, second);
 #pragma GCC unroll 8
   for (int k = 0; k < 8; ++k) {
     const I low = V::load(ql + (16 * H + 8 * (S % 2) + k) * 64 + lanes_at);
     const I high = V::load(qh + (8 * H + k) * 64 + lanes_at);
+    if (ahead && S == 0) vector_to_l2(ql + (16 * H + k) * 64, ahead), vector_to_l2(qh + (8 * H + k) * 64, ahead);
+    if (ahead && S == 1) vector_to_l2(ql + (16 * H + 8 + k) * 64, ahead);
     q6_k_word<ROWS, H, S>(j, sb, k, q6_values<S>(low, high), first, second);
   }
   q6_k_scale<ROWS, H, S>(j, scales, sb, lanes_at, first, second, sums);
@@ -207,7 +215,7 @@ void q6_k_part(const GemvJob& j, const uint8_t* ql, const uint8_t* qh, const uin
 // the same order as the parts one by one.
 template <int ROWS, int H>
 void q6_k_half(const GemvJob& j, const uint8_t* ql, const uint8_t* qh, const uint8_t* scales, int64_t sb,
-               int64_t lanes_at, F (&sums)[ROWS]) {
+               int64_t lanes_at, int64_t ahead, F (&sums)[ROWS]) {
   I first[4][ROWS], second[4][ROWS];
   q6_k_start<ROWS, H, 0>(j, sb, first[0], second[0]);
   q6_k_start<ROWS, H, 1>(j, sb, first[1], second[1]);
@@ -217,6 +225,9 @@ void q6_k_half(const GemvJob& j, const uint8_t* ql, const uint8_t* qh, const uin
   for (int k = 0; k < 8; ++k) {
     const I low_even = V::load(ql + (16 * H + k) * 64 + lanes_at), low_odd = V::load(ql + (16 * H + 8 + k) * 64 + lanes_at);
     const I high = V::load(qh + (8 * H + k) * 64 + lanes_at);
+    vector_to_l2(ql + (16 * H + k) * 64, ahead);
+    vector_to_l2(ql + (16 * H + 8 + k) * 64, ahead);
+    vector_to_l2(qh + (8 * H + k) * 64, ahead);
     q6_k_word<ROWS, H, 0>(j, sb, k, q6_values<0>(low_even, high), first[0], second[0]);
     q6_k_word<ROWS, H, 1>(j, sb, k, q6_values<1>(low_odd, high), first[1], second[1]);
     q6_k_word<ROWS, H, 2>(j, sb, k, q6_values<2>(low_even, high), first[2], second[2]);
@@ -236,7 +247,13 @@ void q6_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
     const uint8_t* t = group + sb * tb;
     // The parts read ql and qh in turns, jumping back and forth within the tile, and the hardware's
     // prefetchers did not follow them from memory: one row ran at a third of Q4_K's bytes a second.
-    if (slice == 0) tile_to_l2(t + 2 * tb, tb);
+    // On AVX-512 the ql and qh vectors are asked for one at a time as they are read (vector_to_l2), which
+    // read faster than the whole tile at once (bench/RESULTS.md, 2026-11-29, "a vector at a time"); here
+    // only d and the scales.
+    constexpr bool by_vector = V::LANES == 16;
+    const int64_t ahead = by_vector ? 2 * tb : 0;
+    if (by_vector) tile_to_l2(t + 2 * tb, 32 + 256);
+    else if (slice == 0) tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2);
     const uint8_t* scales = t + 32;  // 4 pieces: lane r holds row r's int8 scales 4i..4i+3
     const uint8_t* ql = t + 32 + 256;
@@ -244,17 +261,17 @@ void q6_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
     F sums[ROWS];
     for (int r = 0; r < ROWS; ++r) sums[r] = V::zero_ps();
     if constexpr (V::LANES == 16 && ROWS <= 2) {
-      q6_k_half<ROWS, 0>(j, ql, qh, scales, sb, lanes_at, sums);
-      q6_k_half<ROWS, 1>(j, ql, qh, scales, sb, lanes_at, sums);
+      q6_k_half<ROWS, 0>(j, ql, qh, scales, sb, lanes_at, ahead, sums);
+      q6_k_half<ROWS, 1>(j, ql, qh, scales, sb, lanes_at, ahead, sums);
     } else {
-      q6_k_part<ROWS, 0, 0>(j, ql, qh, scales, sb, lanes_at, sums);
-      q6_k_part<ROWS, 0, 1>(j, ql, qh, scales, sb, lanes_at, sums);
-      q6_k_part<ROWS, 0, 2>(j, ql, qh, scales, sb, lanes_at, sums);
-      q6_k_part<ROWS, 0, 3>(j, ql, qh, scales, sb, lanes_at, sums);
-      q6_k_part<ROWS, 1, 0>(j, ql, qh, scales, sb, lanes_at, sums);
-      q6_k_part<ROWS, 1, 1>(j, ql, qh, scales, sb, lanes_at, sums);
-      q6_k_part<ROWS, 1, 2>(j, ql, qh, scales, sb, lanes_at, sums);
-      q6_k_part<ROWS, 1, 3>(j, ql, qh, scales, sb, lanes_at, sums);
+      q6_k_part<ROWS, 0, 0>(j, ql, qh, scales, sb, lanes_at, ahead, sums);
+      q6_k_part<ROWS, 0, 1>(j, ql, qh, scales, sb, lanes_at, ahead, sums);
+      q6_k_part<ROWS, 0, 2>(j, ql, qh, scales, sb, lanes_at, ahead, sums);
+      q6_k_part<ROWS, 0, 3>(j, ql, qh, scales, sb, lanes_at, ahead, sums);
+      q6_k_part<ROWS, 1, 0>(j, ql, qh, scales, sb, lanes_at, ahead, sums);
+      q6_k_part<ROWS, 1, 1>(j, ql, qh, scales, sb, lanes_at, ahead, sums);
+      q6_k_part<ROWS, 1, 2>(j, ql, qh, scales, sb, lanes_at, ahead, sums);
+      q6_k_part<ROWS, 1, 3>(j, ql, qh, scales, sb, lanes_at, ahead, sums);
     }
     for (int r = 0; r < ROWS; ++r) acc[r] = V::fmadd(d, sums[r], acc[r]);
   }
