@@ -150,13 +150,14 @@ GemvWide interleave_wide(GemvActs& a, int64_t rows, int64_t in, int64_t scaled) 
   a.wide_d.resize(chunks * W * in / scaled);
   a.wide_ds.resize(chunks * W * in / 32);
   a.wide_s16.resize(chunks * W * in / 16);
+  const int32_t sums_times = scaled == 32 ? -32 : 1;  // GemvWide::xs16
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c)
       for (int64_t r = 0; r < W; ++r) {
         const int64_t row = c * W + r;
         for (int64_t i = 0; i < in / 4; ++i) a.wide_q[(c * in / 4 + i) * W + r] = a.q[row * in / 4 + i];
         for (int64_t i = 0; i < in / scaled; ++i) a.wide_d[(c * in / scaled + i) * W + r] = a.d[row * in / scaled + i];
-        for (int64_t i = 0; i < in / 16; ++i) a.wide_s16[(c * in / 16 + i) * W + r] = a.s16[row * in / 16 + i];
+        for (int64_t i = 0; i < in / 16; ++i) a.wide_s16[(c * in / 16 + i) * W + r] = sums_times * a.s16[row * in / 16 + i];
         for (int64_t i = 0; i < in / 32; ++i) a.wide_ds[(c * in / 32 + i) * W + r] = a.ds[row * in / 32 + i];
       }
   });

@@ -27,7 +27,7 @@ using F = typename V::F;
 inline const int32_t* words(const GemvJob& j, int r) { return j.xq + r * (j.in / 4); }
 
 // Row r's activations as a kernel of ROWS rows reads them: GEMV_WIDE_ROWS rows from their interleaved
-// chunk (GemvJob::wide, scaled per 16), fewer from the rows themselves.
+// chunk (GemvJob::wide), fewer from the rows themselves.
 template <int ROWS>
 struct Acts {
   static constexpr bool WIDE = ROWS == GEMV_WIDE_ROWS;
@@ -36,6 +36,10 @@ struct Acts {
   }
   static int32_t sum16(const GemvJob& j, int r, int64_t i) {
     return WIDE ? j.wide.xs16[i * ROWS + r] : j.xs16[r * (j.in / 16) + i];
+  }
+  // -32 times sum16 in a job scaled per 32: Q6_K's start (GemvWide::xs16 holds it so in the wide chunks).
+  static int32_t q6_start(const GemvJob& j, int r, int64_t i) {
+    return WIDE ? j.wide.xs16[i * ROWS + r] : -32 * j.xs16[r * (j.in / 16) + i];
   }
   static float scale16(const GemvJob& j, int r, int64_t i) {
     return WIDE ? j.wide.xd[i * ROWS + r] : j.xd[r * (j.in / 16) + i];

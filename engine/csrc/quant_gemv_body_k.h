@@ -159,8 +159,8 @@ template <int ROWS, int H, int S>
 void q6_k_start(const GemvJob& j, int64_t sb, I (&first)[ROWS], I (&second)[ROWS]) {
   using X = Acts<ROWS>;
   for (int r = 0; r < ROWS; ++r) {
-    first[r] = V::set1_32(-32 * X::sum16(j, r, 16 * sb + 8 * H + 2 * S));
-    second[r] = V::set1_32(-32 * X::sum16(j, r, 16 * sb + 8 * H + 2 * S + 1));
+    first[r] = V::set1_32(X::q6_start(j, r, 16 * sb + 8 * H + 2 * S));
+    second[r] = V::set1_32(X::q6_start(j, r, 16 * sb + 8 * H + 2 * S + 1));
   }
 }
 

@@ -134,7 +134,9 @@ struct GemvWide {
   const int32_t* xq = nullptr;    // [chunks, in / 4, 8]
   const float* xd = nullptr;      // [chunks, in / 16, 8], or in / 32 where the job is scaled per 32
   const float* xds = nullptr;     // [chunks, in / 32, 8]
-  const int32_t* xs16 = nullptr;  // [chunks, in / 16, 8]
+  // [chunks, in / 16, 8]: the sums per 16 inputs; where the job is scaled per 32 (the K formats', of which
+  // only Q6_K reads them) -32 times the sums, the start of Q6_K's sums, broadcast from memory as they are.
+  const int32_t* xs16 = nullptr;
 };
 
 struct GemvPart {
@@ -159,8 +161,8 @@ struct GemvJob {
   // The 32-input formats' kernel asks for its tiles ahead on one row of x too (past one row it always
   // does): the caller's choice, as it pays on some cores and costs on others (engine/quant_linear.py).
   bool row_prefetch;
-  // The whole chunks of GEMV_WIDE_ROWS rows interleaved, where the job is scaled per 16 and runs on
-  // AVX-512; null pointers elsewhere.
+  // The whole chunks of GEMV_WIDE_ROWS rows interleaved, where the job runs on AVX-512; null pointers
+  // elsewhere.
   GemvWide wide;
 };
 
