@@ -23,12 +23,12 @@ void q4_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* t = group + sb * tb;
     // Past one row, or with Q5_K's fifth bits, the vector work slows the walk enough that the hardware's
-    // prefetchers fell behind; one row of Q4_K reads at memory speed without the prefetch, and lost a little
-    // with it (bench/RESULTS.md, 2026-11-29). On AVX-512 the nibbles are asked for a vector at a time as
-    // they are read, which read faster than the tile at once (bench/RESULTS.md, 2026-11-29, "a vector at a time").
-    constexpr bool by_vector = (ROWS > 1 || FIVE) && V::LANES == 16;
+    // prefetchers fell behind, so the tile two ahead is asked for; one row of Q4_K reads at memory speed
+    // without, and lost a little with it. On AVX-512 the nibbles are asked for a vector at a time as they
+    // are read, faster than the tile at once (bench/RESULTS.md, 2026-11-29, "a vector at a time").
+    constexpr bool ask_ahead = ROWS > 1 || FIVE, by_vector = ask_ahead && V::LANES == 16;
     if (by_vector) tile_to_l2(t + 2 * tb, nibbles_at);  // d, dmin, the scales and qh: read first
-    else if ((ROWS > 1 || FIVE) && slice == 0) tile_to_l2(t + 2 * tb, tb);
+    else if (ask_ahead && slice == 0) tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2), dmin = V::halves(t + 32 + slice * V::LANES * 2);
     const I w0 = V::load(t + 64 + lanes_at), w1 = V::load(t + 128 + lanes_at), w2 = V::load(t + 192 + lanes_at);
     I scales[2], mins[2];
@@ -252,7 +252,7 @@ void q6_k(const GemvJob& j, const uint8_t* group, int slice, F (&acc)[ROWS]) {
     // only d and the scales.
     constexpr bool by_vector = V::LANES == 16;
     const int64_t ahead = by_vector ? 2 * tb : 0;
-    if (by_vector) tile_to_l2(t + 2 * tb, 32 + 256);
+    if (by_vector) tile_to_l2(t + ahead, 32 + 256);
     else if (slice == 0) tile_to_l2(t + 2 * tb, tb);
     const F d = V::halves(t + slice * V::LANES * 2);
     const uint8_t* scales = t + 32;  // 4 pieces: lane r holds row r's int8 scales 4i..4i+3
