@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_kernels import DecodeKernel, PrefillKernel
+from engine.kv_quant import dequantize_q8_0, is_q8_0, read_slots, write_slots
 
 
 # Chunks of up to this many tokens attend as decode rows where a paged kernel serves them (``_build``): the
@@ -190,14 +191,14 @@ def paged_attention(
     """Write this step's keys and values into the cache, then attend with ``q``.
 
     ``q`` is [T, heads, d], ``kv`` [T, 2, kv_heads, d] and ``kv_cache`` one
-    layer of :class:`KVCache`. Returns ``[T, heads * d]``.
+    layer of :class:`KVCache` (float, or Q8_0 bytes: engine/kv_quant.py). Returns ``[T, heads * d]``.
+    A chunk that starts at 0 attends to its own keys as computed; later ones read them back from the pool.
     """
     if layer.window is not None:
         meta = meta.windowed
     num_tokens, num_heads, head_dim = q.shape
     scale, softcap = layer.scale, layer.softcap
-    slots = kv_cache.view(-1, *kv_cache.shape[2:])
-    slots.index_copy_(0, meta.slot_mapping, kv)
+    write_slots(kv_cache, meta.slot_mapping, kv)
     # Common steps (all decodes, or one prefill) return their group's output as is.
     out = None if meta.single_group else q.new_empty(num_tokens, num_heads * head_dim)
 
@@ -215,7 +216,7 @@ def paged_attention(
             if p.starts_at_zero:
                 o = meta.prefill_kernel(q[p.rows], kv[p.rows, 0], kv[p.rows, 1], scale, layer.window or 0, 0)
             else:
-                context = slots.index_select(0, p.context_slots)
+                context = read_slots(kv_cache, p.context_slots, q.dtype)
                 offset = context.shape[0] - (p.rows.stop - p.rows.start)
                 o = meta.prefill_kernel(q[p.rows], context[:, 0], context[:, 1], scale, layer.window or 0, offset)
             if out is None:
@@ -228,7 +229,7 @@ def paged_attention(
             k, v = kv[p.rows, 0].transpose(0, 1), kv[p.rows, 1].transpose(0, 1)
             o = _attend(qp, k[None], v[None], None, scale, softcap, causal=True)
         else:
-            context = slots.index_select(0, p.context_slots)
+            context = read_slots(kv_cache, p.context_slots, q.dtype)
             k, v = context[:, 0].transpose(0, 1), context[:, 1].transpose(0, 1)
             o = _attend(qp, k[None], v[None], p.mask, scale, softcap)
         o = o[0].transpose(0, 1).reshape(-1, num_heads * head_dim)
@@ -260,7 +261,10 @@ def _gathered_decode(
     kv_heads = kv_cache.shape[3]
     # index_select over flattened block ids copies whole blocks; advanced indexing
     # with the 2-D table was 1.5x slower.
-    context = kv_cache.index_select(0, d.block_tables.flatten()).view(batch, -1, 2, kv_heads, head_dim)
+    context = kv_cache.index_select(0, d.block_tables.flatten())
+    if is_q8_0(kv_cache):
+        context = dequantize_q8_0(context, q.dtype)
+    context = context.view(batch, -1, 2, kv_heads, head_dim)
     if d.mask is None:
         context = context[:, : d.context_len]
     k, v = context[:, :, 0].transpose(1, 2), context[:, :, 1].transpose(1, 2)

@@ -32,6 +32,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_tokens: int | None = None
+    # The pool's format: "auto" (the model's dtype) or "q8_0" (8 bits a value and a float16 scale per 32,
+    # engine/kv_quant.py; CPU, head sizes a multiple of 32): 3.8x the tokens in the same bytes, and
+    # a long context's decode reads that much less.
+    kv_cache_dtype: str = "auto"
     # HF checkpoints: projections quantized at load into this block format (q8_0, q4_0, q4_k; CPU).
     quantize: str | None = None
     max_num_seqs: int = 32
@@ -89,6 +93,10 @@ class EngineConfig:
             raise ValueError("draft_num_kv_blocks is a positive block count, for a draft model")
         if self.lora_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"lora_dtype must be float32 or bfloat16, not {self.lora_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "q8_0"):
+            raise ValueError(f"kv_cache_dtype must be auto or q8_0, not {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "q8_0" and self.device != "cpu":
+            raise ValueError("kv_cache_dtype q8_0 is read by the CPU attention kernel only; on CUDA leave it auto")
 
     def scheduler_config(self, num_blocks: int, max_model_len: int, long_context_after: int | None = None
                          ) -> SchedulerConfig:
@@ -115,6 +123,10 @@ class EngineConfig:
     def express_steps_on(self) -> bool:
         """Whether light tenants' requests may run between a step's layers: fair share is what picks them."""
         return self.express_between_layers and self.policy == "tiered" and self.fair_share
+
+    def kv_dtype(self):
+        """What the KV pool stores: the serving dtype (``torch_dtype``), or "q8_0"."""
+        return "q8_0" if self.kv_cache_dtype == "q8_0" else self.torch_dtype()
 
     def torch_dtype(self):
         """The dtype to serve in. On CPU, float32 unless asked: it keeps exact parity with HF, and

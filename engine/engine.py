@@ -56,10 +56,11 @@ class Engine:
             eos_token_ids=tuple(loaded.eos_token_ids),
         )
         self.max_model_len = min(config.max_model_len, loaded.model_config.max_position_embeddings)
+        kv_dtype = config.kv_dtype()
         num_blocks = config.num_kv_blocks or pool_blocks(
-            loaded.model_config, config.block_size, self.dtype, config.device, config.kv_cache_bytes,
+            loaded.model_config, config.block_size, kv_dtype, config.device, config.kv_cache_bytes,
             config.kv_cache_tokens, config.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, config.device, self.dtype, kv_dtype=kv_dtype)
         self.num_kv_blocks = num_blocks
         drafter = None if config.draft_model is None else self._load_draft_model(config, loaded, num_blocks)
         self.grammars = GrammarCompiler(

@@ -5,7 +5,9 @@ a token's slot (``block * block_size + offset``) is one row of the flattened
 view, and keys sit next to values, so a step writes its new K and V with one
 ``index_copy_`` per layer and a decode batch gathers its context with one
 indexing op, half the eager ops of separate K and V tensors (about 10 µs
-each, times 30 layers, on the 2-core CPU).
+each, times 30 layers, on the 2-core CPU). A pool in the 8-bit format
+(``kv_cache_dtype`` "q8_0", engine/kv_quant.py) holds each head as Q8_0 bytes instead:
+``[num_blocks, block_size, 2, kv_heads, head_dim // 32 * 34]`` uint8.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.huge_pages import advise_huge_pages
+from engine.kv_quant import KVDtype, head_bytes
 from engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -33,7 +36,7 @@ CONTEXT_SHARE_CAP = 4
 
 @dataclass
 class KVCache:
-    layers: list[torch.Tensor]  # per layer [num_blocks, block_size, 2, kv_heads, head_dim]
+    layers: list[torch.Tensor]  # per layer [num_blocks, block_size, 2, kv_heads, head_dim (or its Q8_0 bytes)]
     block_size: int
 
     @property
@@ -42,11 +45,18 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, config: ModelConfig, num_blocks: int, block_size: int, device: str | torch.device, dtype: torch.dtype
+        cls, config: ModelConfig, num_blocks: int, block_size: int, device: str | torch.device, dtype: KVDtype
     ) -> KVCache:
+        """``dtype``: the model's float dtype, or "q8_0" for the 8-bit pool (CPU only)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        shape = (config.num_layers, num_blocks, block_size, 2, config.num_kv_heads, config.head_dim)
+        head = config.head_dim
+        if dtype == "q8_0":
+            if torch.device(device).type != "cpu":
+                raise ValueError("--kv-cache-dtype q8_0 is read by the CPU attention kernel only; "
+                                 "on CUDA leave it auto")
+            head, dtype = head_bytes(config.head_dim), torch.uint8
+        shape = (config.num_layers, num_blocks, block_size, 2, config.num_kv_heads, head)
         # One allocation for everything, so the pool is one contiguous region; on the CPU on huge pages,
         # asked for before the zeros touch them: attention reads a context's blocks from all over it.
         pool = torch.empty(shape, device=device, dtype=dtype)
@@ -56,18 +66,21 @@ class KVCache:
         return cls(layers=list(pool.unbind(0)), block_size=block_size)
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: KVDtype) -> int:
     """K and V of every layer for one block of tokens."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    if dtype == "q8_0":
+        head = head_bytes(config.head_dim)
+    else:
+        head = config.head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * head
 
 
-def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: KVDtype, budget_bytes: int) -> int:
     """How many blocks fit in ``budget_bytes``; at least one, so a tiny budget still runs."""
     return max(1, int(budget_bytes) // bytes_per_block(config, block_size, dtype))
 
 
-def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+def bytes_per_token(config: ModelConfig, dtype: KVDtype) -> int:
     return bytes_per_block(config, 1, dtype)
 
 
@@ -86,7 +99,7 @@ def available_memory(device: str | torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def default_pool_bytes(config: ModelConfig, dtype: torch.dtype, available: int, max_num_seqs: int,
+def default_pool_bytes(config: ModelConfig, dtype: KVDtype, available: int, max_num_seqs: int,
                        max_model_len: int) -> int:
     """The pool's size when none is asked for: ``AVAILABLE_FRACTION`` of ``available``, capped at
     ``max_num_seqs`` sequences of a ``CONTEXT_SHARE_CAP``-th of the context, at least one whole context."""
@@ -95,7 +108,7 @@ def default_pool_bytes(config: ModelConfig, dtype: torch.dtype, available: int, 
     return max(min(int(available * AVAILABLE_FRACTION), cap), max_model_len * per_token)
 
 
-def pool_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, device: str | torch.device,
+def pool_blocks(config: ModelConfig, block_size: int, dtype: KVDtype, device: str | torch.device,
                 memory_bytes: int | None, tokens: int | None, max_num_seqs: int, max_model_len: int) -> int:
     """The pool's blocks: ``memory_bytes`` or ``tokens`` when given, else ``default_pool_bytes``."""
     if memory_bytes is not None and tokens is not None:
@@ -111,6 +124,6 @@ def pool_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, device
             how = "bytes asked"
         blocks = num_blocks_for_budget(config, block_size, dtype, memory_bytes)
     size = blocks * bytes_per_block(config, block_size, dtype)
-    log.info("KV pool: %d blocks of %d tokens (%d tokens, %.0f MiB; %s)", blocks, block_size, blocks * block_size,
-             size / 2**20, how)
+    log.info("KV pool: %d blocks of %d tokens (%d tokens, %.0f MiB in %s; %s)", blocks, block_size, blocks * block_size,
+             size / 2**20, str(dtype).removeprefix("torch."), how)
     return blocks

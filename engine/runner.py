@@ -14,6 +14,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cpu_threads import ThreadTuner
 from engine.kv_cache import KVCache
+from engine.kv_quant import KVDtype
 from engine.loader import LoadedModel
 from engine.lora_hook import LoraBatchLike
 from engine.attention_kernels import DecodeKernel, PrefillKernel, decode_kernel_for, prefill_kernel_for
@@ -30,10 +31,12 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
         decode_kernel: DecodeKernel | None | str = "auto",
         prefill_kernel: PrefillKernel | None | str = "auto",
+        kv_dtype: KVDtype | None = None,
     ) -> None:
         """``decode_kernel``: "auto" picks the device's in-place paged attention kernel
         (engine/attention_kernels.py); None keeps the gathered path. ``prefill_kernel``: "auto"
-        picks the causal prefill kernel where one serves these shapes; None keeps SDPA."""
+        picks the causal prefill kernel where one serves these shapes; None keeps SDPA.
+        ``kv_dtype``: the pool's format, "q8_0" or None (the model's dtype)."""
         self.model = loaded.model
         self.config = loaded.model_config
         self.device = torch.device(device) if device is not None else self.model.device
@@ -43,7 +46,7 @@ class ModelRunner:
             self.model = self.model.to(device=self.device, dtype=self.dtype)
         self.model.prepare_weights()
         self.block_size = block_size
-        self.kv_cache = KVCache.allocate(self.config, num_blocks, block_size, self.device, self.dtype)
+        self.kv_cache = KVCache.allocate(self.config, num_blocks, block_size, self.device, kv_dtype or self.dtype)
         self.decode_kernel = (decode_kernel_for(self.device, self.config.head_dim)
                               if decode_kernel == "auto" else decode_kernel)
         self.prefill_kernel = (prefill_kernel_for(self.device, self.dtype, self.config.head_dim)

@@ -88,6 +88,9 @@ def build_parser() -> OneLineParser:
                    help="KV pool size, e.g. 512MiB or 2GB (default: half the memory left after the weights, "
                         "capped at a quarter context per batch slot)")
     s.add_argument("--kv-cache-tokens", type=positive_int, metavar="N", help="KV pool size in tokens")
+    s.add_argument("--kv-cache-dtype", choices=["auto", "q8_0"],
+                   help="the KV pool's format: auto (the model's dtype, default) or q8_0 (8 bits a value and a "
+                        "scale per 32, about a quarter of float32's bytes; CPU, head sizes a multiple of 32)")
     s.add_argument("--speculative", choices=["ngram", "draft"],
                    help="speculative decoding: 'ngram' drafts each row's next tokens from its own prompt and output "
                         "(prompt lookup), 'draft' with the small model --draft-model; off by default")
@@ -152,8 +155,8 @@ def build_parser() -> OneLineParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     names = ("database_url", "model", "device", "dtype", "host", "port", "scheduler_policy", "premium_ttft_slo_s",
-             "quantize", "kv_cache_memory", "kv_cache_tokens", "speculative", "num_speculative_tokens",
-             "draft_model", "draft_kv_blocks", "lora_dtype")
+             "quantize", "kv_cache_memory", "kv_cache_tokens", "kv_cache_dtype", "speculative",
+             "num_speculative_tokens", "draft_model", "draft_kv_blocks", "lora_dtype")
     return load_settings({n: getattr(args, n, None) for n in names})
 
 

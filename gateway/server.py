@@ -62,6 +62,7 @@ def engine_config(settings: Settings) -> EngineConfig:
                         grammar_cache_bytes=settings.grammar_cache_bytes, grammar_cache_scope=settings.grammar_cache_scope,
                         grammar_mask_budget_s=settings.grammar_mask_budget_s, quantize=settings.quantize,
                         kv_cache_bytes=settings.kv_cache_bytes, kv_cache_tokens=settings.kv_cache_tokens,
+                        kv_cache_dtype=settings.kv_cache_dtype,
                         speculative=settings.speculative, num_speculative_tokens=settings.num_speculative_tokens,
                         draft_model=settings.draft_model, draft_num_kv_blocks=settings.draft_kv_blocks)
 

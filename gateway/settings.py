@@ -35,6 +35,8 @@ class Settings:
     # the memory left after the weights (engine/kv_cache.py default_pool_bytes).
     kv_cache_memory: str | None = None
     kv_cache_tokens: int | None = None
+    # The pool's format: "auto" (the model's dtype) or "q8_0" (8-bit, llama.cpp's --cache-type-k/v q8_0; CPU).
+    kv_cache_dtype: str = "auto"
     # Speculative decoding (engine/speculative.py): "ngram" (prompt lookup), "draft" (the checkpoint
     # draft_model, with the model's tokenizer) or None, and the most tokens a row drafts per step. The
     # draft model's KV pool is its own: draft_kv_blocks blocks, unset: as many tokens as the model's pool.
@@ -150,6 +152,10 @@ class Settings:
             parse_bytes(self.kv_cache_memory)
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise SettingsError(f"kv_cache_tokens must be at least 1, not {self.kv_cache_tokens}")
+        if self.kv_cache_dtype not in ("auto", "q8_0"):
+            raise SettingsError(f"kv_cache_dtype must be auto or q8_0, not {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "q8_0" and self.device != "cpu":
+            raise SettingsError("kv_cache_dtype q8_0 is read by the CPU attention kernel only: on CUDA leave it auto")
         if self.speculative not in (None, "ngram", "draft"):
             raise SettingsError(f"speculative must be ngram, draft or unset, not {self.speculative!r}")
         if self.speculative == "draft" and not self.draft_model:

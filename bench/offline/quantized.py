@@ -141,7 +141,7 @@ def _tiergate_worker(path: Path, args: argparse.Namespace, workload: dict, tasks
     context = max(args.single_prompt + args.tokens, PP_TOKENS + 1, args.stream_prompt + args.stream_tokens)
     # The pool holds every stream's context, so no run preempts (llama.cpp's n_ctx is sized alike).
     runner = TiergateRunner(args.streams, -(-(args.stream_prompt + args.stream_tokens) // 256) * 256,
-                            model=str(path), max_model_len=max(2048, context))
+                            model=str(path), max_model_len=max(2048, context), kv_cache_dtype=args.kv_cache_dtype)
     if runner.engine.num_kv_blocks * runner.config.block_size < context:
         raise RuntimeError("the KV pool cannot hold the longest request (--single-prompt, pp512)")
     try:
@@ -150,7 +150,8 @@ def _tiergate_worker(path: Path, args: argparse.Namespace, workload: dict, tasks
         out.update(_measure(runner, tasks, workload, args.pp_reps))
         if "streams" in out:
             x = out["streams"]["extra"]
-            dtype = str(runner.engine.runner.dtype).removeprefix("torch.")
+            dtype = str(runner.engine.runner.kv_cache.layers[0].dtype).removeprefix("torch.")
+            dtype = "q8_0" if dtype == "uint8" else dtype
             x["kv"] = (f"peak {x['kv_blocks_peak']}/{x['kv_blocks_total']} blocks of {runner.config.block_size} "
                        f"tokens, {dtype}")
             out["streams"]["kv"] = x["kv"]
@@ -189,6 +190,20 @@ class LlamaLog:
         return list(seen) + [f"repack: {n} tensors repacked to {layout}" for layout, n in repacked.items()]
 
 
+def llama_decode(ctx, batch, tokens: list[int], start: int) -> None:
+    """``tokens`` of sequence 0 at positions ``start``.. through ``llama_decode``, the last one's logits only,
+    waited for (llama-bench's way of timing a batch)."""
+    import llama_cpp
+
+    for i, token in enumerate(tokens):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, start + i, 1
+        batch.seq_id[i][0], batch.logits[i] = 0, i == len(tokens) - 1
+    batch.n_tokens = len(tokens)
+    if llama_cpp.llama_decode(ctx, batch) != 0:
+        raise RuntimeError("llama_decode failed")
+    llama_cpp.llama_synchronize(ctx)
+
+
 def llama_bench_check(path: Path, threads: int, reps: int = 3) -> dict:
     """pp512 and tg128 as llama-bench measures them: a fresh context of 640 tokens, n_batch = n_ubatch =
     512, threads fixed, flash attention at llama.cpp's default; pp: one 512-token batch, the last token's
@@ -204,13 +219,7 @@ def llama_bench_check(path: Path, threads: int, reps: int = 3) -> dict:
     batch = llama_cpp.llama_batch_init(PP_TOKENS, 0, 1)
 
     def decode(tokens: list[int], start: int) -> None:
-        for i, token in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, start + i, 1
-            batch.seq_id[i][0], batch.logits[i] = 0, i == len(tokens) - 1
-        batch.n_tokens = len(tokens)
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
-        llama_cpp.llama_synchronize(ctx)
+        llama_decode(ctx, batch, tokens, start)
 
     try:
         prompt = [100 + (i * 37) % 20000 for i in range(PP_TOKENS)]
@@ -243,7 +252,8 @@ def _llama_worker(path: Path, args: argparse.Namespace, workload: dict, tasks: l
 
     log = LlamaLog()
     started = time.perf_counter()
-    runner = LlamaCppRunner(path, path.stem, args.threads, pin_threads=args.pin_threads)
+    runner = LlamaCppRunner(path, path.stem, args.threads, pin_threads=args.pin_threads,
+                            kv_cache_dtype=args.kv_cache_dtype)
     runner.warm_up()
     out = {"load_s": time.perf_counter() - started, "buffers": log.lines(),
            "system_info": llama_cpp.llama_print_system_info().decode().strip()}
@@ -267,7 +277,8 @@ def run_worker(engine: str, path: Path, args: argparse.Namespace, tasks: list[st
     return out
 
 
-_SETTINGS = ("threads", "tokens", "single_prompt", "streams", "stream_prompt", "stream_tokens", "pp_reps")
+_SETTINGS = ("threads", "tokens", "single_prompt", "streams", "stream_prompt", "stream_tokens", "pp_reps",
+             "kv_cache_dtype")
 
 
 def _spawn(engine: str, path: str, args: argparse.Namespace, tasks: list[str]) -> dict:
@@ -359,6 +370,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stream-prompt", type=int, default=64)
     p.add_argument("--stream-tokens", type=int, default=64)
     p.add_argument("--pp-reps", type=int, default=3)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "q8_0"], default="auto",
+                   help="both engines' KV cache: auto (tiergate float32, llama.cpp F16) or q8_0 (both 8-bit)")
     p.add_argument("--worker-timeout", type=int, default=1800)
     p.add_argument("--json")
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)

@@ -33,9 +33,17 @@ def _context_per_sequence(requests: list[BenchRequest]) -> int:
     return -(-longest // 256) * 256
 
 
-def context_params(n_seq: int, context_per_sequence: int, n_threads: int) -> llama_cpp.llama_context_params:
-    """The context the batched runs use: one KV stream per sequence, llama.cpp's default batch sizes."""
+# The KV cache's formats a run may ask for: "auto" is llama.cpp's default (F16).
+KV_TYPES = {"auto": None, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
+
+
+def context_params(n_seq: int, context_per_sequence: int, n_threads: int,
+                   kv_cache_dtype: str = "auto") -> llama_cpp.llama_context_params:
+    """The context the batched runs use: one KV stream per sequence, llama.cpp's default batch sizes,
+    its keys and values in ``kv_cache_dtype`` (its --cache-type-k/-v)."""
     params = llama_cpp.llama_context_default_params()
+    if KV_TYPES[kv_cache_dtype] is not None:
+        params.type_k = params.type_v = KV_TYPES[kv_cache_dtype]
     params.n_seq_max = n_seq
     params.n_ctx = n_seq * (-(-context_per_sequence // 256) * 256)
     params.n_batch = BATCH_TOKENS
@@ -110,8 +118,10 @@ class _Slot:
 
 
 class LlamaCppRunner:
-    def __init__(self, model_path: Path, label: str, n_threads: int, pin_threads: bool = False) -> None:
+    def __init__(self, model_path: Path, label: str, n_threads: int, pin_threads: bool = False,
+                 kv_cache_dtype: str = "auto") -> None:
         self.name = f"llama.cpp-{label}"
+        self.kv_cache_dtype = kv_cache_dtype
         self.model_path = model_path
         self.n_threads = n_threads
         self.pin_threads = pin_threads  # every step on n_threads, as llama-bench runs, instead of picking
@@ -129,7 +139,7 @@ class LlamaCppRunner:
         model = llama_cpp.llama_model_load_from_file(str(self.model_path).encode(), model_params)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {self.model_path}")
-        params = context_params(concurrency, _context_per_sequence(requests), self.n_threads)
+        params = context_params(concurrency, _context_per_sequence(requests), self.n_threads, self.kv_cache_dtype)
         ctx = llama_cpp.llama_init_from_model(model, params)
         if not ctx:
             llama_cpp.llama_model_free(model)

@@ -79,9 +79,10 @@ class TiergateRunner:
     name = "tiergate"
 
     def __init__(self, max_concurrency: int, context_per_seq: int, model: str = "bundled", block_size: int = 16,
-                 dtype: str | None = None, max_model_len: int = 2048) -> None:
+                 dtype: str | None = None, max_model_len: int = 2048, kv_cache_dtype: str = "auto") -> None:
         """``dtype``: as ``EngineConfig.dtype`` (None: a GGUF on CPU is served in its own quantization);
-        ``max_model_len``: the longest prompt and output a request may have."""
+        ``max_model_len``: the longest prompt and output a request may have; ``kv_cache_dtype``: as
+        ``EngineConfig.kv_cache_dtype``."""
         # The same KV room per sequence as llama.cpp's n_ctx gets, so no run preempts.
         blocks = max_concurrency * -(-context_per_seq // block_size)
         # Every concurrency level replays the same prompts; the prefix cache
@@ -89,7 +90,7 @@ class TiergateRunner:
         # no peer gets, so it is off here.
         self.config = EngineConfig(model=model, policy="fcfs", block_size=block_size, num_kv_blocks=blocks,
                                    max_num_seqs=max_concurrency, enable_prefix_caching=False, dtype=dtype,
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
         self.engine = Engine(self.config).start()
         self.recorder = StepRecorder(self.engine, block_size)
         self.engine.add_listener(self.recorder)

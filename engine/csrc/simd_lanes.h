@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -93,10 +94,22 @@ inline lanes sum_each(const lanes (&v)[8]) {
 }
 #endif
 
+inline lanes max_each(lanes a, lanes b) { return a > b ? a : b; }
+
+// The largest lane, folded in halves (as sum_lanes): a chain of LANES - 1 dependent maxima took longer.
 inline float max_lanes(lanes v) {
-  float m = v[0];
-  for (int64_t l = 1; l < LANES; ++l) m = v[l] > m ? v[l] : m;
-  return m;
+  typedef float half_lanes __attribute__((vector_size(8 * sizeof(float))));
+  typedef float quarter_lanes __attribute__((vector_size(4 * sizeof(float))));
+#if TIERGATE_LANES == 16
+  const half_lanes lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const half_lanes hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const half_lanes h = lo > hi ? lo : hi;
+#else
+  const half_lanes h = v;
+#endif
+  const quarter_lanes a = __builtin_shufflevector(h, h, 0, 1, 2, 3), b = __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const quarter_lanes q = a > b ? a : b;
+  return std::max(std::max(q[0], q[2]), std::max(q[1], q[3]));
 }
 
 inline void store(float* p, const lanes& v) { std::memcpy(p, &v, sizeof(v)); }
