@@ -195,26 +195,6 @@ void attend_item(const Shapes& s, const scalar_t* q_seq, int64_t q_head, const u
   }
 }
 
-// The parts of one split context as one softmax: each part's sums rescaled to the largest max.
-template <typename scalar_t>
-void combine_parts(const Shapes& s, const Split& split, int64_t rows, const float* partials, scalar_t* dst) {
-  const int64_t stride = rows * (2 + s.head_dim);
-  std::vector<float> out(s.head_dim);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* first = partials + split.first_slot * stride + r * (2 + s.head_dim);
-    float peak = NEG_INF, total = 0.f;
-    for (int64_t p = 0; p < split.parts; ++p) peak = std::max(peak, first[p * stride]);
-    std::fill(out.begin(), out.end(), 0.f);
-    for (int64_t p = 0; p < split.parts; ++p) {
-      const float* part = first + p * stride;
-      const float weight = std::exp(part[0] - peak);
-      total += part[1] * weight;
-      for (int64_t d = 0; d < s.head_dim; ++d) out[d] += part[2 + d] * weight;
-    }
-    for (int64_t d = 0; d < s.head_dim; ++d) dst[r * s.head_dim + d] = static_cast<scalar_t>(out[d] / total);
-  }
-}
-
 template <typename scalar_t, typename Heads, int VECS>
 void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
             const at::Tensor& context_lens, double scale, int64_t window, double softcap, at::Tensor& out) {
@@ -279,7 +259,8 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
   at::parallel_for(0, int64_t(split_contexts.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Split& split = split_contexts[i];
-      combine_parts(s, split, rows, partials.data(), out_data + (split.seq * num_heads + split.first_row) * head_dim);
+      tiergate_paged::combine_parts(head_dim, split, rows, partials.data(),
+                                    out_data + (split.seq * num_heads + split.first_row) * head_dim);
     }
   });
 }

@@ -1,9 +1,12 @@
 // How one paged decode attention call's work is cut into items and shared between threads
-// (csrc/paged_attention.cpp): a sequence, or a sequence's KV heads, or a part of its context.
+// (csrc/paged_attention.cpp): a sequence, or a sequence's KV heads, or a part of its context; and how
+// the parts of a cut context are joined.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace tiergate_paged {
@@ -52,6 +55,26 @@ inline std::vector<int64_t> runs_by_blocks(const std::vector<Item>& items, int64
     done += blocks;
   }
   return starts;
+}
+
+// The parts of one split context as one softmax: each part's sums rescaled to the largest max.
+template <typename scalar_t>
+void combine_parts(int64_t head_dim, const Split& split, int64_t rows, const float* partials, scalar_t* dst) {
+  const int64_t stride = rows * (2 + head_dim);
+  std::vector<float> out(head_dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* first = partials + split.first_slot * stride + r * (2 + head_dim);
+    float peak = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (int64_t p = 0; p < split.parts; ++p) peak = std::max(peak, first[p * stride]);
+    std::fill(out.begin(), out.end(), 0.f);
+    for (int64_t p = 0; p < split.parts; ++p) {
+      const float* part = first + p * stride;
+      const float weight = std::exp(part[0] - peak);
+      total += part[1] * weight;
+      for (int64_t d = 0; d < head_dim; ++d) out[d] += part[2 + d] * weight;
+    }
+    for (int64_t d = 0; d < head_dim; ++d) dst[r * head_dim + d] = static_cast<scalar_t>(out[d] / total);
+  }
 }
 
 }  // namespace tiergate_paged
