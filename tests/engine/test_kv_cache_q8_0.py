@@ -266,3 +266,19 @@ def test_the_cli_refuses_an_unknown_or_misplaced_kv_cache_dtype_in_one_line(caps
     assert main(["serve", "--kv-cache-dtype", "q8_0", "--device", "cuda"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "q8_0 is read by the CPU attention kernel only" in err
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_kernel_soft_caps_and_windows_scores_over_a_q8_0_pool(kernel, threads):
+    """The reference's soft-capped cases have heads of 16, below Q8_0's 32: one of 64 here, with a window."""
+    data = random_case([1, 16, 17, 40, 250], 4, 2, 64, 16, seed=12, window=30, softcap=2.0)
+    blocks, exact = quantized(data)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(blocks.q, blocks.kv_cache, blocks.block_tables, blocks.context_lens, blocks.scale, 30, 2.0)
+    finally:
+        torch.set_num_threads(before)
+    assert (out.double() - reference(exact)).abs().max().item() < 1e-5
+    uncapped = kernel(blocks.q, blocks.kv_cache, blocks.block_tables, blocks.context_lens, blocks.scale, 30)
+    assert (uncapped.double() - reference(exact)).abs().max().item() > 1e-3
