@@ -17,7 +17,6 @@ import torch
 
 Q8_0_GROUP = 32  # dimensions under one scale
 Q8_0_BYTES = 2 + Q8_0_GROUP  # float16 scale, then the int8 values
-KV_CACHE_DTYPES = ("auto", "q8_0")  # "auto": the model's dtype
 
 # What a pool stores: the model's dtype, or the name of an 8-bit format.
 KVDtype = torch.dtype | str
