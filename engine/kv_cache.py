@@ -50,12 +50,9 @@ class KVCache:
         """``dtype``: the model's float dtype, or "q8_0" for the 8-bit pool (CPU only)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        head = config.head_dim
-        if dtype == "q8_0":
-            if torch.device(device).type != "cpu":
-                raise ValueError("--kv-cache-dtype q8_0 is read by the CPU attention kernel only; "
-                                 "on CUDA leave it auto")
-            head, dtype = head_bytes(config.head_dim), torch.uint8
+        if dtype == "q8_0" and torch.device(device).type != "cpu":
+            raise ValueError("--kv-cache-dtype q8_0 is read by the CPU attention kernel only; on CUDA leave it auto")
+        dtype, head = head_storage(config, dtype)
         shape = (config.num_layers, num_blocks, block_size, 2, config.num_kv_heads, head)
         # One allocation for everything, so the pool is one contiguous region; on the CPU on huge pages,
         # asked for before the zeros touch them: attention reads a context's blocks from all over it.
@@ -66,13 +63,18 @@ class KVCache:
         return cls(layers=list(pool.unbind(0)), block_size=block_size)
 
 
+def head_storage(config: ModelConfig, dtype: KVDtype) -> tuple[torch.dtype, int]:
+    """The pool's element type and elements per stored head: the float dtype and the head's size, or a
+    Q8_0 head's bytes (engine/kv_quant.py)."""
+    if dtype == "q8_0":
+        return torch.uint8, head_bytes(config.head_dim)
+    return dtype, config.head_dim
+
+
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: KVDtype) -> int:
     """K and V of every layer for one block of tokens."""
-    if dtype == "q8_0":
-        head = head_bytes(config.head_dim)
-    else:
-        head = config.head_dim * torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * head
+    element, head = head_storage(config, dtype)
+    return 2 * config.num_layers * block_size * config.num_kv_heads * head * element.itemsize
 
 
 def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: KVDtype, budget_bytes: int) -> int:

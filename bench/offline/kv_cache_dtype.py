@@ -31,6 +31,7 @@ from pathlib import Path
 
 from bench.common import machine, report
 from bench.offline import quantized
+from bench.peers import llama_bench
 
 FORMATS = ("auto", "q8_0")  # tiergate: float32 | Q8_0; llama.cpp: F16 | Q8_0
 ENGINES = ("tiergate", "llama.cpp")
@@ -78,7 +79,7 @@ def llama_depth_check(path: str, threads: int, depth: int, tokens: int, kv_cache
 
     from bench.peers.llama_cpp_runner import KV_TYPES
 
-    quantized.LlamaLog()  # its log lines collected, not printed
+    llama_bench.LlamaLog()  # its log lines collected, not printed
     model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
     params = llama_cpp.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_ubatch = depth + tokens + 16, 512, 512
@@ -90,10 +91,10 @@ def llama_depth_check(path: str, threads: int, depth: int, tokens: int, kv_cache
     try:
         context = [100 + (i * 37) % 20000 for i in range(depth)]
         for at in range(0, depth, 512):
-            quantized.llama_decode(ctx, batch, context[at:at + 512], at)
+            llama_bench.llama_decode(ctx, batch, context[at:at + 512], at)
         began = time.perf_counter()
         for i in range(tokens):
-            quantized.llama_decode(ctx, batch, [200 + i], depth + i)
+            llama_bench.llama_decode(ctx, batch, [200 + i], depth + i)
         return {"tokens_per_s": tokens / (time.perf_counter() - began), "depth": depth, "kv": kv_cache_dtype}
     finally:
         llama_cpp.llama_batch_free(batch)

@@ -191,7 +191,7 @@ def test_describe_weights_counts_packed_forms_and_shared_storage_once():
 
 
 def test_llama_cpp_log_keeps_its_buffer_lines_and_counts_repacked_tensors_per_layout():
-    from bench.offline.quantized import LlamaLog
+    from bench.peers.llama_bench import LlamaLog
 
     log = LlamaLog.__new__(LlamaLog)  # without installing the callback: the parsing alone
     log.pieces = ["load_tensors: CPU_REPACK model buffer size = 21.09 MiB\n", "print_info: n_head = 15\n",
