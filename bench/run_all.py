@@ -115,6 +115,10 @@ def benches() -> list[Bench]:
               ["--policies", "tiered,tiered-step-end,fcfs", "--flood-max-tokens", "32", "--light-every", "3",
                "--alone-s", "10", "--warmup-s", "40", "--flood-s", "40", "--rounds", "2"],
               ["--flood", "4", "--alone-s", "3", "--warmup-s", "3", "--flood-s", "6"], timeout_s=1200),
+        # Issue 32 without the machine's noise: the batch step share's trade, the scheduler on a virtual clock.
+        Bench("batch_tier_sim", "sim.batch_tier",
+              "The batch tier on a virtual clock: interactive first tokens and gaps, and output tokens/s, by batch step share",
+              ["--shares", "0.2,0.5,1", "--seeds", "3"], ["--duration", "30", "--seeds", "1"]),
         # Issue 32: about 12 minutes on a quiet 2-core box (capacity, two 120-second phases, the batch's tail).
         Bench("batch_tier", "live.batch_tier",
               "The batch tier: interactive load at 70% of capacity, alone and beside a 2,000-line batch",

@@ -44,9 +44,11 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None,
     if not any(sched.waiting[queue] for queue in sched.policy.queue_names()):
         return StepPlan()  # asked between every two layer slices: with nobody waiting, plan nothing
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, sched.policy.charge_prefill)
-    # The running decodes wait for this step too, inside the step under way or before the next one.
-    sched.bound(step, step_target_s(sched.config, [s for s in sched.running if not s.is_prefilling],
-                                    sched.step_cost.coefficients()))
+    # The running decodes wait for this step too, inside the step under way or before the next one; not the
+    # spare-capacity tiers', whose gaps no bound keeps (their work yields to everyone's).
+    policy = sched.policy
+    decoding = [s for s in sched.running if not s.is_prefilling and not policy.is_spare(policy.queue_of(s))]
+    sched.bound(step, step_target_s(sched.config, decoding, sched.step_cost.coefficients()))
     ahead = _queues_ahead_of(sched, under_way)
     for queue in sched.policy.queue_names():
         if sched.policy.is_spare(queue):

@@ -230,3 +230,21 @@ def test_batch_work_alone_advances_on_a_machine_whose_every_step_outlasts_the_bo
         sched.add(s)
     drain(sched, limit=200)
     assert all(len(s.output_token_ids) == 6 for s in batch)
+
+
+def test_a_request_arriving_in_a_step_of_batch_decodes_goes_whole_between_its_layers(seq):
+    # Batch streams keep no gap bound: their rows must not cut the prompt of a request that arrives in their step
+    # to what a stream's bound would leave, or it waits for the step's end.
+    cost = StepCost(base_s=0.01, per_prefill_token_s=1e-3, per_decode_seq_s=1e-3, per_context_token_s=0.0)
+    config = SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
+                             max_model_len=64, step_cost_prior=cost, step_bound_factor=3.0, max_step_s=0.15)
+    sched = Scheduler(config)
+    for _ in range(4):
+        sched.add(seq(4, tier="batch", max_tokens=40, tenant="bulk"))
+    run_step(sched)  # their prompts
+    under_way = plan_and_check(sched)
+    assert tiers_of(under_way) == {"batch"} and all(c.is_decode for c in under_way.chunks)
+    standard = seq(48, tenant="light")
+    sched.add(standard)
+    between = sched.schedule_express(frozenset(), frozenset(c.seq.seq_id for c in under_way.chunks))
+    assert [(c.seq.seq_id, c.num_tokens) for c in between.chunks] == [(standard.seq_id, 48)]
