@@ -44,11 +44,8 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None,
     if not any(sched.waiting[queue] for queue in sched.policy.queue_names()):
         return StepPlan()  # asked between every two layer slices: with nobody waiting, plan nothing
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, sched.policy.charge_prefill)
-    # The running decodes wait for this step too, inside the step under way or before the next one; not the
-    # spare-capacity tiers', whose gaps no bound keeps (their work yields to everyone's).
-    policy = sched.policy
-    decoding = [s for s in sched.running if not s.is_prefilling and not policy.is_spare(policy.queue_of(s))]
-    sched.bound(step, step_target_s(sched.config, decoding, sched.step_cost.coefficients()))
+    # The running streams wait for this step too, inside the step under way or before the next one.
+    sched.bound(step, step_target_s(sched.config, _streams(sched), sched.step_cost.coefficients()))
     ahead = _queues_ahead_of(sched, under_way)
     for queue in sched.policy.queue_names():
         if sched.policy.is_spare(queue):
@@ -65,6 +62,13 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None,
             if sched.start_sequence(seq, step, 0, may_preempt=False) in (NO_SLOT, NO_BLOCKS):
                 return step.finished()
     return step.finished()
+
+
+def _streams(sched: StepPlanner) -> list[Sequence]:
+    """The running sequences that decode and whose gaps a bound keeps: not the spare-capacity tiers' (their
+    work yields to everyone's)."""
+    policy = sched.policy
+    return [s for s in sched.running if not s.is_prefilling and not policy.is_spare(policy.queue_of(s))]
 
 
 def _queues_ahead_of(sched: StepPlanner, under_way: Collection[str]) -> set[str]:
@@ -84,8 +88,7 @@ def plan_express_decodes(sched: StepPlanner, under_way: Collection[str], waited_
     (after its next layer), and the decode step itself takes its predicted time, so waiting for the bound
     itself would give these sequences a gap of the bound, a layer and a decode step."""
     policy = sched.policy
-    decoding = [s for s in sched.running if s.seq_id not in under_way and not s.is_prefilling
-                and not policy.is_spare(policy.queue_of(s)) and s.has_tokens_left]
+    decoding = [s for s in _streams(sched) if s.seq_id not in under_way and s.has_tokens_left]
     target = step_target_s(sched.config, decoding, sched.step_cost.coefficients())
     if target is None:
         return StepPlan()
