@@ -27,10 +27,11 @@ import random
 import statistics
 import sys
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from bench.common import report
 from bench.common.stats import percentile
+from bench.live import batch_tier as live_batch_tier
 from bench.sim.slo import CostModel
 from gateway.server import engine_config
 from gateway.settings import load_settings
@@ -44,14 +45,23 @@ TIERS = ("premium", "standard")
 
 @dataclass(frozen=True)
 class Workload:
-    load: float = 0.7  # interactive arrivals as a share of the capacity
-    premium_share: float = 0.3
-    prompt: tuple[int, int] = (20, 200)
-    output: tuple[int, int] = (16, 64)
-    line_prompt: tuple[int, int] = (20, 120)
-    line_tokens: int = 16
-    capacity_concurrency: int = 16
-    capacity_requests: int = 48
+    load: float  # interactive arrivals as a share of the capacity
+    premium_share: float
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    line_prompt: tuple[int, int]
+    line_tokens: int
+    capacity_concurrency: int
+    capacity_requests: int
+
+    @classmethod
+    def of_live_bench(cls, **changes) -> Workload:
+        """The live bench's workload, read from its defaults (bench/live/batch_tier.py), with ``changes``."""
+        live = live_batch_tier.parse_args([])
+        work = cls(load=live.load, premium_share=live.premium_share, prompt=(20, live.max_prompt),
+                   output=(16, live.max_output), line_prompt=(20, live.line_prompt), line_tokens=live.line_tokens,
+                   capacity_concurrency=live.capacity_concurrency, capacity_requests=live.capacity_requests)
+        return replace(work, **changes)
 
 
 def scheduler_config(batch_step_share: float) -> SchedulerConfig:
@@ -102,9 +112,10 @@ class _Run:
             self.batch_running.add(self.add("batch", self.batch_rng.randint(*self.work.line_prompt),
                                             self.work.line_tokens, self.now))
 
-    def apply(self, plan: StepPlan, ends_at: float) -> list[str]:
-        """A step that ends at ``ends_at``: its tokens and finishes; returns the ids that finished."""
-        duration, prefill = self.cost.step_time(plan)
+    def apply(self, plan: StepPlan, timed: tuple[float, int], ends_at: float) -> list[str]:
+        """A step that ends at ``ends_at``, ``timed`` (its seconds and prefill tokens, ``CostModel.step_time``): its
+        tokens and finishes; returns the ids that finished."""
+        duration, prefill = timed
         self.busy_s += duration
         sampling = [c.seq for c in plan.chunks if c.samples]
         self.sched.update(plan, {s.seq_id: 1 + s.num_tokens % 30000 for s in sampling})
@@ -134,7 +145,8 @@ class _Run:
                 raise RuntimeError("the scheduler planned nothing with work left")
             self.now = arrivals[0]
             return
-        duration, _ = self.cost.step_time(plan)
+        timed = self.cost.step_time(plan)
+        duration = timed[0]
         started, ends_at = self.now, self.now + duration
         under_way = frozenset(c.seq.seq_id for c in plan.chunks)
         batch_alone = all(c.seq.tier == "batch" for c in plan.chunks)
@@ -151,11 +163,11 @@ class _Run:
                 self.in_batch_steps += 1
                 self.waited += between.is_empty
             if not between.is_empty:
-                express_s, _ = self.cost.step_time(between)
-                self.apply(between, self.now + express_s)
-                ends_at, expressed = ends_at + express_s, True
+                express = self.cost.step_time(between)
+                self.apply(between, express, self.now + express[0])
+                ends_at, expressed = ends_at + express[0], True
         self.now = ends_at
-        self.apply(plan, ends_at)
+        self.apply(plan, timed, ends_at)
 
 
 def capacity_rps(config: SchedulerConfig, cost: CostModel, work: Workload, seed: int) -> float:
@@ -167,8 +179,9 @@ def capacity_rps(config: SchedulerConfig, cost: CostModel, work: Workload, seed:
         run.interactive(0.0)
     while run.open:
         plan = run.sched.schedule()
-        run.now += cost.step_time(plan)[0]
-        for _ in run.apply(plan, run.now):
+        timed = cost.step_time(plan)
+        run.now += timed[0]
+        for _ in run.apply(plan, timed, run.now):
             if started < work.capacity_requests:
                 started += 1
                 run.interactive(run.now)
@@ -179,9 +192,9 @@ def phase(config: SchedulerConfig, cost: CostModel, work: Workload, rate: float,
           batch_window: int) -> dict:
     """Poisson interactive arrivals for ``duration_s`` (the same for a seed whatever else runs), beside a batch
     of ``batch_window`` running lines when that is not 0; runs until every interactive request has its tokens."""
-    times, t, arrival_rng = deque(), 0.0, random.Random(seed)
-    while (t := t + arrival_rng.expovariate(rate)) < duration_s:
-        times.append(t)
+    times, at, arrival_rng = deque(), 0.0, random.Random(seed)
+    while (at := at + arrival_rng.expovariate(rate)) < duration_s:
+        times.append(at)
     run = _Run(config, cost, seed, work)
     run.end = duration_s
     while times or run.open:
@@ -256,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--duration", type=float, default=300.0, help="virtual seconds of interactive arrivals a phase")
     p.add_argument("--cost-model", help="JSON of fitted step-cost coefficients (default: CPU_COST)")
-    p.add_argument("--load", type=float, default=Workload.load, help="interactive arrivals, a share of the capacity")
-    p.add_argument("--line-prompt", default="20:120", help="batch lines' prompt tokens, MIN:MAX")
-    p.add_argument("--line-tokens", type=int, default=Workload.line_tokens, help="batch lines' output tokens")
+    live = Workload.of_live_bench()
+    p.add_argument("--load", type=float, default=live.load, help="interactive arrivals, a share of the capacity")
+    p.add_argument("--line-prompt", default="%d:%d" % live.line_prompt, help="batch lines' prompt tokens, MIN:MAX")
+    p.add_argument("--line-tokens", type=int, default=live.line_tokens, help="batch lines' output tokens")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     try:
@@ -275,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--shares must be zero or more; --seeds, --duration and --line-tokens positive")
     if not 0 < args.load < 1:
         p.error("--load must be in (0, 1)")
-    work = Workload(load=args.load, line_prompt=line_prompt, line_tokens=args.line_tokens)
+    work = Workload.of_live_bench(load=args.load, line_prompt=line_prompt, line_tokens=args.line_tokens)
     try:
         cost = CostModel.load(args.cost_model) if args.cost_model else CPU_COST
     except (OSError, ValueError, TypeError) as exc:

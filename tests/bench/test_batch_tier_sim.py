@@ -8,7 +8,7 @@ from bench.sim.batch_tier import CPU_COST, Workload, render_markdown, run
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    return run([0.2], CPU_COST, Workload(), duration_s=60.0, seeds=1)
+    return run([0.2], CPU_COST, Workload.of_live_bench(), duration_s=60.0, seeds=1)
 
 
 def test_a_request_arriving_in_a_step_of_batch_work_alone_runs_between_its_layers(result):
