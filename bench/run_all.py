@@ -119,7 +119,8 @@ def benches() -> list[Bench]:
         Bench("batch_tier_sim", "sim.batch_tier",
               "The batch tier on a virtual clock: interactive first tokens and gaps, and output tokens/s, by batch step share",
               ["--shares", "0.2,0.5,1", "--seeds", "3"], ["--duration", "30", "--seeds", "1"]),
-        # Issue 32: about 12 minutes on a quiet 2-core box (capacity, two 120-second phases, the batch's tail).
+        # Issue 32: about 14 minutes on a quiet 2-core box (capacity, the load alone, beside the batch, the
+        # batch's tail, the load alone again: three 120-second phases).
         Bench("batch_tier", "live.batch_tier",
               "The batch tier: interactive load at 70% of capacity, alone and beside a 2,000-line batch",
               quick_args=["--phase-s", "10", "--lines", "60", "--capacity-requests", "8", "--capacity-concurrency", "4",

@@ -117,27 +117,43 @@ def _count(outcome: BatchOutcome, error: str) -> None:
     outcome.errors[error] = outcome.errors.get(error, 0) + 1
 
 
-async def completion_tokens(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
-    """``tiergate_tokens_total{kind="completion"}`` per tier, from /metrics."""
-    response = await client.get(base_url + "/metrics")
-    response.raise_for_status()
-    tokens: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        if family.name == "tiergate_tokens":
-            for sample in family.samples:
-                if sample.name == "tiergate_tokens_total" and sample.labels.get("kind") == "completion":
-                    tokens[sample.labels["tier"]] = sample.value
-    return tokens
+COUNTERS = {"completion": ("tiergate_tokens_total", "completion"), "cached": ("tiergate_tokens_total", "cached"),
+            "engine_s": ("tiergate_gpu_seconds_total", None)}
+
+
+def tier_counters(metrics_text: str) -> dict[str, dict[str, float]]:
+    """Per ``COUNTERS`` name, per tier, from a /metrics page: completion and cached prompt tokens
+    (``tiergate_tokens_total``), and the engine seconds billed to the tier (``tiergate_gpu_seconds_total``)."""
+    out: dict[str, dict[str, float]] = {name: {} for name in COUNTERS}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            for name, (metric, kind) in COUNTERS.items():
+                if sample.name == metric and sample.labels.get("kind") == kind:
+                    out[name][sample.labels["tier"]] = sample.value
+    return out
+
+
+Samples = list[tuple[float, dict[str, float]]]
 
 
 async def sample_tokens(client: httpx.AsyncClient, base_url: str, every_s: float, origin: float,
-                        samples: list[tuple[float, dict[str, float]]], stop: asyncio.Event) -> None:
-    """Append (seconds since ``origin``, completion tokens per tier) every ``every_s`` until ``stop``."""
+                        samples: Samples, stop: asyncio.Event, others: dict[str, Samples] | None = None) -> None:
+    """Append (seconds since ``origin``, completion tokens per tier) every ``every_s`` until ``stop``; the other
+    ``COUNTERS`` named in ``others``, read from the same page, into theirs."""
+    async def take() -> None:
+        response = await client.get(base_url + "/metrics")
+        response.raise_for_status()
+        counters = tier_counters(response.text)
+        at = time.perf_counter() - origin
+        samples.append((at, counters["completion"]))
+        for name, into in (others or {}).items():
+            into.append((at, counters[name]))
+
     while True:
-        samples.append((time.perf_counter() - origin, await completion_tokens(client, base_url)))
+        await take()
         try:
             await asyncio.wait_for(stop.wait(), every_s)
-            samples.append((time.perf_counter() - origin, await completion_tokens(client, base_url)))
+            await take()
             return
         except asyncio.TimeoutError:
             pass

@@ -7,11 +7,17 @@ One `tiergate serve` (bundled model, this CPU, a throwaway SQLite database) with
 2. alone: that mix as Poisson arrivals at ``--load`` times the capacity for ``--phase-s`` seconds.
 3. beside: the same arrivals (same seed) with a ``--lines``-line batch started just before them;
    the batch then runs on after the interactive load ends, until it is done.
+4. after: the load alone again. "Alone" in the ratios is phases 2 and 4 together: the machine's speed
+   drifts over minutes, and two runs around the batch weigh that drift on both sides.
+
+Each phase sends its own prompts (same sizes and times, other text), so none is served from another's
+prefix cache.
 
 The batch goes through OpenAI's Files and Batches API when the server has it (a 404 on ``POST
 /v1/files`` means not yet), else each line is a /v1/completions request of the batch tenant, a
-window of ``--window`` in flight (bench/live/batch_driver.py); the result says which. Completion tokens
-per tier are sampled from /metrics every ``--sample-s`` for the plot.
+window of ``--window`` in flight (bench/live/batch_driver.py); the result says which. Completion tokens,
+cached prompt tokens and engine seconds per tier are sampled from /metrics every ``--sample-s``: the plot,
+and each phase's engine busy share and engine milliseconds per output token.
 
 Goals (issue 32): interactive TTFT p99 beside the batch <= 1.1x alone, premium and standard each;
 the engine's output tokens/s beside the batch >= 1.5x the interactive load's alone; the batch's
@@ -36,9 +42,10 @@ import httpx
 
 from bench.common import machine, model_files, paths, report
 from bench.live.batch_driver import (
-    BatchOutcome, has_files_api, line_body, run_via_completions, run_via_files_api, sample_tokens,
+    BatchOutcome, Samples, has_files_api, line_body, run_via_completions, run_via_files_api, sample_tokens,
 )
 from bench.live.server import free_port, set_up_tenants, start_server, stop_server
+from bench.load.aggregate import RequestResult, tier_report
 from bench.load.loadgen import LoadSettings, _prompt_texts, run_load
 from bench.load.plan import PromptTexts, Tenant
 
@@ -50,8 +57,15 @@ INTERACTIVE = ("premium", "standard")
 PLOT_WINDOW_S = 10.0
 
 
-def interactive_settings(args: argparse.Namespace, url: str, tenants: list[Tenant], requests: int) -> LoadSettings:
-    return LoadSettings(
+# Each phase's prompts start at its own index, the batch's lines at BATCH_PROMPTS: the phases share their
+# arrivals and sizes (one seed), never a prompt, so no phase is served from another's prefix cache.
+PHASE_PROMPTS = {"warm_up": 50_000, "capacity": 60_000, "alone": 0, "beside": 10_000, "after": 20_000}
+BATCH_PROMPTS = 100_000
+
+
+def interactive_settings(args: argparse.Namespace, url: str, tenants: list[Tenant], requests: int,
+                         phase: str = "alone") -> LoadSettings:
+    return LoadSettings(prompt_offset=PHASE_PROMPTS[phase],
         base_url=url, tenants=[t for t in tenants if t.tier in INTERACTIVE], num_requests=requests,
         tier_share={"premium": args.premium_share, "standard": 1 - args.premium_share},
         prompt_len_range=(20, args.max_prompt), output_len_range=(16, args.max_output), ignore_eos=True,
@@ -59,8 +73,7 @@ def interactive_settings(args: argparse.Namespace, url: str, tenants: list[Tenan
 
 
 def batch_bodies(args: argparse.Namespace, texts: PromptTexts, model: str) -> list[dict]:
-    # Offsets past the interactive requests' windows, so no line shares a prompt with them.
-    return [line_body(model, texts.text(20 + (i * 37) % (args.line_prompt - 19), 100_000 + i), args.line_tokens)
+    return [line_body(model, texts.text(20 + (i * 37) % (args.line_prompt - 19), BATCH_PROMPTS + i), args.line_tokens)
             for i in range(args.lines)]
 
 
@@ -74,9 +87,9 @@ def ttft_p99(point: dict, tier: str) -> float | None:
     return (point["tiers"].get(tier) or {}).get("ttft_s", {}).get("p99")
 
 
-def tokens_between(samples: list[tuple[float, dict[str, float]]], start: float, end: float,
-                   tiers: tuple[str, ...] | None = None) -> float:
-    """Completion tokens per second counted between the samples nearest ``start`` and ``end``."""
+def tokens_between(samples: Samples, start: float, end: float, tiers: tuple[str, ...] | None = None) -> float:
+    """Completion tokens per second counted between the samples nearest ``start`` and ``end`` (or whatever
+    per-tier counter ``samples`` holds: the engine seconds too)."""
     first = min(samples, key=lambda s: abs(s[0] - start))
     last = min(samples, key=lambda s: abs(s[0] - end))
     if last[0] <= first[0]:
@@ -86,53 +99,89 @@ def tokens_between(samples: list[tuple[float, dict[str, float]]], start: float, 
     return gained / (last[0] - first[0])
 
 
+def engine_use(samples: Samples, counters: dict[str, Samples], start: float, end: float) -> dict:
+    """Between ``start`` and ``end``: the share of the time the engine ran steps (its metered seconds, every tier),
+    its milliseconds per output token for the interactive tiers and the batch (None without tokens), and the
+    interactive prompt tokens served from the prefix cache."""
+    def per_token(tiers: tuple[str, ...]) -> float | None:
+        tokens = tokens_between(samples, start, end, tiers)
+        return 1000 * tokens_between(counters["engine_s"], start, end, tiers) / tokens if tokens else None
+
+    return {"busy": tokens_between(counters["engine_s"], start, end),
+            "ms_per_token_interactive": per_token(INTERACTIVE), "ms_per_token_batch": per_token(("batch",)),
+            "cached_prompt_tokens_interactive": tokens_between(counters["cached"], start, end, INTERACTIVE)
+            * (end - start)}
+
+
+def pooled(*points: dict) -> dict:
+    """The per-tier report over the requests of several load runs, as one run of their summed durations."""
+    results = [RequestResult(**r) for point in points for r in point["requests"]]
+    return {"tiers": tier_report(results, sum(p["duration_s"] for p in points), {})}
+
+
 async def measure(args: argparse.Namespace, url: str, tenants: list[Tenant]) -> dict:
     bulk = next(t for t in tenants if t.tier == "batch")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=128)
     async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         origin = time.perf_counter()
-        samples: list[tuple[float, dict[str, float]]] = []
+        samples: Samples = []
+        counters: dict[str, Samples] = {"engine_s": [], "cached": []}  # read with the tokens
         stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_tokens(client, url, args.sample_s, origin, samples, stop))
+        sampler = asyncio.create_task(sample_tokens(client, url, args.sample_s, origin, samples, stop, counters))
         marks: dict[str, float] = {}
 
         def mark(name: str) -> None:
             marks[name] = time.perf_counter() - origin
             print(f"batch_tier: {name} at {marks[name]:.0f} s", file=sys.stderr, flush=True)
 
-        await run_load(interactive_settings(args, url, tenants, 4), concurrency=2)  # warm-up
+        def load(phase: str, requests: int) -> LoadSettings:
+            return interactive_settings(args, url, tenants, requests, phase)
+
+        await run_load(load("warm_up", 4), concurrency=2)
         mark("capacity_start")
-        capacity = await run_load(interactive_settings(args, url, tenants, args.capacity_requests),
-                                  concurrency=args.capacity_concurrency)
+        capacity = await run_load(load("capacity", args.capacity_requests), concurrency=args.capacity_concurrency)
         mark("capacity_end")
         capacity_rps = sum(t["throughput_rps"] or 0 for t in capacity["tiers"].values())
         rate = args.load * capacity_rps
         requests = max(4, round(rate * args.phase_s))
-        alone = await run_load(interactive_settings(args, url, tenants, requests), rate=rate)
+        alone = await run_load(load("alone", requests), rate=rate)
         mark("alone_end")
         await asyncio.sleep(args.settle_s)  # the alone phase's last streams end before the batch starts
-        texts = _prompt_texts(interactive_settings(args, url, tenants, 1))
+        texts = _prompt_texts(load("alone", 1))
         bodies = batch_bodies(args, texts, alone["requests"][0]["model"])
         mark("batch_start")
         batch_task = asyncio.create_task(run_batch(client, url, bulk.key, bodies, args.window))
         await asyncio.sleep(args.batch_lead_s)  # the batch fills the engine before the interactive load comes
         mark("beside_start")
-        beside = await run_load(interactive_settings(args, url, tenants, requests), rate=rate)
+        beside = await run_load(load("beside", requests), rate=rate)
         mark("beside_end")
         batch = await batch_task
         marks["batch_end"] = batch.finished_at - origin
+        await asyncio.sleep(args.settle_s)
+        # The load alone again, after the batch: "alone" is both runs, so a drift of the machine's speed over the
+        # run weighs on both sides of the ratios.
+        mark("after_start")
+        after = await run_load(load("after", requests), rate=rate)
+        mark("after_end")
         stop.set()
         await sampler
-    alone_start = marks["capacity_end"]
+    spans = {"capacity": (marks["capacity_start"], marks["capacity_end"]),
+             "alone": (marks["capacity_end"], marks["alone_end"]), "beside": (marks["beside_start"], marks["beside_end"]),
+             "after": (marks["after_start"], marks["after_end"])}
+    rate_in = {name: tokens_between(samples, *span) for name, span in spans.items()}
+    alone_s, after_s = (spans["alone"][1] - spans["alone"][0]), (spans["after"][1] - spans["after"][0])
     return {
-        "capacity": capacity, "alone": alone, "beside": beside, "rate_rps": rate, "capacity_rps": capacity_rps,
-        "batch": vars(batch), "marks": marks, "samples": samples,
+        "capacity": capacity, "alone_before": alone, "alone_after": after, "alone": pooled(alone, after),
+        "beside": beside, "rate_rps": rate, "capacity_rps": capacity_rps,
+        "batch": vars(batch), "marks": marks, "samples": samples, "counter_samples": counters,
+        "engine": {name: engine_use(samples, counters, *span) for name, span in spans.items()},
         "tokens_per_s": {
-            "capacity": tokens_between(samples, marks["capacity_start"], marks["capacity_end"]),
-            "alone": tokens_between(samples, alone_start, marks["alone_end"]),
-            "beside": tokens_between(samples, marks["beside_start"], marks["beside_end"]),
-            "beside_interactive": tokens_between(samples, marks["beside_start"], marks["beside_end"], INTERACTIVE),
-            "beside_batch": tokens_between(samples, marks["beside_start"], marks["beside_end"], ("batch",)),
+            "capacity": rate_in["capacity"],
+            "alone_before": rate_in["alone"], "alone_after": rate_in["after"],
+            "alone": (rate_in["alone"] * alone_s + rate_in["after"] * after_s) / (alone_s + after_s),
+            "beside": rate_in["beside"],
+            "beside_interactive": tokens_between(samples, *spans["beside"], INTERACTIVE),
+            "beside_batch": tokens_between(samples, *spans["beside"], ("batch",)),
             "batch_tail": tokens_between(samples, marks["beside_end"], marks["batch_end"], ("batch",)),
         },
     }
@@ -166,12 +215,12 @@ def plot(result: dict, path: Path) -> Path:
     rates = {t: [(b[1].get(t, 0) - a[1].get(t, 0)) / max(b[0] - a[0], 1e-9) for a, b in pairs] for t in tiers}
     fig, ax = plt.subplots(figsize=(11, 4.2))
     ax.stackplot(times, *(rates[t] for t in tiers), labels=tiers, alpha=0.8)
-    for name in ("capacity_end", "alone_end", "beside_start", "beside_end", "batch_end"):
+    for name in ("capacity_end", "alone_end", "beside_start", "beside_end", "batch_end", "after_start"):
         ax.axvline(marks[name], color="k", lw=0.6, ls="--")
         ax.text(marks[name], ax.get_ylim()[1] * 0.97, name.replace("_", " "), rotation=90, va="top", fontsize=7)
     ax.set_xlabel("seconds")
     ax.set_ylabel(f"completion tokens/s ({PLOT_WINDOW_S:g} s window)")
-    ax.set_title("Output tokens/s by tier: capacity, interactive alone, interactive beside a batch")
+    ax.set_title("Output tokens/s by tier: capacity, interactive alone, beside a batch, the batch's tail, alone again")
     ax.legend(loc="upper center")
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +247,7 @@ def run(args: argparse.Namespace) -> dict:
     result["load_average_end"] = os.getloadavg()
     result["ratios"] = ratios(result)
     result["plots"] = [str(plot(result, plot_path(args.json)).relative_to(paths.ROOT))]
-    for phase in ("capacity", "alone", "beside"):
+    for phase in ("capacity", "alone_before", "alone_after", "beside"):
         result[phase].pop("requests", None)
     return result
 
@@ -227,24 +276,36 @@ def render_markdown(result: dict) -> str:
         f"**{batch['via']}**" + (f" (window {s['window']})" if batch["via"] == "completions" else "")
         + f"; {batch['ok']} ok, {batch['failed']} failed, {batch['retried']} retried.",
         "",
-        "| tier | TTFT p50 alone | p50 beside | TTFT p99 alone | p99 beside | p99 ratio (goal <= 1.1) | 429s alone / beside |",
+        "The load alone ran twice, before the batch and after it; \"alone\" is both runs' requests.",
+        "",
+        "| tier | TTFT p50 alone | p50 beside | TTFT p99 alone (before / after) | p99 beside | p99 ratio (goal <= 1.1) "
+        "| 429s alone / beside |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     for tier in INTERACTIVE:
         a, b = result["alone"]["tiers"].get(tier, {}), result["beside"]["tiers"].get(tier, {})
         lines.append(f"| {tier} | {_f(a.get('ttft_s', {}).get('p50'))} | {_f(b.get('ttft_s', {}).get('p50'))} | "
-                     f"{_f(ttft_p99(result['alone'], tier))} | {_f(ttft_p99(result['beside'], tier))} | "
+                     f"{_f(ttft_p99(result['alone'], tier))} ({_f(ttft_p99(result['alone_before'], tier))} / "
+                     f"{_f(ttft_p99(result['alone_after'], tier))}) | {_f(ttft_p99(result['beside'], tier))} | "
                      f"{_f(r[f'ttft_p99_{tier}'])} | {sum((a.get('rejected_429') or {}).values())} / "
                      f"{sum((b.get('rejected_429') or {}).values())} |")
     m = result["marks"]
     lines += [
         "",
-        f"Engine output tokens/s: interactive alone {tps['alone']:.0f}; beside the batch {tps['beside']:.0f} "
+        f"Engine output tokens/s: interactive alone {tps['alone']:.0f} (before {tps['alone_before']:.0f}, after "
+        f"{tps['alone_after']:.0f}); beside the batch {tps['beside']:.0f} "
         f"(interactive {tps['beside_interactive']:.0f} + batch {tps['beside_batch']:.0f}): ratio "
         f"**{_f(r['engine_tokens'])}x** (goal >= 1.5). The batch ended {m['batch_end'] - m['beside_end']:.0f} s after "
         f"the interactive load did (outlived it: {r['batch_outlived_load']}), its tail at {tps['batch_tail']:.0f} tokens/s "
         f"= **{_f(r['batch_tail_vs_capacity'])}x** the capacity run's output rate.",
+        "",
+        "| phase | engine busy | engine ms per interactive token | per batch token | interactive prompt tokens "
+        "from the prefix cache |",
+        "|---|---:|---:|---:|---:|",
     ]
+    for name, use in result["engine"].items():
+        lines.append(f"| {name} | {use['busy']:.0%} | {_f(use['ms_per_token_interactive'], '.1f')} | "
+                     f"{_f(use['ms_per_token_batch'], '.1f')} | {use['cached_prompt_tokens_interactive']:.0f} |")
     return "\n".join(lines)
 
 
@@ -253,7 +314,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--phase-s", type=float, default=120.0, help="seconds of interactive load per phase")
     p.add_argument("--load", type=float, default=0.7, help="interactive load as a share of the measured capacity")
     p.add_argument("--capacity-concurrency", type=int, default=16)
-    p.add_argument("--capacity-requests", type=int, default=48)
+    p.add_argument("--capacity-requests", type=int, default=96,
+                   help="requests of the closed-loop capacity run that sets the load (about 20 s here)")
     p.add_argument("--premium-share", type=float, default=0.3)
     p.add_argument("--max-prompt", type=int, default=200)
     p.add_argument("--max-output", type=int, default=64)

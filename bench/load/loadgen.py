@@ -51,6 +51,7 @@ class LoadSettings:
     ignore_eos: bool = False
     tokenizer_dir: Path | None = None
     seed: int = 0
+    prompt_offset: int = 0  # added to each request's index for its prompt text: runs of one seed, other prompts
     request_timeout_s: float = 600.0
     progress: bool = True
 
@@ -94,7 +95,7 @@ async def run_load(settings: LoadSettings, rate: float | None = None, concurrenc
         base_model = await _base_model(client, settings)
         plan = make_plan(settings, base_model, rate)
         texts = _prompt_texts(settings)
-        prompts = [texts.text(r.prompt_tokens, r.index) for r in plan]
+        prompts = [texts.text(r.prompt_tokens, r.index + settings.prompt_offset) for r in plan]
         before = await scrape_counter(client, settings.base_url, "tiergate_preemptions_total")
         bar = tqdm(total=len(plan), disable=not settings.progress, desc=_label(settings, rate, concurrency), unit="req")
         start = time.perf_counter()

@@ -85,18 +85,24 @@ class PromptTexts:
 
     With the model's tokenizer the text is a decoded window of that many
     tokens of real prose; without one, words stand in for tokens. Each
-    request's window starts elsewhere, so prompts do not share a prefix.
+    index's window starts elsewhere, so prompts do not share a prefix: the
+    corpus has as many starts as units, and past them each round of indexes
+    opens with its own tag, "(1) ", "(2) ", ... (a prefix cache would
+    otherwise serve index n + i from index i's blocks).
     """
 
     def __init__(self, corpus: str, encode: Callable[[str], list[int]] | None = None,
                  decode: Callable[[list[int]], str] | None = None) -> None:
-        self._decode = decode
+        self._encode, self._decode = encode, decode
         units = encode(corpus) if encode and decode else corpus.split()
         self._units = units
         self._joiner = "" if encode and decode else " "
 
     def text(self, num_tokens: int, index: int) -> str:
         n = len(self._units)
-        start = (index * 97) % n  # a stride prime to most corpus lengths spreads the windows
-        window = [self._units[(start + k) % n] for k in range(num_tokens)]
-        return self._decode(window) if self._decode else self._joiner.join(window)
+        stride = 97 if n % 97 else 89  # prime to n, so one round of n indexes starts at every unit once
+        start, round_ = (index * stride) % n, index // n
+        tag = f"({round_}) " if round_ else ""
+        tag_units = (len(self._encode(tag)) if self._decode else 1) if tag else 0
+        window = [self._units[(start + k) % n] for k in range(max(1, num_tokens - tag_units))]
+        return tag + (self._decode(window) if self._decode else self._joiner.join(window))

@@ -85,6 +85,7 @@ class _Run:
         self.tokens: dict[str, list[float]] = {}  # token times of the interactive requests
         self.open: set[str] = set()  # interactive requests not yet finished
         self.output = {"interactive": 0, "batch": 0}  # tokens made before the run's end
+        self.engine_s = {"interactive": 0.0, "batch": 0.0}  # their steps' seconds, split as the engine meters them
         self.end = math.inf
         self.busy_s = 0.0
         self.batch_running: set[str] = set()
@@ -117,6 +118,10 @@ class _Run:
         tokens and finishes; returns the ids that finished."""
         duration, prefill = timed
         self.busy_s += duration
+        if ends_at <= self.end:
+            computed = sum(c.num_tokens for c in plan.chunks)
+            for c in plan.chunks:
+                self.engine_s["batch" if c.seq.tier == "batch" else "interactive"] += duration * c.num_tokens / computed
         sampling = [c.seq for c in plan.chunks if c.samples]
         self.sched.update(plan, {s.seq_id: 1 + s.num_tokens % 30000 for s in sampling})
         self.sched.observe_step(duration, plan.num_tokens, prefill, plan)
@@ -210,6 +215,8 @@ def phase(config: SchedulerConfig, cost: CostModel, work: Workload, rate: float,
         "tokens_per_s": (run.output["interactive"] + run.output["batch"]) / duration_s,
         "batch_tokens_per_s": run.output["batch"] / duration_s,
         "busy": run.busy_s / run.now,
+        **{f"ms_per_token_{side}": 1000 * run.engine_s[side] / run.output[side] if run.output[side] else None
+           for side in ("interactive", "batch")},
         "arrivals_in_batch_steps": run.in_batch_steps, "waited_for_batch_step": run.waited,
         "interactive_requests": len(run.tokens),
     }
@@ -250,8 +257,9 @@ def render_markdown(result: dict) -> str:
         f"{result['batch_window']} running.",
         "",
         "| batch step share | seed | premium TTFT p50 / p99 ratio | standard TTFT p50 / p99 ratio | mean gap ratio "
-        "| tokens/s alone / beside (ratio) | busy alone / beside | arrivals in batch steps / waited |",
-        "|---:|---:|---|---|---:|---|---|---|",
+        "| tokens/s alone / beside (ratio) | busy alone / beside | engine ms a token: interactive alone / beside, "
+        "batch | arrivals in batch steps / waited |",
+        "|---:|---:|---|---|---:|---|---|---|---|",
     ]
     for row in result["rows"]:
         a, b, r = row["alone"], row["beside"], row["ratios"]
@@ -259,7 +267,9 @@ def render_markdown(result: dict) -> str:
             f"| {row['share']:g} | {row['seed']} | {r['ttft_p50_premium']:.2f} / {r['ttft_p99_premium']:.2f} "
             f"| {r['ttft_p50_standard']:.2f} / {r['ttft_p99_standard']:.2f} | {r['gap_mean']:.2f} "
             f"| {a['tokens_per_s']:.0f} / {b['tokens_per_s']:.0f} (**{r['tokens']:.2f}x**) "
-            f"| {a['busy']:.2f} / {b['busy']:.2f} | {b['arrivals_in_batch_steps']} / {b['waited_for_batch_step']} |")
+            f"| {a['busy']:.2f} / {b['busy']:.2f} | {a['ms_per_token_interactive']:.1f} / "
+            f"{b['ms_per_token_interactive']:.1f}, {b['ms_per_token_batch']:.1f} "
+            f"| {b['arrivals_in_batch_steps']} / {b['waited_for_batch_step']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -7,13 +7,14 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from bench.live.batch_driver import has_files_api, line_body, run_via_completions
-from bench.live.batch_tier import OUT, plot_path, ratios, tokens_between
+from bench.live.batch_driver import has_files_api, line_body, run_via_completions, tier_counters
+from bench.live.batch_tier import OUT, engine_use, plot_path, pooled, ratios, tokens_between
 
 
 def gateway_without_files_api(seen: list[dict], busy_first: int) -> Starlette:
@@ -66,6 +67,48 @@ def test_token_rates_and_ratios_from_samples():
     got = ratios(result)
     assert abs(got["ttft_p99_premium"] - 1.1) < 1e-9 and abs(got["ttft_p99_standard"] - 0.9) < 1e-9
     assert (got["engine_tokens"], got["batch_tail_vs_capacity"], got["batch_outlived_load"]) == (4.0, 1.2, True)
+
+
+def test_the_metrics_page_gives_each_tiers_completion_tokens_and_engine_seconds():
+    page = "\n".join([
+        "# TYPE tiergate_tokens counter",
+        'tiergate_tokens_total{kind="prompt",tier="premium"} 70.0',
+        'tiergate_tokens_total{kind="completion",tier="premium"} 12.0',
+        'tiergate_tokens_total{kind="completion",tier="batch"} 30.0',
+        "# TYPE tiergate_gpu_seconds counter",
+        'tiergate_gpu_seconds_total{tier="premium"} 0.25',
+        'tiergate_gpu_seconds_total{tier="batch"} 1.5',
+        "",
+    ])
+    assert tier_counters(page) == {"completion": {"premium": 12.0, "batch": 30.0}, "cached": {},
+                                   "engine_s": {"premium": 0.25, "batch": 1.5}}
+
+
+def test_engine_use_is_its_busy_share_and_milliseconds_per_token_of_each_side():
+    tokens = [(0.0, {"premium": 0, "standard": 0, "batch": 0}), (10.0, {"premium": 100, "standard": 100, "batch": 0}),
+              (20.0, {"premium": 200, "standard": 200, "batch": 250})]
+    engine_s = [(0.0, {"premium": 0.0, "standard": 0.0, "batch": 0.0}),
+                (10.0, {"premium": 0.3, "standard": 0.5, "batch": 0.0}),
+                (20.0, {"premium": 1.3, "standard": 1.5, "batch": 7.0})]
+    cached = [(0.0, {"premium": 0}), (10.0, {"premium": 50}), (20.0, {"premium": 50})]
+    counters = {"engine_s": engine_s, "cached": cached}
+    alone = engine_use(tokens, counters, 0, 10)
+    assert abs(alone["busy"] - 0.08) < 1e-9 and abs(alone["ms_per_token_interactive"] - 4.0) < 1e-9
+    assert alone["ms_per_token_batch"] is None and alone["cached_prompt_tokens_interactive"] == 50
+    beside = engine_use(tokens, counters, 10, 20)
+    assert abs(beside["busy"] - 0.9) < 1e-9 and abs(beside["ms_per_token_interactive"] - 10.0) < 1e-9
+    assert abs(beside["ms_per_token_batch"] - 28.0) < 1e-9 and beside["cached_prompt_tokens_interactive"] == 0
+
+
+def test_alone_pools_the_runs_before_and_after_the_batch():
+    def run(ttfts: list[float], duration_s: float) -> dict:
+        return {"duration_s": duration_s, "requests": [
+            {"index": i, "tier": "premium", "tenant": "acme", "model": "m", "prompt_tokens": 9, "started_s": 0.0,
+             "status": 200, "ttft_s": t, "e2e_s": t + 1, "output_tokens": 4} for i, t in enumerate(ttfts)]}
+
+    both = pooled(run([0.1] * 50, 10.0), run([0.3] * 50, 10.0))["tiers"]["premium"]
+    assert both["requests"] == 100 and both["ttft_s"]["p50"] == pytest.approx(0.2) and both["ttft_s"]["p99"] == 0.3
+    assert both["throughput_rps"] == 5.0
 
 
 def test_a_run_with_a_json_names_its_plot_after_it_so_earlier_plots_stay():

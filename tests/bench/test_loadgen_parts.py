@@ -101,6 +101,15 @@ def test_prompt_texts_without_a_tokenizer_have_the_asked_word_count():
     assert texts.text(3, index=0) != texts.text(3, index=1)
 
 
+def test_prompt_texts_share_no_prefix_past_the_corpus_length():
+    words = PromptTexts("one two three four five")
+    assert len({tuple(words.text(6, index=i).split()[:2]) for i in range(60)}) == 60
+    assert all(len(words.text(6, index=i).split()) == 6 for i in range(60))
+    as_bytes = PromptTexts("abcdefghij", encode=lambda s: list(s.encode()), decode=lambda ids: bytes(ids).decode())
+    texts = [as_bytes.text(12, index=i) for i in range(100)]
+    assert len({t[:5] for t in texts}) == 100 and {len(t) for t in texts} == {12}
+
+
 def _result(tier, ttft, e2e, tokens, status=200, code=None):
     return RequestResult(0, tier, "t", "base", 10, 0.0, status, code, ttft, e2e, tokens)
 
