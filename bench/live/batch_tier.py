@@ -65,11 +65,11 @@ BATCH_PROMPTS = 100_000
 
 def interactive_settings(args: argparse.Namespace, url: str, tenants: list[Tenant], requests: int,
                          phase: str = "alone") -> LoadSettings:
-    return LoadSettings(prompt_offset=PHASE_PROMPTS[phase],
+    return LoadSettings(
         base_url=url, tenants=[t for t in tenants if t.tier in INTERACTIVE], num_requests=requests,
         tier_share={"premium": args.premium_share, "standard": 1 - args.premium_share},
         prompt_len_range=(20, args.max_prompt), output_len_range=(16, args.max_output), ignore_eos=True,
-        tokenizer_dir=model_files.hf_dir(), seed=args.seed, progress=False)
+        tokenizer_dir=model_files.hf_dir(), seed=args.seed, prompt_offset=PHASE_PROMPTS[phase], progress=False)
 
 
 def batch_bodies(args: argparse.Namespace, texts: PromptTexts, model: str) -> list[dict]:
@@ -166,7 +166,8 @@ async def measure(args: argparse.Namespace, url: str, tenants: list[Tenant]) -> 
         stop.set()
         await sampler
     spans = {"capacity": (marks["capacity_start"], marks["capacity_end"]),
-             "alone": (marks["capacity_end"], marks["alone_end"]), "beside": (marks["beside_start"], marks["beside_end"]),
+             "alone": (marks["capacity_end"], marks["alone_end"]),
+             "beside": (marks["beside_start"], marks["beside_end"]),
              "after": (marks["after_start"], marks["after_end"])}
     rate_in = {name: tokens_between(samples, *span) for name, span in spans.items()}
     alone_s, after_s = (spans["alone"][1] - spans["alone"][0]), (spans["after"][1] - spans["after"][0])
