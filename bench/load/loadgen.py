@@ -18,7 +18,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -152,9 +152,15 @@ def _label(settings: LoadSettings, rate, concurrency) -> str:
 
 
 async def run_sweep(settings: LoadSettings, rates: list[float] = (), concurrencies: list[int] = ()) -> list[dict]:
-    points = [await run_load(settings, rate=r) for r in rates]
-    points += [await run_load(settings, concurrency=c) for c in concurrencies]
-    return points
+    """One run per rate, then per concurrency: the same seed (sizes, tiers, times), each point its own prompts, so no
+    point is served from an earlier one's prefix cache."""
+    loops = [{"rate": r} for r in rates] + [{"concurrency": c} for c in concurrencies]
+    return [await run_load(point_settings(settings, i), **loop) for i, loop in enumerate(loops)]
+
+
+def point_settings(settings: LoadSettings, point: int) -> LoadSettings:
+    """``settings`` for the sweep's ``point``-th run: its prompts start past the earlier points'."""
+    return replace(settings, prompt_offset=settings.prompt_offset + point * settings.num_requests)
 
 
 # --- command line ---------------------------------------------------------

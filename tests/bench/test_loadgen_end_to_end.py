@@ -131,6 +131,16 @@ def test_command_line_sweep_writes_json_and_plots(gateway, tmp_path):
     assert (tmp_path / "loadgen_open_goodput.png").stat().st_size > 0
 
 
+def test_a_sweeps_points_send_the_same_sizes_with_prompts_of_their_own(gateway):
+    url, seen = gateway
+    before = len(seen["bodies"])
+    asyncio.run(loadgen.run_sweep(settings(url), rates=[200.0, 200.0]))
+    bodies = seen["bodies"][before:]
+    first, second = bodies[:len(bodies) // 2], bodies[len(bodies) // 2:]
+    assert sorted(b["max_tokens"] for b in first) == sorted(b["max_tokens"] for b in second)
+    assert not {b["prompt"] for b in first} & {b["prompt"] for b in second}
+
+
 def test_command_line_refuses_bad_input_with_one_line(capsys):
     assert loadgen.main(["--key", "premium", "--rate", "1"]) == 2
     assert "TIER=KEY" in capsys.readouterr().err
