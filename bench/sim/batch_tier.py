@@ -267,10 +267,14 @@ def render_markdown(result: dict) -> str:
             f"| {row['share']:g} | {row['seed']} | {r['ttft_p50_premium']:.2f} / {r['ttft_p99_premium']:.2f} "
             f"| {r['ttft_p50_standard']:.2f} / {r['ttft_p99_standard']:.2f} | {r['gap_mean']:.2f} "
             f"| {a['tokens_per_s']:.0f} / {b['tokens_per_s']:.0f} (**{r['tokens']:.2f}x**) "
-            f"| {a['busy']:.2f} / {b['busy']:.2f} | {a['ms_per_token_interactive']:.1f} / "
-            f"{b['ms_per_token_interactive']:.1f}, {b['ms_per_token_batch']:.1f} "
+            f"| {a['busy']:.2f} / {b['busy']:.2f} | {_ms(a['ms_per_token_interactive'])} / "
+            f"{_ms(b['ms_per_token_interactive'])}, {_ms(b['ms_per_token_batch'])} "
             f"| {b['arrivals_in_batch_steps']} / {b['waited_for_batch_step']} |")
     return "\n".join(lines) + "\n"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:
