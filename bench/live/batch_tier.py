@@ -87,16 +87,23 @@ def ttft_p99(point: dict, tier: str) -> float | None:
     return (point["tiers"].get(tier) or {}).get("ttft_s", {}).get("p99")
 
 
-def tokens_between(samples: Samples, start: float, end: float, tiers: tuple[str, ...] | None = None) -> float:
-    """Completion tokens per second counted between the samples nearest ``start`` and ``end`` (or whatever
-    per-tier counter ``samples`` holds: the engine seconds too)."""
+def gained_between(samples: Samples, start: float, end: float, tiers: tuple[str, ...] | None = None
+                   ) -> tuple[float, float]:
+    """What the per-tier counter ``samples`` holds (completion tokens, engine seconds, ...) gained between the samples
+    nearest ``start`` and ``end``, summed over ``tiers`` (every tier if None), and the seconds between those samples."""
     first = min(samples, key=lambda s: abs(s[0] - start))
     last = min(samples, key=lambda s: abs(s[0] - end))
     if last[0] <= first[0]:
-        return 0.0
+        return 0.0, 0.0
     keys = tiers if tiers is not None else set(first[1]) | set(last[1])
-    gained = sum(last[1].get(t, 0.0) - first[1].get(t, 0.0) for t in keys)
-    return gained / (last[0] - first[0])
+    return sum(last[1].get(t, 0.0) - first[1].get(t, 0.0) for t in keys), last[0] - first[0]
+
+
+def tokens_between(samples: Samples, start: float, end: float, tiers: tuple[str, ...] | None = None) -> float:
+    """Completion tokens per second counted between the samples nearest ``start`` and ``end`` (or whatever
+    per-tier counter ``samples`` holds: the engine seconds too)."""
+    gained, seconds = gained_between(samples, start, end, tiers)
+    return gained / seconds if seconds else 0.0
 
 
 def engine_use(samples: Samples, counters: dict[str, Samples], start: float, end: float) -> dict:
@@ -109,8 +116,7 @@ def engine_use(samples: Samples, counters: dict[str, Samples], start: float, end
 
     return {"busy": tokens_between(counters["engine_s"], start, end),
             "ms_per_token_interactive": per_token(INTERACTIVE), "ms_per_token_batch": per_token(("batch",)),
-            "cached_prompt_tokens_interactive": tokens_between(counters["cached"], start, end, INTERACTIVE)
-            * (end - start)}
+            "cached_prompt_tokens_interactive": gained_between(counters["cached"], start, end, INTERACTIVE)[0]}
 
 
 def pooled(*points: dict) -> dict:
@@ -170,7 +176,7 @@ async def measure(args: argparse.Namespace, url: str, tenants: list[Tenant]) -> 
              "beside": (marks["beside_start"], marks["beside_end"]),
              "after": (marks["after_start"], marks["after_end"])}
     rate_in = {name: tokens_between(samples, *span) for name, span in spans.items()}
-    alone_s, after_s = (spans["alone"][1] - spans["alone"][0]), (spans["after"][1] - spans["after"][0])
+    (alone_tokens, alone_s), (after_tokens, after_s) = (gained_between(samples, *spans[n]) for n in ("alone", "after"))
     return {
         "capacity": capacity, "alone_before": alone, "alone_after": after, "alone": pooled(alone, after),
         "beside": beside, "rate_rps": rate, "capacity_rps": capacity_rps,
@@ -179,7 +185,7 @@ async def measure(args: argparse.Namespace, url: str, tenants: list[Tenant]) -> 
         "tokens_per_s": {
             "capacity": rate_in["capacity"],
             "alone_before": rate_in["alone"], "alone_after": rate_in["after"],
-            "alone": (rate_in["alone"] * alone_s + rate_in["after"] * after_s) / (alone_s + after_s),
+            "alone": (alone_tokens + after_tokens) / (alone_s + after_s),
             "beside": rate_in["beside"],
             "beside_interactive": tokens_between(samples, *spans["beside"], INTERACTIVE),
             "beside_batch": tokens_between(samples, *spans["beside"], ("batch",)),
