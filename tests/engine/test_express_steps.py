@@ -113,13 +113,14 @@ def test_under_a_step_bound_the_light_request_also_decodes_between_the_floods_la
                                                                                      monkeypatch):
     # A bound no step here comes near, on a clock that makes every wait between layers look far past it: the
     # flood's steps are planned as without the bound, and each layer boundary after the express step finds
-    # the light request due for its next token.
+    # the light request due for its next token. It arrives during the flood's first step, which decodes
+    # nobody yet (a step that decodes a stream under a bound gets no express step of its tier).
     engine, events = make_engine(max_step_s=10.0)
     decodes = engine.scheduler.schedule_express_decodes
     monkeypatch.setattr(engine.scheduler, "schedule_express_decodes",
                         lambda under_way, waited_s, next_chance_s: decodes(under_way, waited_s * 1e6, next_chance_s))
     flood, light = _flood(), _light()
-    results, _ = _run_with_arrival(engine, light, flood)
+    results, _ = _run_with_arrival(engine, light, flood, arrive_during=1)
 
     _assert_greedy(results, [*flood, light], hf_greedy)
     steps, first_light = _steps_after_express(engine, events)

@@ -335,3 +335,43 @@ def test_a_preempted_premium_request_goes_between_layers_only_with_its_outputs_w
     express = sched.schedule_express(frozenset(), frozenset(c.seq.seq_id for c in under_way.chunks))
 
     assert express.is_empty  # not a partial chunk of it between the layers
+
+
+def _stream_beside_a_long_prompt(sched: Scheduler) -> tuple[StepPlan, Sequence]:
+    """A standard tenant's stream decoding in the step under way beside another's long prompt chunk."""
+    stream = make("stream", 1, prompt=6, max_tokens=20)
+    sched.add(stream)
+    apply(sched, sched.schedule())  # its prompt: it decodes from the next step on
+    sched.add(make("long", 0, prompt=200, max_tokens=2))
+    under_way = sched.schedule()
+    assert {c.seq.seq_id: c.is_decode for c in under_way.chunks}[stream.seq_id]
+    return under_way, stream
+
+
+def test_a_step_that_decodes_a_stream_gets_no_express_step_of_its_tier_between_its_layers():
+    """The step was planned to its stream's bound: a newcomer of the same tier waits for its end (and starts
+    first in the next step) rather than delay the stream's next token by an express step inside it."""
+    sched = Scheduler(config(max_model_len=256, max_step_s=0.1))
+    under_way, stream = _stream_beside_a_long_prompt(sched)
+    light = make("light", 99, prompt=6, max_tokens=3)
+    sched.add(light)
+
+    assert sched.schedule_express(frozenset(), frozenset(c.seq.seq_id for c in under_way.chunks)).is_empty
+    apply(sched, under_way)
+    assert light.seq_id in {c.seq.seq_id for c in sched.schedule().chunks}  # first in the next step
+    # Before any step is under way (nothing decodes inside one), the same request is express.
+    other = Scheduler(config(max_model_len=256, max_step_s=0.1))
+    _stream_beside_a_long_prompt(other)
+    other.add(make("light", 98, prompt=6, max_tokens=3))
+    assert not other.schedule_express(frozenset()).is_empty
+
+
+def test_a_premium_request_still_goes_between_the_layers_of_a_step_of_standard_streams():
+    sched = Scheduler(config(max_model_len=256, max_step_s=0.1))
+    under_way, _ = _stream_beside_a_long_prompt(sched)
+    premium = _premium(1)
+    sched.add(premium)
+
+    express = sched.schedule_express(frozenset(), frozenset(c.seq.seq_id for c in under_way.chunks))
+
+    assert [c.seq for c in express.chunks] == [premium]
