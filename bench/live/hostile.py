@@ -258,7 +258,7 @@ async def measure(url: str, keys: dict[str, str], db: Path, args, rss: RssSample
         rounds = []
         for round_no in range(args.rounds):
             phases = []
-            for attack in attacks():
+            for attack in attacks(round_no):
                 if args.only and attack.name not in args.only:
                     continue
                 print(f"hostile: round {round_no + 1}, {attack.name}", file=sys.stderr, flush=True)

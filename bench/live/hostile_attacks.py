@@ -59,13 +59,15 @@ def long_prompt(n: int) -> str:
     return f"{n}:" + " hello" * (LONG_PROMPT_TOKENS - 3)
 
 
-def attacks(seed: int = 31) -> list[Attack]:
-    rng = random.Random(seed)
+def attacks(round_no: int = 0) -> list[Attack]:
+    """The attacks of round ``round_no``: each round's bodies are its own (random strings, long prompts), so a
+    later round is not served from what an earlier one left in the caches (compiled grammars, prefixes)."""
+    rng = random.Random(31 + round_no)
     tool_900kb = {"type": "function", "function": {"name": "f", "description": "d " * 450_000}}
     cut_tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}, "required": ["a", "b"]}}}]
     huge_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"a": "x" * 900_000})}}
-    prompt_3k6 = "Score me:" + " hello world" * 300  # a 3.6 KB prompt of about 600 tokens
+    prompt_3k6 = f"Score me {round_no}:" + " hello world" * 300  # a 3.6 KB prompt of about 600 tokens
     bad = [{"temperature": "hot"}, {"n": 99}, {"max_tokens": -1}, {"top_p": 7}, {"stop": [1, 2]}]
     return [
         Attack("grammar_flood", "45 at once (limit 8 concurrent), each a choice of 1000 random 60-character strings",
@@ -99,5 +101,6 @@ def attacks(seed: int = 31) -> list[Attack]:
         Attack("refusals_400", "50 bodies refused with a 400 after authentication",
                [_chat("hi", **bad[i % len(bad)]) for i in range(50)], concurrency=5),
         Attack("long_prompt", f"a plain prompt of about {LONG_PROMPT_TOKENS} tokens, three in turn",
-               [("/v1/completions", {"model": MODEL, "prompt": long_prompt(i), "max_tokens": 16}) for i in range(3)]),
+               [("/v1/completions", {"model": MODEL, "prompt": long_prompt(3 * round_no + i), "max_tokens": 16})
+                for i in range(3)]),
     ]

@@ -1,8 +1,12 @@
-"""bench/live/hostile.py's report arithmetic: ratios to the baseline, 5xx, rows per request, the goals over attacks."""
+"""bench/live/hostile.py's report arithmetic: ratios to the baseline, 5xx, rows per request, the goals over attacks;
+and the attacks' bodies round by round."""
 
 from __future__ import annotations
 
+import json
+
 from bench.live.hostile import Sample, neighbour_stats, phase_report, render_markdown, summarise
+from bench.live.hostile_attacks import attacks
 
 
 def _baseline() -> dict:
@@ -45,3 +49,16 @@ def test_the_goals_name_the_attacks_that_missed_them_and_the_end_rss():
                                                   "versions": {}},
                             "settings": {"baseline_s": 1, "attack_timeout_s": 1, "window_s": 1, "rounds": 1}})
     assert "| 1 | slow |" in text and "[MISSED] neighbour ttft p99 within 2x for every attack (missed: slow)" in text
+
+
+def test_each_rounds_attacks_are_their_own_so_no_cache_serves_a_later_round():
+    def bodies(round_no: int) -> dict[str, list[str]]:
+        return {a.name: [json.dumps(body, sort_keys=True) for _, body in a.bodies] for a in attacks(round_no)}
+
+    first, second = bodies(0), bodies(1)
+    for name in ("grammar_flood", "huge_choice", "large_ebnf", "prompt_logprobs_n16", "long_prompt"):
+        assert not set(first[name]) & set(second[name]), name
+    assert bodies(1) == second  # a round's bodies are the same every run
+    prompts = [body["prompt"] for r in range(3) for a in attacks(r) if a.name == "long_prompt" for _, body in a.bodies]
+    # The prefix cache matches whole blocks from the first token on: the prompts differ in their first words.
+    assert len({p.split(" ")[0] for p in prompts}) == len(prompts) == 9
