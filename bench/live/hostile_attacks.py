@@ -28,7 +28,7 @@ class Attack:
 
 def _words(rng: random.Random, count: int, length: int) -> list[str]:
     alphabet = string.ascii_letters + string.digits
-    return ["".join(rng.choice(alphabet) for _ in range(length)) for _ in range(count)]
+    return ["".join(rng.choices(alphabet, k=length)) for _ in range(count)]
 
 
 def _chat(content: str, max_tokens: int = 8, **extra) -> tuple[str, dict]:
@@ -43,7 +43,7 @@ def _deep_arrays(depth: int) -> dict:
 def _large_ebnf(rng: random.Random, target_chars: int) -> str:
     rules, size, i = [], 0, 0
     while size < target_chars:
-        rule = f'r{i} ::= "{"".join(rng.choice(string.ascii_lowercase) for _ in range(40))}"'
+        rule = f'r{i} ::= "{"".join(rng.choices(string.ascii_lowercase, k=40))}"'
         rules.append(rule)
         size += len(rule) + 1
         i += 1
