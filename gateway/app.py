@@ -180,6 +180,7 @@ def create_app(
         except UNAVAILABLE as exc:
             log.warning("database unavailable, /readyz stays 503 until it answers: %s", first_line(exc))
             return False
+        gw.auth.database_answered()
         gw.database_ready = True
         return True
 

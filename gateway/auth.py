@@ -125,6 +125,11 @@ class Authenticator:
     def invalidate(self) -> None:
         self._cache.clear()
 
+    def database_answered(self) -> None:
+        """The database answered the server's own check (/readyz turns 200): look keys up again at once, not
+        after the rest of a backoff begun while it was down, so a ready server serves a new key."""
+        self._database_down_until = 0.0
+
     async def watch_revocations(self, revocation_mark: Callable[[], Any], interval_s: float) -> None:
         """Until cancelled: clear the cache whenever `revocation_mark()` (a cheap database read) changes.
 

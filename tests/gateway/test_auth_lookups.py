@@ -112,3 +112,21 @@ def test_different_new_keys_are_looked_up_apart(keys):
 
     anyio.run(main)
     assert lookup.calls == keys
+
+
+def test_once_the_database_answers_the_servers_check_a_new_key_is_looked_up_at_once():
+    """A lookup that failed starts a backoff; the server's own database check answering (/readyz 200) ends it,
+    so a key created right after is served rather than refused with 503 for the rest of the backoff."""
+    lookup = SlowLookup(error=OperationalError("select", {}, Exception("connection refused")), delay_s=0)
+    auth = Authenticator(lookup, clock=lambda: 100.0)  # frozen: the backoff never runs out by itself
+    with pytest.raises(APIError) as refused:
+        anyio.run(auth.tenant_for, "Bearer tg-new-key")
+    assert refused.value.status == 503 and lookup.calls == 1
+    lookup.error, lookup.tenant = None, "acme"
+    with pytest.raises(APIError):
+        anyio.run(auth.tenant_for, "Bearer tg-new-key")  # still backing off: not even tried
+    assert lookup.calls == 1
+
+    auth.database_answered()
+
+    assert anyio.run(auth.tenant_for, "Bearer tg-new-key") == "acme" and lookup.calls == 2
