@@ -9,11 +9,11 @@ one. Nothing a step under way reads may change then: no running sequence gets a 
 preempted, and a request with an adapter that step does not hold waits (loading it into a slot
 could evict one it is reading). Inside a step that holds only worse queues' work, a better queue's
 requests go between its layers whatever the policy's rule: a premium request does not wait for a
-standard long prompt's step. Inside a step that decodes a stream under a bound, only
-those better queues' requests do: that step was planned to its streams' bound (scheduler/step_budget.py),
-so a newcomer waits at most about that long for it, as the streams wait for their tokens, while an express step inside it (and the decode
-steps of what it started) would delay every one of those streams' next token by its whole length;
-the newcomer starts first in the next step instead.
+standard long prompt's step. Inside a step that decodes a stream under a bound, only those better
+queues' requests do: that step was planned to its streams' bound (scheduler/step_budget.py), so a
+newcomer waits at most about that long for it, as the streams wait for their tokens, while an express
+step inside it (and the decode steps of what it started) would delay every one of those streams' next
+token by its whole length; the newcomer starts first in the next step instead.
 
 A request started inside a step under way then decodes inside it too: once its wait for its next
 token nears the bound of a step beside it (``step_budget.step_target_s``), ``Scheduler.schedule_express_decodes()``
@@ -49,10 +49,12 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None,
         return StepPlan()  # asked between every two layer slices: with nobody waiting, plan nothing
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, sched.policy.charge_prefill)
     # The running streams wait for this step too, inside the step under way or before the next one.
-    target = step_target_s(sched.config, _streams(sched), sched.step_cost.coefficients())
+    streams = _streams(sched)
+    target = step_target_s(sched.config, streams, sched.step_cost.coefficients())
     sched.bound(step, target)
     ahead = _queues_ahead_of(sched, under_way)
-    streams_inside = target is not None and _decodes_streams(sched, under_way)
+    # Whether the step under way decodes one of them: their next tokens wait for all of it.
+    streams_inside = target is not None and any(s.seq_id in under_way for s in streams)
     for queue in sched.policy.queue_names():
         if sched.policy.is_spare(queue):
             continue
@@ -77,11 +79,6 @@ def _streams(sched: StepPlanner) -> list[Sequence]:
     work yields to everyone's)."""
     policy = sched.policy
     return [s for s in sched.running if not s.is_prefilling and not policy.is_spare(policy.queue_of(s))]
-
-
-def _decodes_streams(sched: StepPlanner, under_way: Collection[str]) -> bool:
-    """Whether the step under way (its sequence ids) decodes a stream: whose next token waits for all of it."""
-    return bool(under_way) and any(s.seq_id in under_way for s in _streams(sched))
 
 
 def _queues_ahead_of(sched: StepPlanner, under_way: Collection[str]) -> set[str]:
