@@ -53,6 +53,7 @@ class EngineConfig:
     # longer than this or than a decoding tier's tpot_slo_s (``tiers``). None: only the tiers' bounds.
     max_step_s: float | None = None
     step_bound_factor: float | None = None  # and no longer than this times its decodes alone (None: no such bound)
+    max_prefill_step_s: float | None = None  # with no stream decoding, no step planned longer than this (None: no bound)
     min_prefill_chunk: int | None = None  # prefill tokens a bounded step still takes; None: one block
     # The batch tier's KV margin and step share (SchedulerConfig.spare_kv_margin, spare_step_share).
     batch_kv_margin: float = 0.1
@@ -110,7 +111,7 @@ class EngineConfig:
             tiers=self.tiers, standard_min_share=self.standard_min_share, long_context_after=long_context_after,
             express_spare_blocks=self.express_spare_blocks if self.express_steps_on else 0,
             max_step_s=self.max_step_s, step_bound_factor=self.step_bound_factor,
-            min_prefill_chunk=self.min_prefill_chunk,
+            max_prefill_step_s=self.max_prefill_step_s, min_prefill_chunk=self.min_prefill_chunk,
             spare_kv_margin=self.batch_kv_margin, spare_step_share=self.batch_step_share)
 
     @property

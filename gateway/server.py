@@ -56,6 +56,7 @@ def engine_config(settings: Settings) -> EngineConfig:
                         prefix_cache_scope=settings.prefix_cache_scope, max_model_len=settings.max_model_len,
                         max_loras=settings.max_loras, lora_dtype=settings.lora_dtype, tiers=tiers(settings),
                         max_step_s=settings.step_bound_s, step_bound_factor=settings.step_factor,
+                        max_prefill_step_s=settings.prefill_step_bound_s,
                         batch_kv_margin=settings.batch_kv_margin, batch_step_share=settings.batch_step_share,
                         grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
                         grammar_compile_workers=settings.grammar_compile_workers,

@@ -82,6 +82,10 @@ class Settings:
     # (CPU 3: a 135M model's decode step is 15-35 ms there, far inside 0.15 s, and 2 cost a loaded engine 15% of
     # its throughput in bench/sim/long_prompts.py against 10% for 3; GPU none); 0: no such bound.
     step_bound_factor: float | None = None
+    # With no stream decoding, a step is cut to at most max_prefill_step_s (and no less than 20 times its fixed
+    # cost): a request that arrives during it decodes between its layers, whose length is then its gap. None:
+    # the device's default (CPU 0.5 s; GPU none, where a whole step is shorter than a CPU's layer); 0: no bound.
+    max_prefill_step_s: float | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int = 2048
@@ -179,7 +183,7 @@ class Settings:
             raise SettingsError(f"port must be in 1..65535, not {self.port}")
         if self.premium_ttft_slo_s is not None and not self.premium_ttft_slo_s > 0:
             raise SettingsError(f"premium_ttft_slo_s must be positive, not {self.premium_ttft_slo_s}")
-        for name in ("max_step_s", "premium_tpot_slo_s"):
+        for name in ("max_step_s", "premium_tpot_slo_s", "max_prefill_step_s"):
             if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 raise SettingsError(f"{name} must be zero (no bound) or positive, not {getattr(self, name)}")
         if self.step_bound_factor is not None and not (self.step_bound_factor == 0 or self.step_bound_factor > 1):
@@ -231,6 +235,13 @@ class Settings:
         return _bound(self.max_step_s, 0.15 if self.device == "cpu" else 0.05)
 
     @property
+    def prefill_step_bound_s(self) -> float | None:
+        """The longest step planned while no stream decodes (None: unbounded)."""
+        if self.max_prefill_step_s is None:
+            return 0.5 if self.device == "cpu" else None
+        return self.max_prefill_step_s or None
+
+    @property
     def step_factor(self) -> float | None:
         """How many times their decode step alone a step beside streams may last (None: no such bound)."""
         if self.step_bound_factor is None:
@@ -250,7 +261,7 @@ def _bound(setting: float | None, default: float) -> float | None:
 
 
 _KINDS_OF_NONE_DEFAULTS = {"premium_ttft_slo_s": float, "max_step_s": float, "premium_tpot_slo_s": float,
-                           "step_bound_factor": float,
+                           "max_prefill_step_s": float, "step_bound_factor": float,
                            "kv_cache_tokens": int, "draft_kv_blocks": int}
 QUANTIZE_KINDS = ("q8_0", "q4_0", "q4_k")  # engine/model.py QUANT_BLOCK: the gateway does not import torch here
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

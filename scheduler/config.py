@@ -106,6 +106,10 @@ class SchedulerConfig:
     # no such bound): a neighbour's prompt then stretches a stream's gaps by that factor at most, on any
     # machine and model, where a bound in seconds fits one of them.
     step_bound_factor: float | None = None
+    # A step with no stream decoding is cut to at most ``max_prefill_step_s`` too (None: only its token budget),
+    # but never below ``step_budget.PREFILL_STEP_BASES`` times the step's fixed cost: a request that arrives
+    # while it runs lives on express steps between its layers, so its layers must be short.
+    max_prefill_step_s: float | None = None
     min_prefill_chunk: int | None = None
     # The step cost model (scheduler/step_cost.py): its coefficients before any step is observed
     # (CPU-scale, the bundled model's order of magnitude), and how many recent steps the fit weighs.

@@ -30,7 +30,13 @@ from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.spare import plan_spare
-from scheduler.step_budget import StepTimeBound, first_token_target_s, scaled_share, step_target_s
+from scheduler.step_budget import (
+    StepTimeBound,
+    first_token_target_s,
+    prefill_step_target_s,
+    scaled_share,
+    step_target_s,
+)
 from scheduler.step_builder import StepBuilder
 from scheduler.step_cost import StepCostModel
 from scheduler.step_update import apply_step
@@ -158,7 +164,8 @@ class Scheduler:
             ):
                 step.add(seq, 1)
         decodes = [c.seq for c in step.plan.chunks]
-        self.bound(step, step_target_s(self.config, decodes, self.step_cost.coefficients()))
+        cost = self.step_cost.coefficients()
+        self.bound(step, step_target_s(self.config, decodes, cost) if decodes else prefill_step_target_s(self.config, cost))
         kept = 0
         for i, queue in enumerate(queues):
             keep = self._kept_for_worse(queues[i + 1 :], prefilling, step)
@@ -194,9 +201,13 @@ class Scheduler:
         return plan_express_decodes(self, under_way, waited_s, next_chance_s)
 
     def bound(self, step: StepBuilder, target: float | None) -> None:
-        """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any."""
-        if target is not None and step.time is None:
-            step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk, self.step_cost.overrun())
+        """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any and
+        tighter than the bound it has (a first token's bound after a step with nobody decoding was bounded)."""
+        if target is None or (step.time is not None and step.time.target_s <= target):
+            return
+        first = step.time is None
+        step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk, self.step_cost.overrun())
+        if first:
             step.room_at_bound = step.budget
 
     def _first_token(self, step: StepBuilder, seq: Sequence) -> None:

@@ -10,8 +10,11 @@ it, and ``step_bound_factor`` times the predicted time of a step of its decodes 
 ``min_chunk`` prefill tokens of a step are granted whatever the prediction (fewer, down to one, where
 their attention deep into a long prompt would make them dearer than at its start: ``StepTimeBound.granted``),
 so the prompt at the head of the line advances every step and always finishes. A step with nobody
-decoding has no bound (its chunks are as large as the token budget allows) unless it makes the first
-token of an interactive request: that client waits for the step as a stream does.
+decoding is bounded by ``max_prefill_step_s`` (``prefill_step_target_s``), a looser bound: a request
+that arrives while it runs starts and decodes between its layers (scheduler/express.py), so a layer
+of a long prompt's largest chunk deep into its context would be that request's gap. A step that makes
+the first token of an interactive request is held to that request's tier's bound: its client waits for
+the step as a stream does.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ PLAN_TO = 0.95
 # The guaranteed chunk is shrunk only where it would cost more than this share of the target on its own:
 # beside decodes that take the rest, such a step stays within about the target.
 GRANTED_SHARE = 0.5
+# A step with nobody decoding is never cut below this many times the step's fixed cost (the weights' read):
+# cutting a long prompt into more chunks then costs its prefill at most about 1/PREFILL_STEP_BASES more.
+PREFILL_STEP_BASES = 20
 
 
 def step_target_s(config: SchedulerConfig, decoding: Iterable[Sequence],
@@ -45,6 +51,15 @@ def step_target_s(config: SchedulerConfig, decoding: Iterable[Sequence],
     if config.step_bound_factor is not None and cost is not None:
         bounds.append(config.step_bound_factor * predict(cost, decodes_alone(decoding)))
     return min(bounds) if bounds else None
+
+
+def prefill_step_target_s(config: SchedulerConfig, cost: StepCost) -> float | None:
+    """The longest a step with no stream decoding may last: ``max_prefill_step_s``, and at least
+    ``PREFILL_STEP_BASES`` times its fixed cost, so a large model's prompts are not cut to chunks whose
+    weight reads cost more than their rows (None: no bound, only the token budget)."""
+    if config.max_prefill_step_s is None:
+        return None
+    return max(config.max_prefill_step_s, PREFILL_STEP_BASES * cost.base_s)
 
 
 def decodes_alone(decoding: list[Sequence]) -> StepFeatures:

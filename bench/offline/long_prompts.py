@@ -6,12 +6,18 @@ tokens out); another tenant sends a 1,987-token prompt every few seconds. The in
 bound (scheduler/step_budget.py) is switched between rounds on the same engine, so that every mode
 sees the same machine and the same fitted step cost: "off" is the scheduler before the bound,
 "seconds" the bound in seconds alone (premium TPOT 0.1 s, every step 0.15 s: the defaults before
-``step_bound_factor``), "on" the gateway's CPU defaults (those, and no step beside a stream longer
-than three times its decodes alone). Each round also measures the neighbour alone first, its baseline.
-Reported: the neighbour's TTFT and each gap between two of its deltas, the long prompts' TTFT, and
-the tokens the engine computed per second (prompts and outputs).
+``step_bound_factor``), "streams" those and no step beside a stream longer than three times its
+decodes alone (the defaults before ``max_prefill_step_s``), "on" the gateway's CPU defaults (those,
+and a step with nobody decoding at most 0.5 s). Each round also measures the neighbour alone first,
+its baseline. Reported: the neighbour's TTFT and each gap between two of its deltas, the long
+prompts' TTFT, and the tokens the engine computed per second (prompts and outputs).
 
-    .venv/bin/python -m bench.offline.long_prompts [--rounds 2] [--round-s 20] [--modes off,seconds,on] [--json PATH]
+With ``--neighbour-every-s`` the neighbour starts a request that often instead of one after another
+(the hostile bench's neighbour: one a second), so that steps with nobody decoding come between its
+requests, and a request of its arrives inside one of them.
+
+    .venv/bin/python -m bench.offline.long_prompts [--rounds 2] [--round-s 20] [--modes off,seconds,streams,on]
+        [--neighbour-every-s S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from engine.request import EngineRequest, SamplingParams
 
 LONG_PROMPT = 1987  # issue 31's
 ON = {k: v for k, v in gateway_defaults("cpu").items() if k != "premium_slo_s"}  # the gateway's CPU bound
-MODES = ("off", "seconds", "on")
+MODES = ("off", "seconds", "streams", "on")
 NEIGHBOUR_TOKENS = 48
 LONG_TOKENS = 8
 _ids = itertools.count()
@@ -49,7 +55,8 @@ def _bound(engine: Engine, mode: str) -> None:
                   for t in config.tiers)
     engine.scheduler.config = dataclasses.replace(
         config, max_step_s=ON["max_step_s"] if on else None, tiers=tiers,
-        step_bound_factor=ON["step_bound_factor"] if mode == "on" else None)
+        step_bound_factor=ON["step_bound_factor"] if mode in ("streams", "on") else None,
+        max_prefill_step_s=ON["max_prefill_step_s"] if mode == "on" else None)
 
 
 async def _one(engine: Engine, prompt: list[int], max_tokens: int, tier: str, tenant: str) -> tuple[float, list[float]]:
@@ -66,8 +73,10 @@ async def _one(engine: Engine, prompt: list[int], max_tokens: int, tier: str, te
     return times[0] - started, [b - a for a, b in zip(times, times[1:])]
 
 
-async def _phase(engine: Engine, prompts: dict, seconds: float, long_every_s: float | None) -> dict:
-    """The neighbour streaming for ``seconds``, and a long prompt every ``long_every_s`` (None: none)."""
+async def _phase(engine: Engine, prompts: dict, seconds: float, long_every_s: float | None,
+                 neighbour_every_s: float | None = None) -> dict:
+    """The neighbour streaming for ``seconds`` (a request every ``neighbour_every_s``; None: one after another),
+    and a long prompt every ``long_every_s`` (None: none)."""
     neighbour = {"ttft": [], "gaps": [], "tokens": 0}
     long_ttft: list[float] = []
     deadline = time.perf_counter() + seconds
@@ -76,7 +85,10 @@ async def _phase(engine: Engine, prompts: dict, seconds: float, long_every_s: fl
         n = 0
         while time.perf_counter() < deadline:
             prompt = prompts["short"][n % len(prompts["short"])]
+            started = time.perf_counter()
             ttft, gaps = await _one(engine, prompt, NEIGHBOUR_TOKENS, "premium", "neighbour")
+            if neighbour_every_s is not None:
+                await asyncio.sleep(max(0.0, started + neighbour_every_s - time.perf_counter()))
             neighbour["ttft"].append(ttft)
             neighbour["tokens"] += len(prompt) + NEIGHBOUR_TOKENS
             neighbour["gaps"] += gaps
@@ -135,8 +147,8 @@ async def _run(args: argparse.Namespace) -> dict:
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 _bound(engine, mode)
-                runs["alone"].append(await _phase(engine, prompts, args.alone_s, None))
-                runs[mode].append(await _phase(engine, prompts, args.round_s, args.long_every_s))
+                runs["alone"].append(await _phase(engine, prompts, args.alone_s, None, args.neighbour_every_s))
+                runs[mode].append(await _phase(engine, prompts, args.round_s, args.long_every_s, args.neighbour_every_s))
         return {"machine": host, "settings": {**vars(args), "long_prompt_tokens": LONG_PROMPT, "bound": ON},
                 "step_cost_fit": dataclasses.asdict(engine.scheduler.step_cost.coefficients()),
                 "summary": {mode: _summary(rs) for mode, rs in runs.items()}}
@@ -169,12 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--round-s", type=float, default=20.0)
     p.add_argument("--alone-s", type=float, default=6.0)
     p.add_argument("--long-every-s", type=float, default=4.0)
+    p.add_argument("--neighbour-every-s", type=float, default=None,
+                   help="the neighbour starts a request this often (default: one after another)")
     p.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} to run, in this order")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     if not args.modes or not set(args.modes.split(",")) <= set(MODES):
         p.error(f"--modes takes some of {', '.join(MODES)}")
-    if args.rounds < 1 or min(args.round_s, args.alone_s, args.long_every_s) <= 0:
+    if args.rounds < 1 or min(args.round_s, args.alone_s, args.long_every_s, args.neighbour_every_s or 1) <= 0:
         p.error("--rounds must be at least 1 and the durations positive")
     result = asyncio.run(_run(args))
     report.finish(result, args.json, render_markdown)

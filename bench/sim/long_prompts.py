@@ -4,7 +4,8 @@ The real scheduler on a virtual clock (bench/sim/slo.py's loop and cost model). 
 stream: short prompts (32-256 tokens), long outputs (128-384). Standard tenants send long prompts
 (1,500-3,500 tokens, the size of issue 31's 1,987-token one) with short outputs (16-64). Each load runs twice on the same requests: as before the bound existed, and with
 the bound at the gateway's defaults for the machine the cost model describes (gateway/settings.py:
-premium TPOT 100 ms and every step 150 ms on a CPU, 25 / 50 ms on a GPU).
+premium TPOT 100 ms and every step 150 ms on a CPU, 25 / 50 ms on a GPU; on a CPU a step with nobody
+decoding 500 ms).
 
 Reported per tier: TTFT p50 / p99, the inter-token gap p50 / p99 / max (every gap between two
 tokens of a request, in virtual time), the tokens served per second of the run, and capacity: tokens
@@ -36,7 +37,7 @@ def gateway_defaults(device: str) -> dict:
     premium's TTFT SLO as the gateway sets them by default on ``device``: read from gateway/settings.py, not copied."""
     s = load_settings(environ={"TIERGATE_DEVICE": device})
     return dict(premium_tpot_slo_s=s.premium_tpot_s, max_step_s=s.step_bound_s, step_bound_factor=s.step_factor,
-                premium_slo_s=s.premium_slo_s)
+                max_prefill_step_s=s.prefill_step_bound_s, premium_slo_s=s.premium_slo_s)
 
 
 # A CPU's steps also take the engine's default batch (512 tokens, 32 sequences; engine/config.py):
@@ -89,7 +90,7 @@ def capacity_tokens_per_s(s: SimSettings, requests: list[Request], cost: CostMod
 
 def run(cost: CostModel, machine: dict, num_requests: int, seed: int) -> dict:
     on = SimSettings(seed=seed, num_requests=num_requests, **machine)
-    off = replace(on, max_step_s=None, premium_tpot_slo_s=None, step_bound_factor=None)
+    off = replace(on, max_step_s=None, premium_tpot_slo_s=None, step_bound_factor=None, max_prefill_step_s=None)
     premium_tpot, max_step, premium_slo = on.premium_tpot_slo_s, on.max_step_s, on.premium_slo_s
     capacity = {name: capacity_tokens_per_s(s, workload(num_requests, None, seed), cost)
                 for name, s in (("off", off), ("on", on))}
@@ -110,7 +111,7 @@ def run(cost: CostModel, machine: dict, num_requests: int, seed: int) -> dict:
     ratio = capacity["on"] / capacity["off"]
     goals.append({"goal": "capacity with the bound at least 90% of without", "value": ratio, "met": ratio >= 0.9})
     return {"cost_model": asdict(cost), "premium_tpot_slo_s": premium_tpot, "max_step_s": max_step,
-            "step_bound_factor": on.step_bound_factor,
+            "step_bound_factor": on.step_bound_factor, "max_prefill_step_s": on.max_prefill_step_s,
             "premium_ttft_slo_s": premium_slo, "max_num_batched_tokens": on.max_num_batched_tokens,
             "max_num_seqs": on.max_num_seqs, "capacity_tokens_per_s": capacity, "rows": rows, "goals": goals}
 
@@ -129,6 +130,7 @@ def render_markdown(result: dict) -> str:
         cap = r["capacity_tokens_per_s"]
         lines += [f"**{name}**: cost {r['cost_model']}; bound: premium TPOT {r['premium_tpot_slo_s']:g} s, every step "
                   f"{r['max_step_s']:g} s, and {r.get('step_bound_factor') or '-'} times the streams' decodes alone; "
+                  f"with nobody decoding {r.get('max_prefill_step_s') or '-'} s; "
                   f"premium TTFT SLO {r['premium_ttft_slo_s']:g} s; steps of up to "
                   f"{r['max_num_batched_tokens']} tokens and {r['max_num_seqs']} sequences; capacity "
                   f"{cap['off']:.0f} tokens/s without the bound, {cap['on']:.0f} with.", "",

@@ -94,6 +94,7 @@ class SimSettings:
     max_step_s: float | None = None
     premium_tpot_slo_s: float | None = None
     step_bound_factor: float | None = None
+    max_prefill_step_s: float | None = None
 
 
 def scheduler_config(s: SimSettings, policy: str, fair_share: bool = True) -> SchedulerConfig:
@@ -111,6 +112,7 @@ def scheduler_config(s: SimSettings, policy: str, fair_share: bool = True) -> Sc
         standard_min_share=s.standard_min_share,
         max_step_s=s.max_step_s,
         step_bound_factor=s.step_bound_factor,
+        max_prefill_step_s=s.max_prefill_step_s,
     )
 
 

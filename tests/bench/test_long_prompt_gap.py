@@ -18,12 +18,18 @@ def test_switching_the_bound_sets_and_clears_every_target():
     assert step_target_s(engine.scheduler.config, [standard]) == long_prompts.ON["max_step_s"]
     assert step_target_s(engine.scheduler.config, [premium, standard]) == long_prompts.ON["premium_tpot_slo_s"]
     assert engine.scheduler.config.step_bound_factor is None
+    assert engine.scheduler.config.max_prefill_step_s is None
+    long_prompts._bound(engine, "streams")
+    assert engine.scheduler.config.step_bound_factor == long_prompts.ON["step_bound_factor"]
+    assert engine.scheduler.config.max_prefill_step_s is None
     long_prompts._bound(engine, "on")
     assert step_target_s(engine.scheduler.config, [premium, standard]) == long_prompts.ON["premium_tpot_slo_s"]
     assert engine.scheduler.config.step_bound_factor == long_prompts.ON["step_bound_factor"]
+    assert engine.scheduler.config.max_prefill_step_s == long_prompts.ON["max_prefill_step_s"] == 0.5
     long_prompts._bound(engine, "off")
     assert step_target_s(engine.scheduler.config, [premium, standard]) is None
     assert engine.scheduler.config.step_bound_factor is None
+    assert engine.scheduler.config.max_prefill_step_s is None
 
 
 def test_the_report_has_a_row_per_mode_from_the_gaps_and_ttfts_measured():
@@ -39,7 +45,7 @@ def test_the_report_has_a_row_per_mode_from_the_gaps_and_ttfts_measured():
     assert summary["tokens_per_s"] == 215.1
     lines = long_prompts.render_markdown(result).splitlines()
     assert [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "mode" not in line] == \
-        ["alone", "off", "seconds", "on"]
+        ["alone", "off", "seconds", "streams", "on"]
     assert "| 300 |" not in lines[-1] and "/ 300 |" in lines[-1] and "| 215 |" in lines[-1]
 
 

@@ -1,5 +1,5 @@
-"""The inter-token latency bound's settings reach the scheduler: TIERGATE_MAX_STEP_S, the premium TPOT SLO and
-TIERGATE_STEP_BOUND_FACTOR."""
+"""The inter-token latency bound's settings reach the scheduler: TIERGATE_MAX_STEP_S, the premium TPOT SLO,
+TIERGATE_STEP_BOUND_FACTOR and TIERGATE_MAX_PREFILL_STEP_S."""
 
 from __future__ import annotations
 
@@ -7,11 +7,17 @@ import pytest
 
 from gateway.server import engine_config
 from gateway.settings import SettingsError, load_settings
+from scheduler import SchedulerConfig
+
+
+def scheduler_config(environ: dict[str, str]) -> SchedulerConfig:
+    """The scheduler's config the settings from ``environ`` build."""
+    return engine_config(load_settings(environ=environ)).scheduler_config(num_blocks=64, max_model_len=2048)
 
 
 def scheduler_bounds(environ: dict[str, str]) -> tuple[float | None, float | None, float | None]:
     """(max_step_s, premium tpot_slo_s, standard tpot_slo_s) of the scheduler the settings build."""
-    config = engine_config(load_settings(environ=environ)).scheduler_config(num_blocks=64, max_model_len=2048)
+    config = scheduler_config(environ)
     tpot = {t.name: t.tpot_slo_s for t in config.tiers}
     return config.max_step_s, tpot["premium"], tpot["standard"]
 
@@ -26,16 +32,18 @@ def test_the_environment_sets_each_bound_and_zero_turns_it_off():
     assert scheduler_bounds({"TIERGATE_MAX_STEP_S": "0", "TIERGATE_PREMIUM_TPOT_SLO_S": "0"}) == (None, None, None)
 
 
-def step_factor(environ: dict[str, str]) -> float | None:
-    config = engine_config(load_settings(environ=environ)).scheduler_config(num_blocks=64, max_model_len=2048)
-    return config.step_bound_factor
+@pytest.mark.parametrize("field, variable, cpu_default, value", [
+    ("step_bound_factor", "TIERGATE_STEP_BOUND_FACTOR", 3.0, 4.0),  # a step beside streams: 3x their decodes alone
+    ("max_prefill_step_s", "TIERGATE_MAX_PREFILL_STEP_S", 0.5, 1.5),  # a step with nobody decoding
+])
+def test_a_cpu_has_the_bound_by_default_a_gpu_none_and_the_environment_sets_it(field, variable, cpu_default, value):
+    def bound(environ: dict[str, str]) -> float | None:
+        return getattr(scheduler_config(environ), field)
 
-
-def test_a_step_beside_streams_is_held_to_three_times_their_decode_step_on_a_cpu_by_default():
-    assert step_factor({}) == 3.0
-    assert step_factor({"TIERGATE_DEVICE": "cuda"}) is None
-    assert step_factor({"TIERGATE_STEP_BOUND_FACTOR": "3"}) == 3.0
-    assert step_factor({"TIERGATE_STEP_BOUND_FACTOR": "0"}) is None
+    assert bound({}) == cpu_default
+    assert bound({"TIERGATE_DEVICE": "cuda"}) is None
+    assert bound({variable: str(value)}) == value
+    assert bound({variable: "0"}) is None
 
 
 @pytest.mark.parametrize("name, raw, message", [
@@ -44,7 +52,9 @@ def test_a_step_beside_streams_is_held_to_three_times_their_decode_step_on_a_cpu
     ("TIERGATE_MAX_STEP_S", "-1", "max_step_s"),
     ("TIERGATE_MAX_STEP_S", "soon", "TIERGATE_MAX_STEP_S"),
     ("TIERGATE_PREMIUM_TPOT_SLO_S", "-0.5", "premium_tpot_slo_s"),
+    ("TIERGATE_MAX_PREFILL_STEP_S", "-1", "max_prefill_step_s"),
 ])
 def test_a_bound_that_is_not_a_duration_is_refused_by_name(name, raw, message):
     with pytest.raises(SettingsError, match=message):
         load_settings(environ={name: raw})
+
