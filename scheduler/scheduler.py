@@ -1,15 +1,13 @@
 """The step planner: continuous batching with chunked prefill over paged KV blocks.
 
-Each ``schedule()`` builds one step: decodes of running sequences first (one
-token each), then prefill chunks queue by queue under the token budget. Blocks
-for every chunk are allocated before the plan is returned; when a sequence
-needs a block and none is left, the policy names a sequence to preempt by
+Each ``schedule()`` builds one step: decodes of running sequences first (one token each), then prefill
+chunks queue by queue under the token budget. Blocks for every chunk are allocated before the plan is
+returned; when a sequence needs a block and none is left, the policy names a sequence to preempt by
 recompute. ``update()`` applies the step's sampled tokens afterwards.
 
-Parts of the planning live beside it: whether a waiting sequence can start
-(scheduler/admission.py), express admissions (scheduler/express.py), the
-spare-capacity tiers' work (scheduler/spare.py), speculative drafts
-(scheduler/drafts.py) and the step's update (scheduler/step_update.py).
+Parts of the planning live beside it: whether a waiting sequence can start (scheduler/admission.py),
+express admissions (scheduler/express.py), the spare-capacity tiers' work (scheduler/spare.py),
+speculative drafts (scheduler/drafts.py) and the step's update (scheduler/step_update.py).
 """
 
 from __future__ import annotations
@@ -30,13 +28,8 @@ from scheduler.plan import ScheduledChunk, StepPlan
 from scheduler.policy import NO_ADAPTER, NO_BLOCKS, NO_SLOT, Policy, make_policy
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.spare import plan_spare
-from scheduler.step_budget import (
-    StepTimeBound,
-    first_token_target_s,
-    prefill_step_target_s,
-    scaled_share,
-    step_target_s,
-)
+from scheduler.step_budget import (StepTimeBound, first_token_target_s, prefill_step_target_s, scaled_share,
+                                   step_target_s)
 from scheduler.step_builder import StepBuilder
 from scheduler.step_cost import StepCostModel
 from scheduler.step_update import apply_step
@@ -207,8 +200,7 @@ class Scheduler:
             return
         first = step.time is None
         step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk, self.step_cost.overrun())
-        if first:
-            step.room_at_bound = step.budget
+        step.room_at_bound = step.budget if first else step.room_at_bound
 
     def _first_token(self, step: StepBuilder, seq: Sequence) -> None:
         """``seq`` was given a chunk: if that chunk makes its first token, bound the rest of the step by its tier."""
