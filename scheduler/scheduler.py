@@ -158,7 +158,8 @@ class Scheduler:
                 step.add(seq, 1)
         decodes = [c.seq for c in step.plan.chunks]
         cost = self.step_cost.coefficients()
-        self.bound(step, step_target_s(self.config, decodes, cost) if decodes else prefill_step_target_s(self.config, cost))
+        target = step_target_s(self.config, decodes, cost) if decodes else prefill_step_target_s(self.config, cost)
+        self.bound(step, target, keeps_gaps=bool(decodes))
         kept = 0
         for i, queue in enumerate(queues):
             keep = self._kept_for_worse(queues[i + 1 :], prefilling, step)
@@ -193,13 +194,13 @@ class Scheduler:
         """A decode step, inside a step under way, of what an express step started (scheduler/express.py)."""
         return plan_express_decodes(self, under_way, waited_s, next_chance_s)
 
-    def bound(self, step: StepBuilder, target: float | None) -> None:
-        """Put ``step`` under the inter-token latency bound (scheduler/step_budget.py) of ``target``, if any and
-        tighter than the bound it has (a first token's bound after a step with nobody decoding was bounded)."""
+    def bound(self, step: StepBuilder, target: float | None, keeps_gaps: bool = True) -> None:
+        """Put ``step`` under the time bound (scheduler/step_budget.py) of ``target``, if any and tighter than the
+        bound it has (a first token's after a step with nobody decoding was bounded: ``keeps_gaps`` False)."""
         if target is None or (step.time is not None and step.time.target_s <= target):
             return
-        first = step.time is None
-        step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk, self.step_cost.overrun())
+        first, overrun = step.time is None, self.step_cost.overrun() if keeps_gaps else 1.0
+        step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk, overrun, keeps_gaps)
         step.room_at_bound = step.budget if first else step.room_at_bound
 
     def _first_token(self, step: StepBuilder, seq: Sequence) -> None:

@@ -111,6 +111,9 @@ class StepTimeBound:
     # How far such steps have recently run past their prediction (StepCostModel.overrun): the step is
     # planned that much shorter.
     overrun: float = 1.0
+    # Whether streams' gaps wait on it (False: a step with nobody decoding, ``prefill_step_target_s``): only
+    # such a step counts in the overrun and is planned shorter by it; the rest is throughput, not a promise.
+    keeps_gaps: bool = True
 
     @property
     def planned_s(self) -> float:

@@ -52,8 +52,8 @@ class StepBuilder:
         return min(self.tokens_left, self.time.room(self.features, start, scores_prompt(seq))) - keep
 
     def finished(self) -> StepPlan:
-        """The plan, with its time bound and its predicted time, if it has a bound."""
-        if self.time is not None:
+        """The plan, with its time bound and its predicted time, if it has a bound that keeps streams' gaps."""
+        if self.time is not None and self.time.keeps_gaps:
             self.plan.bound_s, self.plan.predicted_s = self.time.target_s, predict(self.time.cost, self.features)
         return self.plan
 

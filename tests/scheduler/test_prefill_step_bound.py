@@ -89,3 +89,26 @@ def test_a_prefill_step_bound_that_is_not_a_duration_is_refused():
     with pytest.raises(ValueError, match="max_prefill_step_s"):
         Scheduler(config(max_prefill_step_s=0.0))
 
+
+
+def test_a_step_with_nobody_decoding_is_planned_to_its_whole_target_and_is_not_counted_as_keeping_gaps(monkeypatch):
+    """The streams' overrun shortens the steps they wait on; a step nobody streams through is throughput only, and
+    its steps must not dilute that overrun either (``StepPlan.bound_s`` is what the cost model counts)."""
+    sched = Scheduler(config(max_prefill_step_s=0.25))
+    sched.add(long_prompt(tokens=2100))
+    monkeypatch.setattr(sched.step_cost, "overrun", lambda: 2.0)  # as stream-bounded steps measured it
+
+    plan, cost = plan_with_cost(sched)
+
+    predicted = predict(cost, step_features(plan))
+    assert PLAN_TO * 0.25 * 0.9 < predicted <= PLAN_TO * 0.25  # not halved by the streams' overrun
+    assert plan.bound_s is None and plan.bound_slack is None
+
+
+def test_a_first_tokens_bound_inside_a_step_with_nobody_decoding_keeps_its_gap_and_counts():
+    sched = Scheduler(config(max_step_s=0.1, max_prefill_step_s=0.4))
+    sched.add(Sequence("short-0", list(range(1, 21)), tier="standard", tenant="s", max_tokens=8))
+
+    plan = sched.schedule()
+
+    assert plan.chunks[0].samples and plan.bound_s == 0.1
