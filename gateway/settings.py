@@ -237,16 +237,12 @@ class Settings:
     @property
     def prefill_step_bound_s(self) -> float | None:
         """The longest step planned while no stream decodes (None: unbounded)."""
-        if self.max_prefill_step_s is None:
-            return 0.5 if self.device == "cpu" else None
-        return self.max_prefill_step_s or None
+        return _bound(self.max_prefill_step_s, 0.5 if self.device == "cpu" else None)
 
     @property
     def step_factor(self) -> float | None:
         """How many times their decode step alone a step beside streams may last (None: no such bound)."""
-        if self.step_bound_factor is None:
-            return 3.0 if self.device == "cpu" else None
-        return self.step_bound_factor or None
+        return _bound(self.step_bound_factor, 3.0 if self.device == "cpu" else None)
 
     @property
     def premium_tpot_s(self) -> float | None:
@@ -254,7 +250,7 @@ class Settings:
         return _bound(self.premium_tpot_slo_s, 0.1 if self.device == "cpu" else 0.025)
 
 
-def _bound(setting: float | None, default: float) -> float | None:
+def _bound(setting: float | None, default: float | None) -> float | None:
     if setting is None:
         return default
     return setting or None  # 0 turns the bound off

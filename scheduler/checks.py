@@ -23,10 +23,9 @@ def check_config(config: SchedulerConfig) -> None:
         raise ValueError("standard_min_share must be in [0, 1)")
     if sum(t.kv_reserve_fraction for t in config.tiers) >= 1:
         raise ValueError("the tiers' KV reserves must add up to less than the whole pool")
-    if config.max_step_s is not None and not config.max_step_s > 0:
-        raise ValueError(f"max_step_s must be positive, not {config.max_step_s}")
-    if config.max_prefill_step_s is not None and not config.max_prefill_step_s > 0:
-        raise ValueError(f"max_prefill_step_s must be positive, not {config.max_prefill_step_s}")
+    for name in ("max_step_s", "max_prefill_step_s"):
+        if getattr(config, name) is not None and not getattr(config, name) > 0:
+            raise ValueError(f"{name} must be positive, not {getattr(config, name)}")
     if config.step_bound_factor is not None and not config.step_bound_factor > 1:
         raise ValueError(f"step_bound_factor must be more than 1, not {config.step_bound_factor}")
     if any(t.tpot_slo_s is not None and not t.tpot_slo_s > 0 for t in config.tiers):

@@ -188,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.modes or not set(args.modes.split(",")) <= set(MODES):
         p.error(f"--modes takes some of {', '.join(MODES)}")
-    if args.rounds < 1 or min(args.round_s, args.alone_s, args.long_every_s, args.neighbour_every_s or 1) <= 0:
+    durations = [args.round_s, args.alone_s, args.long_every_s]
+    if args.neighbour_every_s is not None:
+        durations.append(args.neighbour_every_s)
+    if args.rounds < 1 or min(durations) <= 0:
         p.error("--rounds must be at least 1 and the durations positive")
     result = asyncio.run(_run(args))
     report.finish(result, args.json, render_markdown)

@@ -57,4 +57,3 @@ def test_a_cpu_has_the_bound_by_default_a_gpu_none_and_the_environment_sets_it(f
 def test_a_bound_that_is_not_a_duration_is_refused_by_name(name, raw, message):
     with pytest.raises(SettingsError, match=message):
         load_settings(environ={name: raw})
-

@@ -90,7 +90,6 @@ def test_a_prefill_step_bound_that_is_not_a_duration_is_refused():
         Scheduler(config(max_prefill_step_s=0.0))
 
 
-
 def test_a_step_with_nobody_decoding_is_planned_to_its_whole_target_and_is_not_counted_as_keeping_gaps(monkeypatch):
     """The streams' overrun shortens the steps they wait on; a step nobody streams through is throughput only, and
     its steps must not dilute that overrun either (``StepPlan.bound_s`` is what the cost model counts)."""
