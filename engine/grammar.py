@@ -30,6 +30,10 @@ MAX_WHITESPACE_RUN = 12
 # JSON nesting (objects and arrays) a schema may have: deeper ones are refused before anything
 # walks them recursively; xgrammar's compile time grows steeply with depth.
 MAX_SCHEMA_DEPTH = 64
+# The string length limits (minLength, maxLength) one schema may write out, in characters: each is a
+# state of the compiled grammar (see _length_pattern), so they bound its compile's memory; its time is
+# bounded by the compile budget before this.
+MAX_LENGTH_LIMITS = 4096
 GRAMMAR_KINDS = ("json_schema", "json_object", "structural_tag", "regex", "choice", "ebnf")
 # xgrammar's C++ errors start with "[time] /path/file.cc:line: ".
 _CPP_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -78,7 +82,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[
 
 def _compile(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
     if spec.kind == "structural_tag":
-        return compiler.compile_structural_tag(spec.source)
+        tag = _well_formed_tag(json.loads(spec.source), [MAX_LENGTH_LIMITS])
+        return compiler.compile_structural_tag(json.dumps(tag, ensure_ascii=False))
     if spec.kind == "regex":
         return compiler.compile_regex(spec.source)
     if spec.kind == "ebnf":
@@ -114,11 +119,27 @@ def well_formed_strings(schema: object) -> object:
 
     xgrammar 0.2.8 compiles ``minLength``/``maxLength`` into a character class that lets raw
     control characters and malformed UTF-8 into the string, which is not valid JSON.
-    :class:`GrammarError` for a schema nested deeper than ``MAX_SCHEMA_DEPTH`` (measured without recursion).
+    :class:`GrammarError` for a schema nested deeper than ``MAX_SCHEMA_DEPTH`` (measured without recursion),
+    for length limits that are not whole numbers from 0 up, and for limits adding up past ``MAX_LENGTH_LIMITS``.
     """
     if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise GrammarError(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
-    return _well_formed(schema)
+    budget = [MAX_LENGTH_LIMITS]
+    return _well_formed(schema, budget)
+
+
+def _well_formed_tag(node: object, budget: list[int]) -> object:
+    """A structural tag (tool calls) with each JSON schema in it made well formed, their limits counted together."""
+    if isinstance(node, list):
+        return [_well_formed_tag(item, budget) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        schema = node["json_schema"]
+        if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        return {**node, "json_schema": _well_formed(schema, budget)}
+    return {key: _well_formed_tag(value, budget) for key, value in node.items()}
 
 
 def nesting_depth(value: object, stop_after: int) -> int:
@@ -138,17 +159,38 @@ def nesting_depth(value: object, stop_after: int) -> int:
     return deepest
 
 
-def _well_formed(schema: object) -> object:
+def _well_formed(schema: object, budget: list[int]) -> object:
     if isinstance(schema, list):
-        return [_well_formed(item) for item in schema]
+        return [_well_formed(item, budget) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: _well_formed(value) for key, value in schema.items()}
+    out = {key: _well_formed(value, budget) for key, value in schema.items()}
     bounded = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
-        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = f"^{_JSON_STRING_CHAR}{{{low},{high}}}$"
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        out["pattern"] = _length_pattern(low, high, budget)
     return out
+
+
+def _length_pattern(low: object, high: object, budget: list[int]) -> str:
+    """A pattern of ``low`` to ``high`` (None: any number of) JSON string characters, written out one
+    position at a time (``high - low`` nested optional groups), not as a counted repetition: xgrammar
+    checks a counted repetition against the vocabulary at every step (over 100 ms a token for
+    ``{0,200}`` on a 49k vocabulary), on the engine thread that every request's step waits for, while
+    positions written out are masks it computes at compile time, which is budgeted, billed to the
+    sender and cached (bench/RESULTS.md). ``budget`` holds the positions the schema may still write."""
+    for name, value in (("minLength", low), ("maxLength", high)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise GrammarError(f"{name} must be a whole number from 0 up, not {value!r}")
+    if high is not None and high < low:
+        raise GrammarError(f"minLength {low} is greater than maxLength {high}")
+    budget[0] -= low if high is None else high
+    if budget[0] < 0:
+        raise GrammarError(f"the schema's string length limits add up to more than {MAX_LENGTH_LIMITS} characters")
+    if high is None:
+        return f"^{_JSON_STRING_CHAR * low}{_JSON_STRING_CHAR}*$"
+    optional = high - low
+    return "^" + _JSON_STRING_CHAR * low + ("(?:" + _JSON_STRING_CHAR) * optional + ")?" * optional + "$"
 
 
 def _clean_error(exc: BaseException) -> str:

@@ -2,16 +2,18 @@
 
 One `tiergate serve --demo` (the bundled model, `make serve`'s defaults, a throwaway
 SQLite database) with the demo tenants plus standard tenants of the bench's own: the
-neighbour, which streams a short completion every second from a process of its own (another
-client, as a real neighbour is: ``NeighbourProcess``), and one attacker per attack
-(limits: 8 concurrent). The neighbour runs alone first (its baseline), then beside each
-attack of bench/live/hostile_attacks.py in turn; each attack is bounded (``--attack-timeout-s``),
-and the neighbour keeps sending for at least ``--window-s`` of it. Per attack: the
-neighbour's TTFT p99 and largest inter-token gap against its baseline (goal: within
-2x), the attack's answers by status, 5xx (goal: none), its ledger rows against its
-requests (goal: one each), and, where the attack asks, that no tool call carries
-arguments that are not JSON. The server's RSS is sampled throughout (goal: under 1.5 GB
-at the end); ``--rounds`` repeats the attacks, each round's RSS reported, to show growth.
+neighbour, which streams a short completion every ``--neighbour-every-s`` from a process
+of its own (another client, as a real neighbour is: ``NeighbourProcess``), and one attacker
+per attack (limits: 8 concurrent). The neighbour runs alone first and again after the
+last attack (its baseline, both pooled: the machine's drift weighs on both sides), and
+beside each attack of bench/live/hostile_attacks.py in turn, for at least ``--window-s``
+(the attack bounded by ``--attack-timeout-s``): four requests a second make a window's p99
+the tail of some 60 first tokens, not the worst of eight. Per attack: the neighbour's TTFT p99 and
+largest inter-token gap against its baseline (goal: within 2x), the attack's answers by
+status, 5xx (goal: none), its ledger rows against its requests (goal: one each), and,
+where the attack asks, that no tool call carries arguments that are not JSON. The
+server's RSS is sampled throughout (goal: under 1.5 GB at the end); ``--rounds`` repeats
+the attacks, each round's RSS reported, to show growth.
 
     .venv/bin/python -m bench.live.hostile [--rounds 1] [--only grammar_flood,tools_900kb] [--json PATH]
 """
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
 import sqlite3
 import subprocess
@@ -30,14 +31,13 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from bench.common import machine, report
-from bench.common.stats import percentile
-from bench.live.hostile_attacks import MODEL, Attack, attacks
+from bench.live.hostile_attacks import Attack, attacks
+from bench.live.hostile_neighbour import NeighbourProcess, Sample, baseline_stats, neighbour_request, neighbour_stats
 from bench.live.server import free_port, start_server, stop_server, tiergate_cli
 from gateway.tool_calls import is_json
 
@@ -45,82 +45,6 @@ RSS_GOAL_MB = 1536
 RATIO_GOAL = 2.0
 NEIGHBOUR_LIMITS = ["--rpm", "100000", "--tpm", "100000000", "--max-concurrent", "100"]
 ATTACKER_LIMITS = ["--rpm", "100000", "--tpm", "100000000", "--max-concurrent", "8"]
-
-
-@dataclass
-class Sample:
-    """One neighbour request as its client saw it."""
-
-    status: int | str
-    ttft_s: float | None = None
-    max_gap_s: float | None = None
-
-
-async def neighbour_request(client: httpx.AsyncClient, url: str, key: str, n: int) -> Sample:
-    body = {"model": MODEL, "prompt": f"Neighbour {n}: say hello.", "max_tokens": 16, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    start = time.perf_counter()
-    first = last = None
-    gap = 0.0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body,
-                                 headers={"authorization": f"Bearer {key}"}) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return Sample(response.status_code)
-            async for line in response.aiter_lines():
-                if not line.startswith("data:") or (data := line[5:].strip()) == "[DONE]":
-                    continue
-                if any(c.get("text") for c in json.loads(data).get("choices") or ()):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now - start
-                    else:
-                        gap = max(gap, now - last)
-                    last = now
-    except httpx.HTTPError as exc:
-        return Sample(type(exc).__name__)
-    return Sample(200, first, gap)
-
-
-class NeighbourProcess:
-    """The neighbour's loop in a process of its own: a request every ``every_s`` until ``stop()``.
-
-    A real neighbour is another client. Sharing the attack's client and event loop, the neighbour's first
-    tokens waited for the bench's own work on the attack (45 uploads and answers at once), which the server
-    never caused: measured that way, a burst of 45 small requests showed a 0.3-0.5 s neighbour TTFT that a
-    neighbour in its own process does not see (bench/RESULTS.md, 2026-11-27)."""
-
-    def __init__(self, url: str, key: str, every_s: float, first_n: int) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._stop = context.Event()
-        self._conn, theirs = context.Pipe(duplex=False)
-        self._process = context.Process(target=_neighbour_main, args=(url, key, every_s, first_n, self._stop, theirs),
-                                        daemon=True)
-        self._process.start()
-        theirs.close()
-        if self._conn.recv() != "ready":
-            raise RuntimeError("the neighbour process did not start")
-
-    def stop(self) -> list[Sample]:
-        self._stop.set()
-        samples = [Sample(*fields) for fields in self._conn.recv()]
-        self._process.join()
-        return samples
-
-
-def _neighbour_main(url: str, key: str, every_s: float, first_n: int, stop, conn) -> None:
-    async def loop() -> list[Sample]:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
-            conn.send("ready")
-            tasks, n = [], first_n
-            while not stop.is_set():
-                tasks.append(asyncio.create_task(neighbour_request(client, url, key, n)))
-                n += 1
-                await asyncio.sleep(every_s)
-            return list(await asyncio.gather(*tasks))
-
-    conn.send([(s.status, s.ttft_s, s.max_gap_s) for s in asyncio.run(loop())])
 
 
 async def attack_request(client, url: str, key: str, path: str, body: dict) -> dict:
@@ -213,27 +137,20 @@ def wait_for_rows(db: Path, tenant: str, expected: int, timeout_s: float) -> tup
         time.sleep(0.5)
 
 
-def neighbour_stats(samples: list[Sample]) -> dict:
-    served = [s for s in samples if s.status == 200 and s.ttft_s is not None]
-    gaps = [s.max_gap_s for s in served if s.max_gap_s is not None]
-    return {"sent": len(samples), "served": len(served), "ttft_p50_s": percentile([s.ttft_s for s in served], 50),
-            "ttft_p99_s": percentile([s.ttft_s for s in served], 99), "max_gap_s": max(gaps) if gaps else None,
-            "errors": Counter(str(s.status) for s in samples if s.status != 200)}
-
-
 def _ratio(value: float | None, base: float | None) -> float | None:
     return None if value is None or not base else value / base
 
 
-def phase_report(name: str, baseline: dict, neighbour: dict, outcomes: list[dict], rows: tuple[int, int, int]) -> dict:
-    """One attack's numbers against the baseline, and its goals."""
+def phase_report(name: str, baseline: dict, neighbour: dict, outcomes: list[dict], rows: tuple[int, int, int],
+                 attack_s: float | None = None) -> dict:
+    """One attack's numbers against the baseline, and its goals; ``attack_s``: how long its requests took."""
     statuses = Counter(str(o["status"]) for o in outcomes)
     five_xx = sum(n for s, n in statuses.items() if s.isdigit() and int(s) >= 500)
     five_xx += sum(int(s) >= 500 for s in neighbour["errors"] if s.isdigit())
     ttft_ratio = _ratio(neighbour["ttft_p99_s"], baseline["ttft_p99_s"])
     gap_ratio = _ratio(neighbour["max_gap_s"], baseline["max_gap_s"])
     total, closed, distinct = rows
-    return {"attack": name, "sent": len(outcomes), "statuses": dict(statuses), "five_xx": five_xx,
+    return {"attack": name, "attack_s": attack_s, "sent": len(outcomes), "statuses": dict(statuses), "five_xx": five_xx,
             "bad_tool_calls": sum(o["bad_tool_calls"] for o in outcomes), "rows": total, "closed_rows": closed,
             "distinct_rows": distinct, "neighbour": neighbour, "ttft_p99_ratio": ttft_ratio, "max_gap_ratio": gap_ratio,
             "met": {"neighbour_ttft_p99_within_2x": ttft_ratio is not None and ttft_ratio <= RATIO_GOAL,
@@ -249,11 +166,8 @@ async def measure(url: str, keys: dict[str, str], db: Path, args, rss: RssSample
         for _ in range(3):  # not measured: a fresh server's first steps try thread counts
             await neighbour_request(client, url, keys["neighbour"], sent)
             sent += 1
-        neighbour = await asyncio.to_thread(NeighbourProcess, url, keys["neighbour"], 1.0, sent)
-        await asyncio.sleep(args.baseline_s)
-        samples = await asyncio.to_thread(neighbour.stop)
-        sent += len(samples)
-        baseline = neighbour_stats(samples)
+        alone_before = await _neighbour_alone(url, keys["neighbour"], args, sent)
+        sent += len(alone_before)
         rss_start = rss.now_mb()
         rounds = []
         for round_no in range(args.rounds):
@@ -262,22 +176,36 @@ async def measure(url: str, keys: dict[str, str], db: Path, args, rss: RssSample
                 if args.only and attack.name not in args.only:
                     continue
                 print(f"hostile: round {round_no + 1}, {attack.name}", file=sys.stderr, flush=True)
-                neighbour = await asyncio.to_thread(NeighbourProcess, url, keys["neighbour"], 1.0, sent)
+                neighbour = await asyncio.to_thread(NeighbourProcess, url, keys["neighbour"],
+                                                    args.neighbour_every_s, sent)
                 started = time.monotonic()
                 outcomes = await run_attack(client, url, keys[f"atk-{attack.name}"], attack, args.attack_timeout_s)
+                attack_s = time.monotonic() - started
                 await asyncio.sleep(max(0.0, args.window_s - (time.monotonic() - started)))
                 samples = await asyncio.to_thread(neighbour.stop)
                 sent += len(samples)
                 neighbour = neighbour_stats(samples)
-                before = sum(p["sent"] for r in rounds for p in r["phases"] if p["attack"] == attack.name)
+                before = sum(len(o) for r in rounds for name, _, o, *_ in r["phases"] if name == attack.name)
                 rows = await asyncio.to_thread(wait_for_rows, db, f"atk-{attack.name}", before + len(outcomes), 30)
                 rows = (rows[0] - before, rows[1] - before, rows[2] - before)
-                phases.append(phase_report(attack.name, baseline, neighbour, outcomes, rows))
-                print(f"hostile: {json.dumps({k: v for k, v in phases[-1].items() if k != 'neighbour'})}",
-                      file=sys.stderr, flush=True)
+                phases.append((attack.name, neighbour, outcomes, rows, attack_s))
+                print(f"hostile: answers {dict(Counter(str(o['status']) for o in outcomes))}, neighbour TTFT p99 "
+                      f"{_fmt(neighbour['ttft_p99_s'])} s", file=sys.stderr, flush=True)
             rounds.append({"phases": phases, "rss_mb": rss.now_mb()})
+        alone_after = await _neighbour_alone(url, keys["neighbour"], args, sent)
+        sent += len(alone_after)
         await asyncio.sleep(args.settle_s)
+    baseline = baseline_stats(alone_before, alone_after)
+    rounds = [{"phases": [phase_report(*phase) for phase in ((p[0], baseline, *p[1:]) for p in r["phases"])],
+               "rss_mb": r["rss_mb"]} for r in rounds]
     return {"baseline": baseline, "rounds": rounds, "rss_start_mb": rss_start, "neighbour_sent": sent}
+
+
+async def _neighbour_alone(url: str, key: str, args, first_n: int) -> list[Sample]:
+    """The neighbour with no attack beside it, for ``args.baseline_s``."""
+    neighbour = await asyncio.to_thread(NeighbourProcess, url, key, args.neighbour_every_s, first_n)
+    await asyncio.sleep(args.baseline_s)
+    return await asyncio.to_thread(neighbour.stop)
 
 
 def summarise(measured: dict, rss_samples: list[float], rss_end_mb: float, neighbour_rows: int) -> dict:
@@ -330,19 +258,22 @@ def render_markdown(result: dict) -> str:
     s, b = result["settings"], result["baseline"]
     lines = [report.measured(result), "",
              f"`tiergate serve --demo` (bundled model, default settings); the neighbour (a standard tenant) streams "
-             f"a 16-token completion every second: alone for {s['baseline_s']:g} s (TTFT p50 / p99 "
-             f"{_fmt(b['ttft_p50_s'])} / {_fmt(b['ttft_p99_s'])} s, largest inter-token gap {_fmt(b['max_gap_s'])} s, "
-             f"{b['served']} requests), then beside each attack (at most {s['attack_timeout_s']:g} s, the neighbour "
-             f"sending for at least {s['window_s']:g} s); {s['rounds']} round(s).", "",
-             "| round | attack | sent | answers | 5xx | rows / closed | neighbour TTFT p99 (s), ratio "
+             f"a 16-token completion every {s['neighbour_every_s']:g} s: alone for {s['baseline_s']:g} s before the "
+             f"attacks and again after them (pooled: TTFT p50 / p99 {_fmt(b['ttft_p50_s'])} / {_fmt(b['ttft_p99_s'])} s, "
+             f"largest inter-token gap {_fmt(b['max_gap_s'])} s, {b['served']} requests; TTFT p99 before / after "
+             f"{_fmt(b['before']['ttft_p99_s'])} / {_fmt(b['after']['ttft_p99_s'])} s), then beside each attack (at "
+             f"most {s['attack_timeout_s']:g} s, the neighbour sending for at least {s['window_s']:g} s); "
+             f"{s['rounds']} round(s).", "",
+             "| round | attack | sent, seconds | answers | 5xx | rows / closed | neighbour TTFT p99 (s), ratio (max) "
              "| neighbour largest gap (s), ratio | neighbour served / sent |",
              "|---:|---|---:|---|---:|---|---|---|---|"]
     for i, r in enumerate(result["rounds"], start=1):
         for p in r["phases"]:
             n = p["neighbour"]
             answers = ", ".join(f"{k}: {v}" for k, v in sorted(p["statuses"].items()))
-            lines.append(f"| {i} | {p['attack']} | {p['sent']} | {answers} | {p['five_xx']} | {p['rows']} / "
-                         f"{p['closed_rows']} | {_fmt(n['ttft_p99_s'])}, {_fmt(p['ttft_p99_ratio'], 1)}x | "
+            lines.append(f"| {i} | {p['attack']} | {p['sent']}, {_fmt(p.get('attack_s'), 1)} | {answers} | "
+                         f"{p['five_xx']} | {p['rows']} / {p['closed_rows']} | {_fmt(n['ttft_p99_s'])}, "
+                         f"{_fmt(p['ttft_p99_ratio'], 1)}x ({_fmt(n.get('ttft_max_s'))}) | "
                          f"{_fmt(n['max_gap_s'])}, {_fmt(p['max_gap_ratio'], 1)}x | {n['served']} / {n['sent']} |")
     rss = ", ".join(f"{r['rss_mb']:.0f}" for r in result["rounds"])
     lines += ["", f"Server RSS: {result['rss_start_mb']:.0f} MB after the baseline, {rss} MB after each round, "
@@ -354,15 +285,16 @@ def render_markdown(result: dict) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.live.hostile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline-s", type=float, default=20.0)
-    p.add_argument("--window-s", type=float, default=8.0, help="the neighbour sends at least this long per attack")
+    p.add_argument("--baseline-s", type=float, default=20.0, help="the neighbour alone before and after the attacks")
+    p.add_argument("--window-s", type=float, default=15.0, help="the neighbour sends at least this long per attack")
+    p.add_argument("--neighbour-every-s", type=float, default=0.25, help="the neighbour starts a request this often")
     p.add_argument("--attack-timeout-s", type=float, default=90.0, help="an attack's requests are given up after")
     p.add_argument("--settle-s", type=float, default=5.0, help="idle before the last RSS reading")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--only", type=lambda v: set(v.split(",")), default=None, help="attack names, comma separated")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    if min(args.baseline_s, args.window_s, args.attack_timeout_s) <= 0 or args.rounds < 1 or args.settle_s < 0:
+    if min(args.baseline_s, args.window_s, args.attack_timeout_s, args.neighbour_every_s) <= 0 or args.rounds < 1 or args.settle_s < 0:
         p.error("durations and rounds must be positive")
     unknown = (args.only or set()) - {a.name for a in attacks()}
     if unknown:

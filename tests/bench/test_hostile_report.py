@@ -1,22 +1,31 @@
-"""bench/live/hostile.py's report arithmetic: ratios to the baseline, 5xx, rows per request, the goals over attacks;
-and the attacks' bodies round by round."""
+"""bench/live/hostile.py's report arithmetic: the neighbour's figures and its pooled baseline, ratios to the
+baseline, 5xx, rows per request, the goals over attacks; and the attacks' bodies round by round."""
 
 from __future__ import annotations
 
 import json
 
-from bench.live.hostile import Sample, neighbour_stats, phase_report, render_markdown, summarise
+from bench.live.hostile import phase_report, render_markdown, summarise
+from bench.live.hostile_neighbour import Sample, baseline_stats, neighbour_stats
 from bench.live.hostile_attacks import attacks
 
 
 def _baseline() -> dict:
-    return neighbour_stats([Sample(200, 0.1, 0.04)] * 10)
+    return baseline_stats([Sample(200, 0.1, 0.04)] * 5, [Sample(200, 0.1, 0.04)] * 5)
+
+
+def test_the_baseline_pools_the_neighbour_alone_before_and_after_the_attacks():
+    before, after = [Sample(200, 0.1, 0.01)] * 50, [Sample(200, 0.1, 0.03)] * 49 + [Sample(200, 0.9, 0.02)]
+    baseline = baseline_stats(before, after)
+    assert baseline["served"] == 100 and baseline["max_gap_s"] == 0.03
+    assert baseline["before"]["ttft_p99_s"] == 0.1 and abs(baseline["after"]["ttft_p99_s"] - 0.508) < 1e-9
+    assert abs(baseline["ttft_p99_s"] - 0.108) < 1e-9  # one slow first token of 100 is the pooled p99's, not all of it
 
 
 def test_neighbour_stats_take_the_served_requests_ttft_percentiles_and_the_largest_gap():
     stats = neighbour_stats([Sample(200, 0.1, 0.02), Sample(200, 0.3, 0.05), Sample(429), Sample("ReadTimeout")])
     assert stats["sent"] == 4 and stats["served"] == 2
-    assert abs(stats["ttft_p99_s"] - 0.298) < 1e-9 and stats["max_gap_s"] == 0.05
+    assert abs(stats["ttft_p99_s"] - 0.298) < 1e-9 and stats["ttft_max_s"] == 0.3 and stats["max_gap_s"] == 0.05
     assert stats["errors"] == {"429": 1, "ReadTimeout": 1}
 
 
@@ -36,7 +45,7 @@ def test_an_attack_is_measured_against_the_baseline_and_its_rows_against_its_req
 def test_the_goals_name_the_attacks_that_missed_them_and_the_end_rss():
     good = phase_report("calm", _baseline(), _baseline(), [{"status": 200, "bad_tool_calls": 0}], (1, 1, 1))
     slow = phase_report("slow", _baseline(), neighbour_stats([Sample(200, 0.5, 0.04)]),
-                        [{"status": 200, "bad_tool_calls": 0}], (1, 1, 1))
+                        [{"status": 200, "bad_tool_calls": 0}], (1, 1, 1), attack_s=2.5)
     measured = {"baseline": _baseline(), "rounds": [{"phases": [good, slow], "rss_mb": 900.0}], "rss_start_mb": 800.0,
                 "neighbour_sent": 12}
     result = summarise(measured, [800.0, 1700.0, 1400.0], 1400.0, 12)
@@ -47,8 +56,9 @@ def test_the_goals_name_the_attacks_that_missed_them_and_the_end_rss():
     assert not summarise(measured, [1600.0], 1600.0, 11)["goals"][-2]["met"]
     text = render_markdown({**result, "machine": {"date": "d", "cpu": "c", "cores": 2, "ram_gb": 1, "load_average": [0],
                                                   "versions": {}},
-                            "settings": {"baseline_s": 1, "attack_timeout_s": 1, "window_s": 1, "rounds": 1}})
-    assert "| 1 | slow |" in text and "[MISSED] neighbour ttft p99 within 2x for every attack (missed: slow)" in text
+                            "settings": {"baseline_s": 1, "attack_timeout_s": 1, "window_s": 1, "rounds": 1,
+                                         "neighbour_every_s": 0.25}})
+    assert "| 1 | slow | 1, 2.5 |" in text and "5.0x (0.500)" in text and "[MISSED] neighbour ttft p99 within 2x for every attack (missed: slow)" in text
 
 
 def test_each_rounds_attacks_are_their_own_so_no_cache_serves_a_later_round():

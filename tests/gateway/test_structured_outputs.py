@@ -120,6 +120,8 @@ def test_text_response_format_is_plain_generation(live, client):
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}}, "missing"),
         ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
         ({"type": "xml"}, "response_format.type"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "minLength": 5,
+                                                                          "maxLength": 3}}}, "greater than maxLength"),
     ],
 )
 def test_a_bad_response_format_is_a_400_saying_why(live, client, response_format, message):
@@ -227,6 +229,9 @@ def test_a_tool_conversation_history_is_accepted(live, client):
         (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
         (dict(tools=[{"type": "retrieval"}]), "tools[0]"),
         (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}}}}], tool_choice="required"),
+         "tools"),
     ],
 )
 def test_bad_tool_requests_are_a_400_naming_the_parameter(live, client, kwargs, param):
