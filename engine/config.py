@@ -63,13 +63,12 @@ class EngineConfig:
     # Grammars (engine/grammar_compiler.py): a compile past its budget is refused; compiled ones are
     # cached per tenant unless "shared", within a bound in bytes; a grammar whose work for one token
     # takes longer than its budget (CPU seconds, a small part of a step) ends its request. The budget
-    # sits above what a legitimate grammar costs: a length-bounded JSON string's mask over a 49k
-    # vocabulary is the slowest we know of (docs/performance.md).
+    # sits above what a legitimate grammar costs (docs/performance.md, "Grammars").
     grammar_compile_timeout_s: float = 5.0
     grammar_compile_workers: int = 2
     grammar_cache_bytes: int = 64 * 2**20
     grammar_cache_scope: str = "tenant"
-    grammar_mask_budget_s: float = 0.05
+    grammar_mask_budget_s: float = 0.02
     # Speculative decoding (engine/speculative.py): "ngram" (prompt lookup), "draft" (the checkpoint
     # ``draft_model``, engine/draft_model.py) or None, and the most tokens a row drafts per step.
     speculative: str | None = None

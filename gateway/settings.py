@@ -61,7 +61,7 @@ class Settings:
     grammar_compile_workers: int = 2
     grammar_cache_scope: str = "tenant"
     grammar_cache_bytes: int = 64 * 2**20
-    grammar_mask_budget_s: float = 0.05
+    grammar_mask_budget_s: float = 0.02
     # The premium tier's TTFT SLO (admission sheds over it) and its KV reserve. None: 0.5 s on a
     # GPU, 2 s on a CPU, where one step of the bundled model at full batch takes ~0.3 s.
     premium_ttft_slo_s: float | None = None
