@@ -114,18 +114,24 @@ _JSON_STRING_CHAR = (
 )
 
 
-def well_formed_strings(schema: object) -> object:
+def well_formed_strings(schema: object, budget: list[int] | None = None) -> object:
     """The schema with string length limits written as a pattern of well-formed characters.
 
     xgrammar 0.2.8 compiles ``minLength``/``maxLength`` into a character class that lets raw
     control characters and malformed UTF-8 into the string, which is not valid JSON.
     :class:`GrammarError` for a schema nested deeper than ``MAX_SCHEMA_DEPTH`` (measured without recursion),
-    for length limits that are not whole numbers from 0 up, and for limits adding up past ``MAX_LENGTH_LIMITS``.
+    for length limits that are not whole numbers from 0 up, and for limits adding up past ``MAX_LENGTH_LIMITS``
+    (``budget``: the characters left to write, shared by the schemas of one grammar; a fresh count if None).
     """
+    check_schema_depth(schema)
+    return _well_formed(schema, [MAX_LENGTH_LIMITS] if budget is None else budget)
+
+
+def check_schema_depth(schema: object) -> None:
+    """:class:`GrammarError` for a schema nested deeper than ``MAX_SCHEMA_DEPTH``, measured without recursion, so
+    that nothing walks it recursively first."""
     if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise GrammarError(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
-    budget = [MAX_LENGTH_LIMITS]
-    return _well_formed(schema, budget)
 
 
 def _well_formed_tag(node: object, budget: list[int]) -> object:
@@ -135,10 +141,7 @@ def _well_formed_tag(node: object, budget: list[int]) -> object:
     if not isinstance(node, dict):
         return node
     if node.get("type") == "json_schema" and "json_schema" in node:
-        schema = node["json_schema"]
-        if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-            raise GrammarError(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
-        return {**node, "json_schema": _well_formed(schema, budget)}
+        return {**node, "json_schema": well_formed_strings(node["json_schema"], budget)}
     return {key: _well_formed_tag(value, budget) for key, value in node.items()}
 
 
@@ -188,7 +191,7 @@ def _length_pattern(low: object, high: object, budget: list[int]) -> str:
     if budget[0] < 0:
         raise GrammarError(f"the schema's string length limits add up to more than {MAX_LENGTH_LIMITS} characters")
     if high is None:
-        return f"^{_JSON_STRING_CHAR * low}{_JSON_STRING_CHAR}*$"
+        return "^" + _JSON_STRING_CHAR * low + _JSON_STRING_CHAR + "*$"
     optional = high - low
     return "^" + _JSON_STRING_CHAR * low + ("(?:" + _JSON_STRING_CHAR) * optional + ")?" * optional + "$"
 

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.grammar import MAX_SCHEMA_DEPTH, MAX_WHITESPACE_RUN, GrammarError, GrammarSpec, nesting_depth
+from engine.grammar import MAX_WHITESPACE_RUN, GrammarSpec, check_schema_depth
 from gateway.errors import invalid_param
 
 CALL_OPEN = "<tool_call>"
@@ -63,8 +63,8 @@ class ToolRequest:
         if self.choice == "none":
             return None
         tools = [t for t in self.tools if self.choice != "named" or t.name == self.named]
-        if any(nesting_depth(t.parameters, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH for t in tools):
-            raise GrammarError(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        for t in tools:  # before json.dumps below walks them recursively
+            check_schema_depth(t.parameters)
         tags = [{"type": "tag", "begin": CALL_OPEN + CALL_NAMED + t.name + CALL_ARGUMENTS, "end": CALL_END,
                  "content": {"type": "json_schema", "json_schema": t.parameters,
                              "max_whitespace_cnt": MAX_WHITESPACE_RUN}} for t in tools]

@@ -199,9 +199,8 @@ class Scheduler:
         bound it has (a first token's after a step with nobody decoding was bounded: ``keeps_gaps`` False)."""
         if target is None or (step.time is not None and step.time.target_s <= target):
             return
-        first, overrun = step.time is None, self.step_cost.overrun() if keeps_gaps else 1.0
-        step.time = StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk, overrun, keeps_gaps)
-        step.room_at_bound = step.budget if first else step.room_at_bound
+        overrun = self.step_cost.overrun() if keeps_gaps else 1.0
+        step.bound(StepTimeBound(target, self.step_cost.coefficients(), self.config.min_chunk, overrun, keeps_gaps))
 
     def _first_token(self, step: StepBuilder, seq: Sequence) -> None:
         """``seq`` was given a chunk: if that chunk makes its first token, bound the rest of the step by its tier."""

@@ -45,6 +45,13 @@ class StepBuilder:
             return self.tokens_left
         return min(self.tokens_left, self.time.room(self.features))
 
+    def bound(self, time: StepTimeBound) -> None:
+        """Put the step under ``time``; the first bound also records the prefill room it leaves."""
+        first = self.time is None
+        self.time = time
+        if first:
+            self.room_at_bound = self.budget
+
     def room(self, seq: Sequence, start: int, keep: int = 0) -> int:
         """Tokens a chunk of ``seq`` computing from position ``start`` may take, ``keep`` left for worse queues."""
         if self.time is None:

@@ -185,10 +185,12 @@ async def measure(url: str, keys: dict[str, str], db: Path, args, rss: RssSample
                 samples = await asyncio.to_thread(neighbour.stop)
                 sent += len(samples)
                 neighbour = neighbour_stats(samples)
-                before = sum(len(o) for r in rounds for name, _, o, *_ in r["phases"] if name == attack.name)
+                before = sum(len(m["outcomes"]) for r in rounds for m in r["phases"] if m["name"] == attack.name)
                 rows = await asyncio.to_thread(wait_for_rows, db, f"atk-{attack.name}", before + len(outcomes), 30)
                 rows = (rows[0] - before, rows[1] - before, rows[2] - before)
-                phases.append((attack.name, neighbour, outcomes, rows, attack_s))
+                # Reported against the baseline once its second window, after the last attack, is in.
+                phases.append({"name": attack.name, "neighbour": neighbour, "outcomes": outcomes, "rows": rows,
+                               "attack_s": attack_s})
                 print(f"hostile: answers {dict(Counter(str(o['status']) for o in outcomes))}, neighbour TTFT p99 "
                       f"{_fmt(neighbour['ttft_p99_s'])} s", file=sys.stderr, flush=True)
             rounds.append({"phases": phases, "rss_mb": rss.now_mb()})
@@ -196,8 +198,8 @@ async def measure(url: str, keys: dict[str, str], db: Path, args, rss: RssSample
         sent += len(alone_after)
         await asyncio.sleep(args.settle_s)
     baseline = baseline_stats(alone_before, alone_after)
-    rounds = [{"phases": [phase_report(*phase) for phase in ((p[0], baseline, *p[1:]) for p in r["phases"])],
-               "rss_mb": r["rss_mb"]} for r in rounds]
+    rounds = [{"phases": [phase_report(baseline=baseline, **m) for m in r["phases"]], "rss_mb": r["rss_mb"]}
+              for r in rounds]
     return {"baseline": baseline, "rounds": rounds, "rss_start_mb": rss_start, "neighbour_sent": sent}
 
 
@@ -259,11 +261,11 @@ def render_markdown(result: dict) -> str:
     lines = [report.measured(result), "",
              f"`tiergate serve --demo` (bundled model, default settings); the neighbour (a standard tenant) streams "
              f"a 16-token completion every {s['neighbour_every_s']:g} s: alone for {s['baseline_s']:g} s before the "
-             f"attacks and again after them (pooled: TTFT p50 / p99 {_fmt(b['ttft_p50_s'])} / {_fmt(b['ttft_p99_s'])} s, "
-             f"largest inter-token gap {_fmt(b['max_gap_s'])} s, {b['served']} requests; TTFT p99 before / after "
-             f"{_fmt(b['before']['ttft_p99_s'])} / {_fmt(b['after']['ttft_p99_s'])} s), then beside each attack (at "
-             f"most {s['attack_timeout_s']:g} s, the neighbour sending for at least {s['window_s']:g} s); "
-             f"{s['rounds']} round(s).", "",
+             f"attacks and again after them (pooled: TTFT p50 / p99 {_fmt(b['ttft_p50_s'])} / "
+             f"{_fmt(b['ttft_p99_s'])} s, largest inter-token gap {_fmt(b['max_gap_s'])} s, {b['served']} requests; "
+             f"TTFT p99 before / after {_fmt(b['before']['ttft_p99_s'])} / {_fmt(b['after']['ttft_p99_s'])} s), then "
+             f"beside each attack (at most {s['attack_timeout_s']:g} s, the neighbour sending for at least "
+             f"{s['window_s']:g} s); {s['rounds']} round(s).", "",
              "| round | attack | sent, seconds | answers | 5xx | rows / closed | neighbour TTFT p99 (s), ratio (max) "
              "| neighbour largest gap (s), ratio | neighbour served / sent |",
              "|---:|---|---:|---|---:|---|---|---|---|"]
@@ -271,9 +273,9 @@ def render_markdown(result: dict) -> str:
         for p in r["phases"]:
             n = p["neighbour"]
             answers = ", ".join(f"{k}: {v}" for k, v in sorted(p["statuses"].items()))
-            lines.append(f"| {i} | {p['attack']} | {p['sent']}, {_fmt(p.get('attack_s'), 1)} | {answers} | "
+            lines.append(f"| {i} | {p['attack']} | {p['sent']}, {_fmt(p['attack_s'], 1)} | {answers} | "
                          f"{p['five_xx']} | {p['rows']} / {p['closed_rows']} | {_fmt(n['ttft_p99_s'])}, "
-                         f"{_fmt(p['ttft_p99_ratio'], 1)}x ({_fmt(n.get('ttft_max_s'))}) | "
+                         f"{_fmt(p['ttft_p99_ratio'], 1)}x ({_fmt(n['ttft_max_s'])}) | "
                          f"{_fmt(n['max_gap_s'])}, {_fmt(p['max_gap_ratio'], 1)}x | {n['served']} / {n['sent']} |")
     rss = ", ".join(f"{r['rss_mb']:.0f}" for r in result["rounds"])
     lines += ["", f"Server RSS: {result['rss_start_mb']:.0f} MB after the baseline, {rss} MB after each round, "
@@ -294,7 +296,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--only", type=lambda v: set(v.split(",")), default=None, help="attack names, comma separated")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    if min(args.baseline_s, args.window_s, args.attack_timeout_s, args.neighbour_every_s) <= 0 or args.rounds < 1 or args.settle_s < 0:
+    durations = (args.baseline_s, args.window_s, args.attack_timeout_s, args.neighbour_every_s)
+    if min(durations) <= 0 or args.rounds < 1 or args.settle_s < 0:
         p.error("durations and rounds must be positive")
     unknown = (args.only or set()) - {a.name for a in attacks()}
     if unknown:
