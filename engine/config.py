@@ -55,6 +55,8 @@ class EngineConfig:
     step_bound_factor: float | None = None  # and no longer than this times its decodes alone (None: no such bound)
     max_prefill_step_s: float | None = None  # with no stream decoding, no step planned longer than this (None: no bound)
     min_prefill_chunk: int | None = None  # prefill tokens a bounded step still takes; None: one block
+    # Time a few steps before serving and make the step cost model's prior of them (engine/step_calibration.py).
+    calibrate_step_cost: bool = True
     # The batch tier's KV margin and step share (SchedulerConfig.spare_kv_margin, spare_step_share).
     batch_kv_margin: float = 0.1
     batch_step_share: float = 0.2

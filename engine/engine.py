@@ -27,6 +27,7 @@ from engine.request import Delta, EngineRequest
 from engine.request_state import RequestState
 from engine.runner import ModelRunner
 from engine.speculative import SpeculativeConfig, Speculator
+from engine.step_calibration import Calibration
 from engine.step_loop import StepLoop
 from engine.step_timer import StepTimer
 from engine.stream import BlockingCollector, RequestStream
@@ -85,7 +86,8 @@ class Engine:
                                     self.scheduler, self.tokenizer.eos_token_ids, drafter)
         self._loop = StepLoop(self.scheduler, self.runner, self.lora_pool, self.tokenizer, self.max_model_len,
                               StepTimer(config.device), self._inbox, config.express_steps_on,
-                              grammar_mask_budget_s=config.grammar_mask_budget_s, speculator=speculator)
+                              grammar_mask_budget_s=config.grammar_mask_budget_s, speculator=speculator,
+                              calibrate_step_cost=config.calibrate_step_cost)
         if speculator is not None:
             self._loop.requests.on_leave.append(speculator.release)
         self._adapter_loader = ThreadPoolExecutor(
@@ -103,10 +105,13 @@ class Engine:
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> Engine:
+        """Start the engine thread; returns once it serves (its step costs timed first: engine/step_calibration.py)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop.run, args=(self._stopping,), name="engine-loop",
                                             daemon=True)
             self._thread.start()
+            while not self._loop.started.wait(0.1) and self._thread.is_alive():
+                pass
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -185,6 +190,12 @@ class Engine:
     def adapter_usage(self) -> tuple[frozenset[str], frozenset[str]]:
         """LoRA adapters of running requests and of waiting ones, as of the last step."""
         return self._loop.snapshot.adapters
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """What the engine timed before its first step (engine/step_calibration.py); None until then, or when
+        ``EngineConfig.calibrate_step_cost`` is off or the KV pool could not hold the timed steps."""
+        return self._loop.calibration
 
     @property
     def busy_seconds(self) -> float:

@@ -27,6 +27,7 @@ import torch
 
 from engine.events import EngineEvent, Listener, StepDrafts, step_event
 from engine.express_steps import StepUnderWay, plan_between_layers
+from engine.step_calibration import Calibration, calibrate
 from engine.grammar import mask_logits
 from engine.in_flight import InFlight, Outgoing
 from engine.inbox import AbortRequest, AddRequest, Inbox, Message, UnregisterAdapter
@@ -80,7 +81,8 @@ class Snapshot:
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, lora_pool, tokenizer: TextTokenizer,
                  max_model_len: int, timer: StepTimer, inbox: Inbox, express_steps: bool = True,
-                 grammar_mask_budget_s: float | None = None, speculator: Speculator | None = None) -> None:
+                 grammar_mask_budget_s: float | None = None, speculator: Speculator | None = None,
+                 calibrate_step_cost: bool = True) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.lora_pool = lora_pool
@@ -99,9 +101,18 @@ class StepLoop:
         self._express_ran = False  # the last step was an express step of its own
         self.grammar_mask_budget_s = grammar_mask_budget_s  # CPU seconds one row's mask may take
         self.speculator = speculator  # speculative decoding (engine/speculative.py), or None
+        self.calibrate_step_cost = calibrate_step_cost  # time the step cost's prior first (engine/step_calibration.py)
+        self.calibration: Calibration | None = None  # what that timed, once the loop has started
+        self.started = threading.Event()  # set once calibrated, before the first step
 
     def run(self, stopping: threading.Event) -> None:
         torch.set_grad_enabled(False)
+        if self.calibrate_step_cost:
+            try:
+                self.calibration = calibrate(self.scheduler, self.runner, self._timer)
+            except Exception:  # the configured prior serves, as it did before calibration
+                log.exception("step cost calibration failed; the configured prior is kept")
+        self.started.set()
         while not stopping.is_set():
             try:
                 changed = self._take_inbox()

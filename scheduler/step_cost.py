@@ -82,6 +82,11 @@ class StepCostModel:
         self.observed = 0
         self._overruns: deque[float] = deque(maxlen=OVERRUN_MEMORY)
 
+    @property
+    def prior(self) -> StepCost:
+        """The coefficients the fit is pulled toward."""
+        return StepCost(*(float(c) for c in self._prior))
+
     def observe(self, features: StepFeatures, duration_s: float) -> None:
         if duration_s < 0:
             raise ValueError("a step's duration must not be negative")
