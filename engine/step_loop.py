@@ -27,7 +27,6 @@ import torch
 
 from engine.events import EngineEvent, Listener, StepDrafts, step_event
 from engine.express_steps import StepUnderWay, plan_between_layers
-from engine.step_calibration import Calibration, calibrate
 from engine.grammar import mask_logits
 from engine.in_flight import InFlight, Outgoing
 from engine.inbox import AbortRequest, AddRequest, Inbox, Message, UnregisterAdapter
@@ -39,6 +38,7 @@ from engine.runner import ModelRunner
 from engine.request_state import OutsideGrammar
 from engine.sampler import SampledToken, sample
 from engine.speculative import Speculator, accepted_drafts
+from engine.step_calibration import Calibration, calibrate
 from engine.step_timer import StepTimer
 from engine.tokenizer import TextTokenizer
 from scheduler import ScheduledChunk, Scheduler, StepPlan, TierLoad

@@ -166,12 +166,11 @@ def _largest_chunk(left_s: float, cost: StepCost, start: int, scores: bool = Fal
     if scores:
         linear += cost.per_scored_row_s
     half_pair = cost.per_attention_pair_s / 2
-    if half_pair > 0:
-        root = (-linear + math.sqrt(linear * linear + 4 * half_pair * left_s)) / (2 * half_pair)
-    elif linear > 0:
-        root = left_s / linear
-    else:
+    if linear <= 0 and half_pair <= 0:
         return math.inf
+    # The root as 2c / (b + sqrt(b^2 + 4ac)): the textbook (-b + sqrt(...)) / 2a cancels when the pair term is
+    # small beside the linear one, and a chunk predicted at exactly ``left_s`` then fell one token short.
+    root = 2 * left_s / (linear + math.sqrt(linear * linear + 4 * half_pair * left_s))
     # Rounded a little past the floor: a prediction that lands on the target exactly must fit.
     return math.floor(root + 1e-9)
 

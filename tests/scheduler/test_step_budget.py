@@ -19,7 +19,7 @@ from scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
 from scheduler.config import StepCost, TierConfig
 from scheduler.plan import ScheduledChunk, attention_pairs
 from scheduler import step_cost
-from scheduler.step_budget import PLAN_TO, step_target_s
+from scheduler.step_budget import PLAN_TO, StepTimeBound, step_target_s
 from scheduler.step_cost import (OVERRUN_MAX, OVERRUN_MEMORY, OVERRUN_MIN_STEPS, REFIT_STEPS, WARMUP_STEPS, StepCostModel,
                                  StepFeatures, predict, step_features)
 
@@ -488,3 +488,17 @@ def test_after_bounded_steps_overran_their_prediction_the_next_is_planned_that_m
     plan = sched.schedule()
 
     assert plan.bound_s == 0.3 and PLAN_TO * 0.3 / 1.5 - 0.002 < plan.predicted_s <= PLAN_TO * 0.3 / 1.5
+
+
+@pytest.mark.parametrize("per_pair", [0.0, 1e-12, 5e-12, 2e-11, 1e-10, 1e-9])
+@pytest.mark.parametrize("tokens", [4, 8, 16, 32])
+def test_a_chunk_predicted_at_exactly_the_time_left_fits_whatever_the_attention_term(per_pair, tokens):
+    # A small pair term beside the linear one made the quadratic's textbook root cancel to just under the
+    # chunk, so a bounded step's guaranteed block came out a token short (the CI run of 2026-11-30).
+    cost = StepCost(base_s=0.005, per_prefill_token_s=1.5e-3, per_decode_seq_s=1e-4, per_context_token_s=3e-6,
+                    per_attention_pair_s=per_pair)
+    bound = StepTimeBound(1e-6, cost, min_chunk=tokens)
+    assert bound.granted(0) == tokens
+    chunk_s = predict(cost, StepFeatures(tokens, 0, tokens, attention_pairs(0, tokens))) - cost.base_s
+    planned_to_the_chunk = StepTimeBound((cost.base_s + chunk_s) / PLAN_TO, cost, min_chunk=1)
+    assert planned_to_the_chunk.room(StepFeatures(), 0) >= tokens
