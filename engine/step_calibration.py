@@ -56,11 +56,11 @@ def calibrate(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer) -> Ca
     prompt = min(PREFILL_TOKENS, config.max_num_batched_tokens, config.max_model_len - 1)
     rows = min(DECODE_ROWS, config.max_num_seqs)
     tier = config.tiers[0].name
+    if prompt < 2:
+        return None
     vocab = runner.config.vocab_size
     seqs = [Sequence(f"calibration-{i}", [(7919 * (i + p)) % (vocab - 1) + 1 for p in range(prompt)], tier=tier,
                      output_token_ids=[1]) for i in range(rows)]
-    if prompt < 2:
-        return None
     taken = []
     try:
         for seq in seqs:
@@ -83,7 +83,10 @@ def _measure(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer, seqs: 
     decode_rows = StepPlan([ScheduledChunk(seq, prompt, 1) for seq in seqs])
     if runner.thread_tuner is not None:  # the count the engine's first steps run on
         torch.set_num_threads(runner.thread_tuner.chosen(prompt))
-    runner.execute(prefill, nested=True)  # first touches: the weights' pages, the pool's, the kernels' buffers
+    # Untimed, for the first touches (the weights' pages, the pool's, the kernels' buffers); its final hidden states
+    # are the scored rows' input.
+    scored = min(SCORED_ROWS, prompt)
+    _, hidden = runner.execute_with_hidden(prefill, list(range(scored)), nested=True)
     observed: list[tuple[StepPlan, float]] = []
     for _ in range(REPEATS):
         for plan in (prefill, decode, decode_rows):
@@ -94,11 +97,11 @@ def _measure(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer, seqs: 
         scheduler.load_estimator.observe_step(seconds, plan.num_tokens, plan.num_tokens if plan is prefill else 0)
     median = lambda plan: statistics.median(s for p, s in observed if p is plan)  # noqa: E731
     prefill_s, decode_s, decode_rows_s = median(prefill), median(decode), median(decode_rows)
-    scored_row_s = _scored_row_s(runner, timer, prefill, min(SCORED_ROWS, prompt))
+    scored_row_s = _scored_row_s(runner, timer, hidden)
     prior = prior_of(prefill_s, decode_s, decode_rows_s, scored_row_s, scheduler.config.step_cost_prior, prompt,
                      len(seqs))
     calibration = Calibration(prefill_s, decode_s, decode_rows_s, scored_row_s, prior)
-    scheduler.step_cost = StepCostModel(calibration.prior, scheduler.config.step_cost_memory_steps)
+    scheduler.step_cost = StepCostModel(prior, scheduler.config.step_cost_memory_steps)
     log.info("step cost calibrated: %s", calibration)
     return calibration
 
@@ -118,13 +121,13 @@ def prior_of(prefill_s: float, decode_s: float, decode_rows_s: float, scored_row
     return StepCost(base, max(0.0, rest / prompt), per_decode, per_context, per_pair, scored_row_s)
 
 
-def _scored_row_s(runner: ModelRunner, timer: StepTimer, prefill: StepPlan, rows: int) -> float:
-    """Seconds a scored prompt row adds: the LM head, softmax and top-k that engine/prompt_scoring.py runs per row."""
-    _, hidden = runner.execute_with_hidden(prefill, list(range(rows)), nested=True)
+def _scored_row_s(runner: ModelRunner, timer: StepTimer, hidden: torch.Tensor) -> float:
+    """Seconds a scored prompt row adds: the LM head, softmax and top-k that engine/prompt_scoring.py runs per row,
+    over ``hidden`` (rows' final hidden states)."""
     times = []
     for _ in range(REPEATS):
         timer.start()
         logprobs = torch.log_softmax(runner.head_logits(hidden), dim=-1)
         torch.topk(logprobs, TOP_K)
         times.append(timer.stop())
-    return statistics.median(times) / rows
+    return statistics.median(times) / hidden.shape[0]
