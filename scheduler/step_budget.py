@@ -8,7 +8,7 @@ so that the step's predicted time (scheduler/step_cost.py) stays under a target 
 ``SchedulerConfig.max_step_s`` and the ``tpot_slo_s`` of every tier with a sequence decoding in
 it, and ``step_bound_factor`` times the predicted time of a step of its decodes alone. The first
 ``min_chunk`` prefill tokens of a step are granted whatever the prediction (fewer, down to one, where
-their attention deep into a long prompt would make them dearer than at its start: ``StepTimeBound.granted``),
+they would cost over half the target: deep into a long prompt, or on a slow CPU: ``StepTimeBound.granted``),
 so the prompt at the head of the line advances every step and always finishes. A step with nobody
 decoding is bounded by ``max_prefill_step_s`` (``prefill_step_target_s``), a looser bound: a request
 that arrives while it runs starts and decodes between its layers (scheduler/express.py), so a layer
@@ -31,8 +31,8 @@ from scheduler.step_cost import predict
 # A step is planned to this share of its target: the rest is for the fit's error (a few percent
 # on a steady machine) and for what a step does beside the work the cost model counts.
 PLAN_TO = 0.95
-# The guaranteed chunk is shrunk only where it would cost more than this share of the target on its own:
-# beside decodes that take the rest, such a step stays within about the target.
+# The guaranteed chunk is shrunk where it would cost more than this share of the target on its own: beside
+# decodes that take the rest, such a step stays within about the target.
 GRANTED_SHARE = 0.5
 # A step with nobody decoding is never cut below this many times the step's fixed cost (the weights' read):
 # cutting a long prompt into more chunks then costs its prefill at most about 1/PREFILL_STEP_BASES more.
@@ -131,18 +131,24 @@ class StepTimeBound:
         start = start or 0
         left = self.planned_s - predict(self.cost, features) - self.cost.per_context_token_s * start
         fits = _largest_chunk(left, self.cost, start, scores)
-        granted = self.granted(start, scores) - features.prefill_tokens  # the step's guaranteed progress
+        overrun_anyway = predict(self.cost, features) >= self.planned_s
+        granted = self.granted(start, scores, overrun_anyway) - features.prefill_tokens  # the step's guaranteed progress
         return int(min(max(fits, granted, 0), 1 << 30))
 
-    def granted(self, start: int, scores: bool = False) -> int:
+    def granted(self, start: int, scores: bool = False, overrun_anyway: bool = False) -> int:
         """The prefill a step takes from position ``start`` whatever the prediction: ``min_chunk`` tokens, fewer
-        where, deep into a long prompt, their attention would make them cost more than ``min_chunk`` tokens
-        at a prompt's start and more than ``GRANTED_SHARE`` of the target (or, for a prompt whose rows are
-        scored, than that many plain rows); never less than one token, so the prompt always finishes. The
-        guarantee is a time, not a count of tokens: a block of rows at position 1,900 reads 1,900 positions
-        each, and would make every stream's gap that much longer."""
-        shallow = _chunk_cost(self.cost, 0, self.min_chunk)  # plain rows: a scoring prompt's are dearer
-        own = max(GRANTED_SHARE * self.planned_s - self.cost.per_context_token_s * start, shallow)
+        where they would cost more than ``GRANTED_SHARE`` of the planned target (their attention deep into a
+        long prompt, prompt scores, or a slow machine's rows at any depth); never less than one token, so the
+        prompt always finishes. The guarantee is a time, not a count of tokens: a block of rows at position
+        1,900 reads 1,900 positions each, and on a CPU where a block at a prompt's start cost more than the
+        streams' whole bound, granting it anyway made every step beside them run past that bound.
+
+        ``overrun_anyway``: what the step holds already is predicted past its plan (its decodes alone, under a
+        target no step of them can keep). Then no chunk keeps the bound, and the prompt's progress is not
+        given up for it: its chunk may cost what ``min_chunk`` tokens cost at a prompt's start."""
+        own = GRANTED_SHARE * self.planned_s - self.cost.per_context_token_s * start
+        if overrun_anyway:
+            own = max(own, _chunk_cost(self.cost, 0, self.min_chunk))  # plain rows: a scoring prompt's are dearer
         return int(min(self.min_chunk, max(1, _largest_chunk(own, self.cost, start, scores))))
 
 

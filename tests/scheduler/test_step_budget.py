@@ -162,6 +162,31 @@ def test_attention_pairs_count_each_prompt_row_against_the_positions_before_it()
     assert StepFeatures.of(ScheduledChunk(done, 4, 1)).attention_pairs == 0  # a decode: its context is enough
 
 
+def test_on_a_cpu_where_a_block_costs_most_of_the_bound_the_guaranteed_chunk_is_cut_to_keep_it():
+    """An AVX2 Zen 1's costs (calibrated at start): a block of 16 prefill rows costs about what three times the
+    streams' decode step does, so granting the block whole made every step beside them ~1.5x its bound (the
+    hostile bench's neighbour gap 4.2x beside 1,987-token prompts). The guarantee is half the planned target
+    in time: fewer tokens, the step inside its bound, and the prompt still advances every step and finishes."""
+    slow_cpu = StepCost(base_s=0.0078, per_prefill_token_s=4.4e-3, per_decode_seq_s=5.2e-3, per_context_token_s=3e-6)
+    sched = Scheduler(config(max_step_s=0.15, step_bound_factor=3.0, step_cost_prior=slow_cpu))
+    streams = [stream(i, max_tokens=4000) for i in range(3)]
+    decoding(sched, *streams)
+    prompt = long_prompt(tokens=300)
+    sched.add(prompt)
+
+    steps = 0
+    while prompt.num_computed_tokens < prompt.num_prompt_tokens:
+        before = prompt.num_computed_tokens
+        plan, cost = plan_with_cost(sched)
+        apply(sched, plan)
+        steps += 1
+        features = step_features(plan)
+        alone = predict(cost, StepFeatures(0, 3, sum(s.num_computed_tokens for s in streams)))
+        assert features.decode_rows == 3 and 0 < prompt.num_computed_tokens - before < sched.config.min_chunk
+        assert predict(cost, features) <= 3.0 * alone
+    assert steps < 300 / 4
+
+
 def test_the_long_prompt_advances_every_step_and_finishes_even_when_nothing_fits():
     # A target below the decodes' own time: only the guaranteed block of prefill per step.
     sched = Scheduler(config(max_step_s=0.001))
@@ -497,8 +522,8 @@ def test_a_chunk_predicted_at_exactly_the_time_left_fits_whatever_the_attention_
     # chunk, so a bounded step's guaranteed block came out a token short (the CI run of 2026-11-30).
     cost = StepCost(base_s=0.005, per_prefill_token_s=1.5e-3, per_decode_seq_s=1e-4, per_context_token_s=3e-6,
                     per_attention_pair_s=per_pair)
-    bound = StepTimeBound(1e-6, cost, min_chunk=tokens)
-    assert bound.granted(0) == tokens
+    bound = StepTimeBound(1e-6, cost, min_chunk=tokens)  # a target no step keeps: the block at a prompt's start
+    assert bound.granted(0, overrun_anyway=True) == tokens
     chunk_s = predict(cost, StepFeatures(tokens, 0, tokens, attention_pairs(0, tokens))) - cost.base_s
     planned_to_the_chunk = StepTimeBound((cost.base_s + chunk_s) / PLAN_TO, cost, min_chunk=1)
     assert planned_to_the_chunk.room(StepFeatures(), 0) >= tokens
