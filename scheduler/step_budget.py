@@ -131,7 +131,7 @@ class StepTimeBound:
         start = start or 0
         left = self.planned_s - predict(self.cost, features) - self.cost.per_context_token_s * start
         fits = _largest_chunk(left, self.cost, start, scores)
-        overrun_anyway = predict(self.cost, features) >= self.planned_s
+        overrun_anyway = predict(self.cost, features) >= self.target_s
         granted = self.granted(start, scores, overrun_anyway) - features.prefill_tokens  # the step's guaranteed progress
         return int(min(max(fits, granted, 0), 1 << 30))
 
@@ -143,8 +143,8 @@ class StepTimeBound:
         1,900 reads 1,900 positions each, and on a CPU where a block at a prompt's start cost more than the
         streams' whole bound, granting it anyway made every step beside them run past that bound.
 
-        ``overrun_anyway``: what the step holds already is predicted past its plan (its decodes alone, under a
-        target no step of them can keep). Then no chunk keeps the bound, and the prompt's progress is not
+        ``overrun_anyway``: what the step holds already is predicted past the target itself (its decodes alone,
+        under a target no step of them can keep; not merely past the plan, which recent overruns shorten). Then no chunk keeps the bound, and the prompt's progress is not
         given up for it: its chunk may cost what ``min_chunk`` tokens cost at a prompt's start."""
         own = GRANTED_SHARE * self.planned_s - self.cost.per_context_token_s * start
         if overrun_anyway:

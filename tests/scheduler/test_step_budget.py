@@ -187,6 +187,21 @@ def test_on_a_cpu_where_a_block_costs_most_of_the_bound_the_guaranteed_chunk_is_
     assert steps < 300 / 4
 
 
+def test_recent_overruns_do_not_turn_the_guarantee_back_into_a_whole_block(monkeypatch):
+    """The decodes alone fit the target but not the plan that recent overruns shortened: a chunk can still keep
+    the bound, so the guarantee stays a share of the plan; granting the whole block there (as where nothing can
+    keep it) made the premium neighbour's median gap ~0.1 s beside 1,987-token prompts at a factor of 1.5."""
+    slow_cpu = StepCost(base_s=0.0078, per_prefill_token_s=4.4e-3, per_decode_seq_s=5.2e-3, per_context_token_s=3e-6)
+    sched = Scheduler(config(max_step_s=0.15, step_bound_factor=1.5, step_cost_prior=slow_cpu))
+    decoding(sched, *[stream(i, max_tokens=4000) for i in range(3)])
+    sched.add(long_prompt(tokens=300))
+    monkeypatch.setattr(sched.step_cost, "overrun", lambda: 2.0)
+
+    features = step_features(sched.schedule())
+
+    assert features.decode_rows == 3 and 0 < features.prefill_tokens < sched.config.min_chunk
+
+
 def test_the_long_prompt_advances_every_step_and_finishes_even_when_nothing_fits():
     # A target below the decodes' own time: only the guaranteed block of prefill per step.
     sched = Scheduler(config(max_step_s=0.001))
