@@ -10,8 +10,8 @@ from bench.live.hostile_neighbour import Sample, baseline_stats, neighbour_stats
 from bench.live.hostile_attacks import attacks
 
 
-def _baseline() -> dict:
-    return baseline_stats([Sample(200, 0.1, 0.04)] * 5, [Sample(200, 0.1, 0.04)] * 5)
+def _baseline(engine_share: float = 0.2) -> dict:
+    return {**baseline_stats([Sample(200, 0.1, 0.04)] * 5, [Sample(200, 0.1, 0.04)] * 5), "engine_share": engine_share}
 
 
 def test_the_baseline_pools_the_neighbour_alone_before_and_after_the_attacks():
@@ -54,12 +54,25 @@ def test_the_goals_name_the_attacks_that_missed_them_and_the_end_rss():
     assert goals["no 5xx for every attack"]["met"] and goals["one ledger row per neighbour request"]["met"]
     assert goals["server RSS under 1536 MB at the end"]["met"] and result["rss_peak_mb"] == 1700.0
     assert not summarise(measured, [1600.0], 1600.0, 11)["goals"][-2]["met"]
-    text = render_markdown({**result, "machine": {"date": "d", "cpu": "c", "cores": 2, "ram_gb": 1, "load_average": [0],
+    text = _render(result)
+    assert "| 1 | slow | 1, 2.5 |" in text and "5.0x (0.500)" in text
+    assert "[MISSED] neighbour ttft p99 within 2x for every attack (missed: slow)" in text
+    assert "20% of the engine's time" in text and "overload" not in text
+
+
+def test_a_neighbour_that_alone_took_over_half_the_engine_is_reported_as_overload_not_isolation():
+    good = phase_report("calm", _baseline(0.7), _baseline(0.7), [{"status": 200, "bad_tool_calls": 0}], (1, 1, 1))
+    measured = {"baseline": _baseline(0.7), "rounds": [{"phases": [good], "rss_mb": 900.0}], "rss_start_mb": 800.0,
+                "neighbour_sent": 10}
+    text = _render(summarise(measured, [900.0], 900.0, 10))
+    assert "70% of the engine's time" in text and "what is measured is overload, not isolation" in text
+
+
+def _render(result: dict) -> str:
+    return render_markdown({**result, "machine": {"date": "d", "cpu": "c", "cores": 2, "ram_gb": 1, "load_average": [0],
                                                   "versions": {}},
                             "settings": {"baseline_s": 1, "attack_timeout_s": 1, "window_s": 1, "rounds": 1,
                                          "neighbour_every_s": 0.25}})
-    assert "| 1 | slow | 1, 2.5 |" in text and "5.0x (0.500)" in text
-    assert "[MISSED] neighbour ttft p99 within 2x for every attack (missed: slow)" in text
 
 
 def test_each_rounds_attacks_are_their_own_so_no_cache_serves_a_later_round():
