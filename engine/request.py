@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 MAX_STOP_CHARS = 1000
 # Tokens one request may bias (OpenAI's limit for logit_bias).
 MAX_LOGIT_BIAS_TOKENS = 300
+# Alternatives one token's logprobs or prompt logprobs may list (OpenAI's top_logprobs limit).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,10 @@ class SamplingParams:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens")
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError("logprobs must be between 0 and 20")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError("prompt_logprobs must be between 0 and 20")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.prompt_scoring import SLICE_ROWS_BESIDE_OTHERS
+from engine.request import MAX_TOP_LOGPROBS
 from engine.runner import ModelRunner
 from engine.step_timer import StepTimer
 from scheduler import Scheduler
@@ -33,8 +35,6 @@ log = logging.getLogger(__name__)
 
 PREFILL_TOKENS = 64  # long enough that the rows, not the weights' one read, dominate; short for a large model's start
 DECODE_ROWS = 8
-SCORED_ROWS = 32  # engine/prompt_scoring.py's slice beside others
-TOP_K = 20  # the most prompt logprobs a request may ask
 REPEATS = 3
 
 
@@ -85,7 +85,7 @@ def _measure(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer, seqs: 
         torch.set_num_threads(runner.thread_tuner.chosen(prompt))
     # Untimed, for the first touches (the weights' pages, the pool's, the kernels' buffers); its final hidden states
     # are the scored rows' input.
-    scored = min(SCORED_ROWS, prompt)
+    scored = min(SLICE_ROWS_BESIDE_OTHERS, prompt)
     _, hidden = runner.execute_with_hidden(prefill, list(range(scored)), nested=True)
     observed: list[tuple[StepPlan, float]] = []
     for _ in range(REPEATS):
@@ -128,6 +128,6 @@ def _scored_row_s(runner: ModelRunner, timer: StepTimer, hidden: torch.Tensor) -
     for _ in range(REPEATS):
         timer.start()
         logprobs = torch.log_softmax(runner.head_logits(hidden), dim=-1)
-        torch.topk(logprobs, TOP_K)
+        torch.topk(logprobs, MAX_TOP_LOGPROBS)
         times.append(timer.stop())
     return statistics.median(times) / hidden.shape[0]

@@ -129,9 +129,10 @@ class StepTimeBound:
         position ``start`` (None: leave out the chunk's fixed context cost, for an estimate of what is left),
         each of its rows ``scores``-ed for prompt logprobs or not."""
         start = start or 0
-        left = self.planned_s - predict(self.cost, features) - self.cost.per_context_token_s * start
+        so_far_s = predict(self.cost, features)
+        left = self.planned_s - so_far_s - self.cost.per_context_token_s * start
         fits = _largest_chunk(left, self.cost, start, scores)
-        overrun_anyway = predict(self.cost, features) >= self.target_s
+        overrun_anyway = so_far_s >= self.target_s
         granted = self.granted(start, scores, overrun_anyway) - features.prefill_tokens  # the step's guaranteed progress
         return int(min(max(fits, granted, 0), 1 << 30))
 

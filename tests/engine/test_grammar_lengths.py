@@ -56,9 +56,11 @@ def test_length_limits_are_counted_over_the_whole_schema():
 def test_a_long_length_limited_string_stays_within_the_mask_budget_on_the_bundled_vocabulary(bundled_model):
     """Written as a counted repetition, the limit was checked against the 49k tokens at every step of the
     string: on a Zen 4 about 25 ms a token at maxLength 120 and 80-134 ms at 200, past the 50 ms budget
-    that then ended a request as too slow (and every other request's step waited for it)."""
+    that then ended a request as too slow (and every other request's step waited for it). The compile
+    grows with the limit (a mask over the vocabulary for each character) and on a slow CPU passes the
+    default budget at this one (docs/api.md): this pins the mask, not the compile, so its budget is wide."""
     compiler = GrammarCompiler(bundled_model.tokenizer, bundled_model.model_config.vocab_size,
-                               tuple(bundled_model.eos_token_ids))
+                               tuple(bundled_model.eos_token_ids), timeout_s=60.0)
     matcher = compiler.matcher(GrammarSpec("json_schema", json.dumps(
         {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 200}}, "required": ["summary"]})))
     bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
