@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.prompt_scoring import SLICE_ROWS_BESIDE_OTHERS
+from engine.prompt_scoring import FIRST_SLICE_ROWS
 from engine.request import MAX_TOP_LOGPROBS
 from engine.runner import ModelRunner
 from engine.step_timer import StepTimer
@@ -85,7 +85,7 @@ def _measure(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer, seqs: 
         torch.set_num_threads(runner.thread_tuner.chosen(prompt))
     # Untimed, for the first touches (the weights' pages, the pool's, the kernels' buffers); its final hidden states
     # are the scored rows' input.
-    scored = min(SLICE_ROWS_BESIDE_OTHERS, prompt)
+    scored = min(FIRST_SLICE_ROWS, prompt)
     _, hidden = runner.execute_with_hidden(prefill, list(range(scored)), nested=True)
     observed: list[tuple[StepPlan, float]] = []
     for _ in range(REPEATS):

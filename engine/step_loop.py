@@ -193,11 +193,6 @@ class StepLoop:
         finally:
             under_way.express_ended_at = time.monotonic()
 
-    def _between_slices(self) -> bool:
-        """Before each slice of the step's prompt scores, as between its layers: whether express work ran beside it."""
-        self._between_layers()
-        return self._between is not None and self._between.express_ended_at is not None
-
     def _take_arrivals(self) -> bool:
         """Between layers: add the inbox's new requests, and say whether any message came; aborts and unloads
         touch the step under way, so they and everything after them wait for its end."""
@@ -260,8 +255,7 @@ class StepLoop:
         logits, hidden = self.runner.execute_with_hidden(step.plan, rows.hidden_rows, rows.lora_batch, between,
                                                          step.nested)
         if rows.scoring:
-            score_prompts(hidden, rows.scoring, self.runner.head_logits, self.tokenizer,
-                          self._between_slices if between is not None else None)
+            score_prompts(hidden, rows.scoring, self.runner.head_logits, self.tokenizer, between)
         return logits
 
     def _choose_tokens(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> list[list[SampledToken]]:

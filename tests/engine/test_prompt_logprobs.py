@@ -158,64 +158,66 @@ def test_rows_scored_before_a_preemption_are_not_scored_again():
     assert [(w.first, w.count) for w in wanted] == [(12, 7)] and step_rows == list(range(0, 7))
 
 
-def test_a_long_prompts_scores_let_a_neighbour_in_between_their_slices():
-    """Scores come after the forward, outside its between-layers calls: 512 rows of them were a stretch in which
-    a neighbour's short request waited for all of the step (the hostile bench's prompt_logprobs attack)."""
-    from engine.prompt_scoring import SLICE_ROWS, PromptRows, score_prompts
+class _ScoredPrompt:
+    """A prompt of a little over two full slices scored through ``score_prompts`` on a head whose every row costs
+    ``row_s`` on a fake clock: the slices' sizes, the scores, and what was scored before each ``between_slices``."""
 
-    prompt = list(range(1, 2 * SLICE_ROWS + 12))
-    seq = Sequence("s", prompt)
-    state = SimpleNamespace(prompt_scores=[TokenLogprob(prompt[0], "a", None)], seq=seq,
-                            request=SimpleNamespace(params=SamplingParams(prompt_logprobs=2)))
-    rows = len(prompt) - 1
-    head = torch.randn(8, 600)
-    calls = []
-    tokenizer = SimpleNamespace(id_to_token_text=str)
+    def __init__(self, row_s: float) -> None:
+        from engine.prompt_scoring import SLICE_ROWS
 
-    score_prompts(torch.randn(rows, 8), [PromptRows(state, 0, rows)], lambda h: h @ head, tokenizer,
-                  between_slices=lambda: calls.append(len(state.prompt_scores)))
+        self.prompt = list(range(1, 2 * SLICE_ROWS + 12))
+        self.rows = len(self.prompt) - 1
+        self.row_s, self.now = row_s, 0.0
+        self.hidden = torch.randn(self.rows, 8, generator=torch.Generator().manual_seed(0))
+        self.head = torch.randn(8, 600, generator=torch.Generator().manual_seed(1))
 
-    assert len(calls) == 3  # three slices of rows, a call before each
-    assert len(state.prompt_scores) == len(prompt) and seq.reads_prefix_cache
+    def score(self, beside_the_step: bool) -> tuple[list[TokenLogprob], list[int], list[int], Sequence]:
+        from engine.prompt_scoring import PromptRows, score_prompts
 
-
-def test_once_others_are_served_between_slices_the_slices_shorten_and_each_ends_with_its_rows_scored():
-    """Streams served between the slices wait on each one: once ``between_slices`` (called before each
-    slice) says so, slices are SLICE_ROWS_BESIDE_OTHERS rows, and a slice's logprobs are its rows' before
-    the next begins (the per-row work does not pile up after the last slice). The scores are the same."""
-    from engine.prompt_scoring import SLICE_ROWS, SLICE_ROWS_BESIDE_OTHERS, PromptRows, score_prompts
-
-    prompt = list(range(1, 2 * SLICE_ROWS + 12))
-    rows = len(prompt) - 1
-    hidden = torch.randn(rows, 8, generator=torch.Generator().manual_seed(0))
-    head = torch.randn(8, 600, generator=torch.Generator().manual_seed(1))
-    tokenizer = SimpleNamespace(id_to_token_text=str)
-
-    def scored(between_slices) -> tuple[list, list[int], Sequence]:
-        seq = Sequence("s", prompt)
-        state = SimpleNamespace(prompt_scores=[TokenLogprob(prompt[0], "a", None)], seq=seq,
+        seq = Sequence("s", self.prompt)
+        state = SimpleNamespace(prompt_scores=[TokenLogprob(self.prompt[0], "a", None)], seq=seq,
                                 request=SimpleNamespace(params=SamplingParams(prompt_logprobs=2)))
         slices: list[int] = []
+        scored_before_each_call: list[int] = []
 
         def head_logits(h: torch.Tensor) -> torch.Tensor:
             slices.append(h.shape[0])
-            return torch.stack([row @ head for row in h])  # row by row: the same bits whatever the slice
+            self.now += self.row_s * h.shape[0]
+            return torch.stack([row @ self.head for row in h])  # row by row: the same bits whatever the slice
 
-        score_prompts(hidden, [PromptRows(state, 0, rows)], head_logits, tokenizer,
-                      between_slices=lambda: between_slices(state))
-        return state.prompt_scores, slices, seq
+        def between_slices() -> None:
+            scored_before_each_call.append(len(state.prompt_scores) - 1)
+            self.now += 1.0  # express steps in between: not the slice's own time
 
-    alone, alone_slices, _ = scored(lambda state: False)
-    seen_before_each_call: list[int] = []
+        score_prompts(self.hidden, [PromptRows(state, 0, self.rows)], head_logits, SimpleNamespace(id_to_token_text=str),
+                      between_slices if beside_the_step else None, clock=lambda: self.now)
+        return state.prompt_scores, slices, scored_before_each_call, seq
 
-    def others_served(state) -> bool:
-        seen_before_each_call.append(len(state.prompt_scores) - 1)
-        return True
 
-    beside, beside_slices, seq = scored(others_served)
-    assert alone_slices == [SLICE_ROWS, SLICE_ROWS, rows - 2 * SLICE_ROWS]
-    assert set(beside_slices[:-1]) == {SLICE_ROWS_BESIDE_OTHERS} and 0 < beside_slices[-1] <= SLICE_ROWS_BESIDE_OTHERS
-    assert sum(beside_slices) == rows
-    # Each call comes after the slice before it is scored: the rows scored so far are the slices so far.
-    assert seen_before_each_call == [sum(beside_slices[:i]) for i in range(len(beside_slices))]
+def test_a_long_prompts_scores_let_a_neighbour_in_between_their_slices():
+    """Scores come after the forward, outside its between-layers calls: 512 rows of them were a stretch in which
+    a neighbour's short request waited for all of the step (the hostile bench's prompt_logprobs attack). Each
+    call comes after the slice before it is scored: its logprobs are its rows' before the next slice begins."""
+    from engine.prompt_scoring import FIRST_SLICE_ROWS, SLICE_S
+
+    scores, slices, scored_before_each_call, seq = _ScoredPrompt(SLICE_S / FIRST_SLICE_ROWS).score(True)
+    assert set(slices[:-1]) == {FIRST_SLICE_ROWS} and sum(slices) == len(scores) - 1
+    assert scored_before_each_call == [sum(slices[:i]) for i in range(len(slices))]
+    assert seq.reads_prefix_cache
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_beside_the_step_a_slice_lasts_about_slice_s_on_a_slow_cpu_as_on_a_fast_one(slow):
+    """Slices of 32 rows beside others took 84 ms on an AVX2 Zen 1, several of its neighbours' decode steps, and
+    a 128-row slice with nobody yet beside the step kept an arriving request waiting 50 ms on a Zen 4: beside
+    the step each slice is sized from the last one's time, within MIN_SLICE_ROWS and SLICE_ROWS. Alone (no
+    ``between_slices``) they are SLICE_ROWS. The scores are the same."""
+    from engine.prompt_scoring import FIRST_SLICE_ROWS, MIN_SLICE_ROWS, SLICE_ROWS, SLICE_S
+
+    scored = _ScoredPrompt(SLICE_S / (MIN_SLICE_ROWS / 2) if slow else SLICE_S / 64)
+    alone, alone_slices, _, _ = scored.score(False)
+    beside, beside_slices, _, seq = scored.score(True)
+    assert alone_slices == [SLICE_ROWS, SLICE_ROWS, scored.rows - 2 * SLICE_ROWS]
+    assert beside_slices[0] == FIRST_SLICE_ROWS and sum(beside_slices) == scored.rows
+    assert set(beside_slices[1:-1]) == ({MIN_SLICE_ROWS} if slow else {64})
     assert beside == alone and seq.reads_prefix_cache
