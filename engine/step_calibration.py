@@ -5,8 +5,8 @@ toward a prior. A fixed prior is one machine's: on a slower CPU it under-predict
 their bounds while other tenants' streams waited, and the short steps that followed could not correct it (the
 prior outweighs them, and the fit clips what it learns from each step; docs/performance.md). So before its first
 step the engine thread times what the fit's terms describe, as vLLM's profile run sizes memory before serving: a
-prefill chunk from position 0, a decode step of one row and of several, and the LM head with the softmax and top-k
-that prompt logprobs put each scored row through. Those times make the prior (``prior_of``); the online fit then
+prefill chunk from position 0, a decode step of one row and of several, and the prompt scoring
+(engine/prompt_scoring.py) that prompt logprobs put each scored row through. Those times make the prior (``prior_of``); the online fit then
 starts from this machine's costs rather than another's.
 
 The steps run on KV blocks taken from the pool and given back (nothing is cached from them), on the thread count
@@ -21,10 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.prompt_scoring import FIRST_SLICE_ROWS
-from engine.request import MAX_TOP_LOGPROBS
+from engine.prompt_scoring import FIRST_SLICE_ROWS, PromptRows, score_prompts
+from engine.request import MAX_TOP_LOGPROBS, EngineRequest, SamplingParams
+from engine.request_state import RequestState
 from engine.runner import ModelRunner
 from engine.step_timer import StepTimer
+from engine.tokenizer import TextTokenizer
 from scheduler import Scheduler
 from scheduler.config import StepCost
 from scheduler.plan import ScheduledChunk, StepFeatures, StepPlan, attention_pairs
@@ -49,7 +51,8 @@ class Calibration:
     prior: StepCost
 
 
-def calibrate(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer) -> Calibration | None:
+def calibrate(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer, tokenizer: TextTokenizer
+              ) -> Calibration | None:
     """Time the steps above and give ``scheduler`` the prior they make; None (the configured prior kept) where the
     KV pool is too small to hold them."""
     config = scheduler.config
@@ -70,14 +73,14 @@ def calibrate(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer) -> Ca
             taken.append(seq)
         if len(taken) < 2:
             return None
-        return _measure(scheduler, runner, timer, taken, prompt)
+        return _measure(scheduler, runner, timer, tokenizer, taken, prompt)
     finally:
         for seq in taken:
             scheduler.block_manager.free(seq)
 
 
-def _measure(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer, seqs: list[Sequence],
-             prompt: int) -> Calibration:
+def _measure(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer, tokenizer: TextTokenizer,
+             seqs: list[Sequence], prompt: int) -> Calibration:
     prefill = StepPlan([ScheduledChunk(seqs[0], 0, prompt)])
     decode = StepPlan([ScheduledChunk(seqs[0], prompt, 1)])
     decode_rows = StepPlan([ScheduledChunk(seq, prompt, 1) for seq in seqs])
@@ -97,7 +100,7 @@ def _measure(scheduler: Scheduler, runner: ModelRunner, timer: StepTimer, seqs: 
         scheduler.load_estimator.observe_step(seconds, plan.num_tokens, plan.num_tokens if plan is prefill else 0)
     median = lambda plan: statistics.median(s for p, s in observed if p is plan)  # noqa: E731
     prefill_s, decode_s, decode_rows_s = median(prefill), median(decode), median(decode_rows)
-    scored_row_s = _scored_row_s(runner, timer, hidden)
+    scored_row_s = _scored_row_s(runner, timer, tokenizer, hidden, seqs[0].prompt_token_ids)
     prior = prior_of(prefill_s, decode_s, decode_rows_s, scored_row_s, scheduler.config.step_cost_prior, prompt,
                      len(seqs))
     calibration = Calibration(prefill_s, decode_s, decode_rows_s, scored_row_s, prior)
@@ -121,13 +124,18 @@ def prior_of(prefill_s: float, decode_s: float, decode_rows_s: float, scored_row
     return StepCost(base, max(0.0, rest / prompt), per_decode, per_context, per_pair, scored_row_s)
 
 
-def _scored_row_s(runner: ModelRunner, timer: StepTimer, hidden: torch.Tensor) -> float:
-    """Seconds a scored prompt row adds: the LM head, softmax and top-k that engine/prompt_scoring.py runs per row,
-    over ``hidden`` (rows' final hidden states)."""
+def _scored_row_s(runner: ModelRunner, timer: StepTimer, tokenizer: TextTokenizer, hidden: torch.Tensor,
+                  prompt: list[int]) -> float:
+    """Seconds a scored prompt row adds: engine/prompt_scoring.py's own work over ``hidden`` (rows' final hidden
+    states of ``prompt``) at the most alternatives a request may ask: the LM head, softmax and top-k, and each row's
+    logprobs with their texts, which alone cost as much again."""
+    rows = hidden.shape[0]
+    request = EngineRequest("calibration-scores", prompt[:rows + 1],
+                            SamplingParams(max_tokens=1, prompt_logprobs=MAX_TOP_LOGPROBS))
     times = []
     for _ in range(REPEATS):
+        state = RequestState.create(request, lambda _delta: None, 0, tokenizer)
         timer.start()
-        logprobs = torch.log_softmax(runner.head_logits(hidden), dim=-1)
-        torch.topk(logprobs, MAX_TOP_LOGPROBS)
+        score_prompts(hidden, [PromptRows(state, 0, rows)], runner.head_logits, tokenizer)
         times.append(timer.stop())
-    return statistics.median(times) / hidden.shape[0]
+    return statistics.median(times) / rows

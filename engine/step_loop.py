@@ -109,7 +109,7 @@ class StepLoop:
         torch.set_grad_enabled(False)
         if self.calibrate_step_cost:
             try:
-                self.calibration = calibrate(self.scheduler, self.runner, self._timer)
+                self.calibration = calibrate(self.scheduler, self.runner, self._timer, self.tokenizer)
             except Exception:  # the configured prior serves, as it did before calibration
                 log.exception("step cost calibration failed; the configured prior is kept")
         self.started.set()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from engine.request import EngineRequest, SamplingParams
+from engine.request import MAX_TOP_LOGPROBS, EngineRequest, SamplingParams
 from engine.step_calibration import calibrate, prior_of
 from engine.step_timer import StepTimer
 from scheduler.config import StepCost
@@ -77,6 +79,28 @@ def test_without_calibration_the_configured_prior_stays(make_engine):
 
 def test_a_pool_too_small_for_the_timed_steps_keeps_the_configured_prior(make_engine):
     engine, _ = make_engine(calibrate_step_cost=False, num_kv_blocks=8)  # 4-token blocks: one 65-token row is 17
-    assert calibrate(engine.scheduler, engine.runner, StepTimer("cpu")) is None
+    assert calibrate(engine.scheduler, engine.runner, StepTimer("cpu"), engine.tokenizer) is None
     assert engine.scheduler.num_used_blocks == 0
     assert engine.scheduler.step_cost.prior == StepCost()
+
+
+def test_a_scored_rows_cost_is_timed_through_the_scoring_the_engine_runs(make_engine, monkeypatch):
+    """Timing the LM head, softmax and top-k alone left out each row's logprobs and its alternatives' texts, about
+    as much again, so a scored chunk was planned at half its cost (bench/RESULTS.md): the calibration runs
+    engine/prompt_scoring.py itself, at the most alternatives a request may ask, and times all of it."""
+    import engine.step_calibration as step_calibration
+
+    scoring, calls = step_calibration.score_prompts, []
+
+    def slower_scoring(hidden, wanted, head_logits, tokenizer, *args, **kwargs):
+        scoring(hidden, wanted, head_logits, tokenizer, *args, **kwargs)
+        calls.append((hidden.shape[0], [w.state.request.params.prompt_logprobs for w in wanted],
+                      [len(w.state.prompt_scores) for w in wanted]))
+        time.sleep(0.01)  # per-row work the head alone does not have
+
+    monkeypatch.setattr(step_calibration, "score_prompts", slower_scoring)
+    engine, _ = make_engine(calibrate_step_cost=False)
+    calibration = calibrate(engine.scheduler, engine.runner, StepTimer("cpu"), engine.tokenizer)
+    rows = calls[0][0]
+    assert all(call == (rows, [MAX_TOP_LOGPROBS], [rows + 1]) for call in calls)
+    assert calibration.scored_row_s >= 0.01 / rows
