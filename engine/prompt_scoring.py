@@ -86,11 +86,12 @@ def score_prompts(hidden: torch.Tensor, wanted: Sequence[PromptRows],
               for w in wanted for token_id in w.state.seq.prompt_token_ids[w.first + 1:w.first + 1 + w.count]]
     targets = torch.tensor([token_id for _, token_id, _ in owners], dtype=torch.long, device=hidden.device)
     top_k = max((k for _, _, k in owners), default=0)
-    lo, rows = 0, SLICE_ROWS if between_slices is None else FIRST_SLICE_ROWS
+    timed = between_slices is not None
+    lo, rows = 0, FIRST_SLICE_ROWS if timed else SLICE_ROWS
     while lo < len(owners):
-        if between_slices is not None:
+        if timed:
             between_slices()
-        started = clock()
+            started = clock()
         hi = min(len(owners), lo + rows)
         logprobs = torch.log_softmax(head_logits(hidden[lo:hi]), dim=-1)
         picked = logprobs.gather(1, targets[lo:hi, None])
@@ -103,7 +104,7 @@ def score_prompts(hidden: torch.Tensor, wanted: Sequence[PromptRows],
                                  for tid, lp in zip(top_ids[i][:k], top_values[i][:k])) if k else ()
             scores.append(TokenLogprob(token_id, tokenizer.id_to_token_text(token_id), chosen[i], alternatives,
                                        ranks[i]))
-        if between_slices is not None:
+        if timed:
             rows = _next_slice_rows(hi - lo, clock() - started)
         lo = hi
     for w in wanted:

@@ -6,8 +6,8 @@ their bounds while other tenants' streams waited, and the short steps that follo
 prior outweighs them, and the fit clips what it learns from each step; docs/performance.md). So before its first
 step the engine thread times what the fit's terms describe, as vLLM's profile run sizes memory before serving: a
 prefill chunk from position 0, a decode step of one row and of several, and the prompt scoring
-(engine/prompt_scoring.py) that prompt logprobs put each scored row through. Those times make the prior (``prior_of``); the online fit then
-starts from this machine's costs rather than another's.
+(engine/prompt_scoring.py) that prompt logprobs put each scored row through. Those times make the prior
+(``prior_of``); the online fit then starts from this machine's costs rather than another's.
 
 The steps run on KV blocks taken from the pool and given back (nothing is cached from them), on the thread count
 the engine's steps start with, and nothing of them reaches listeners, the ledger or the metrics.

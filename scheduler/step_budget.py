@@ -133,7 +133,8 @@ class StepTimeBound:
         left = self.planned_s - so_far_s - self.cost.per_context_token_s * start
         fits = _largest_chunk(left, self.cost, start, scores)
         overrun_anyway = so_far_s >= self.target_s
-        granted = self.granted(start, scores, overrun_anyway) - features.prefill_tokens  # the step's guaranteed progress
+        # The step's guaranteed progress, less what it already holds.
+        granted = self.granted(start, scores, overrun_anyway) - features.prefill_tokens
         return int(min(max(fits, granted, 0), 1 << 30))
 
     def granted(self, start: int, scores: bool = False, overrun_anyway: bool = False) -> int:
@@ -145,8 +146,9 @@ class StepTimeBound:
         streams' whole bound, granting it anyway made every step beside them run past that bound.
 
         ``overrun_anyway``: what the step holds already is predicted past the target itself (its decodes alone,
-        under a target no step of them can keep; not merely past the plan, which recent overruns shorten). Then no chunk keeps the bound, and the prompt's progress is not
-        given up for it: its chunk may cost what ``min_chunk`` tokens cost at a prompt's start."""
+        under a target no step of them can keep; not merely past the plan, which recent overruns shorten). Then
+        no chunk keeps the bound, and the prompt's progress is not given up for it: its chunk may cost what
+        ``min_chunk`` tokens cost at a prompt's start."""
         own = GRANTED_SHARE * self.planned_s - self.cost.per_context_token_s * start
         if overrun_anyway:
             own = max(own, _chunk_cost(self.cost, 0, self.min_chunk))  # plain rows: a scoring prompt's are dearer

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.events import StepEvent
-from engine.prompt_scoring import rows_to_score
+from engine.prompt_scoring import (FIRST_SLICE_ROWS, MIN_SLICE_ROWS, SLICE_ROWS, SLICE_S, PromptRows, rows_to_score,
+                                   score_prompts)
 from engine.request import Delta, EngineRequest, SamplingParams, TokenLogprob
 from scheduler.plan import ScheduledChunk
 from scheduler.sequence import Sequence
@@ -163,8 +164,6 @@ class _ScoredPrompt:
     ``row_s`` on a fake clock: the slices' sizes, the scores, and what was scored before each ``between_slices``."""
 
     def __init__(self, row_s: float) -> None:
-        from engine.prompt_scoring import SLICE_ROWS
-
         self.prompt = list(range(1, 2 * SLICE_ROWS + 12))
         self.rows = len(self.prompt) - 1
         self.row_s, self.now = row_s, 0.0
@@ -172,8 +171,6 @@ class _ScoredPrompt:
         self.head = torch.randn(8, 600, generator=torch.Generator().manual_seed(1))
 
     def score(self, beside_the_step: bool) -> tuple[list[TokenLogprob], list[int], list[int], Sequence]:
-        from engine.prompt_scoring import PromptRows, score_prompts
-
         seq = Sequence("s", self.prompt)
         state = SimpleNamespace(prompt_scores=[TokenLogprob(self.prompt[0], "a", None)], seq=seq,
                                 request=SimpleNamespace(params=SamplingParams(prompt_logprobs=2)))
@@ -189,8 +186,9 @@ class _ScoredPrompt:
             scored_before_each_call.append(len(state.prompt_scores) - 1)
             self.now += 1.0  # express steps in between: not the slice's own time
 
-        score_prompts(self.hidden, [PromptRows(state, 0, self.rows)], head_logits, SimpleNamespace(id_to_token_text=str),
-                      between_slices if beside_the_step else None, clock=lambda: self.now)
+        score_prompts(self.hidden, [PromptRows(state, 0, self.rows)], head_logits,
+                      SimpleNamespace(id_to_token_text=str), between_slices if beside_the_step else None,
+                      clock=lambda: self.now)
         return state.prompt_scores, slices, scored_before_each_call, seq
 
 
@@ -198,8 +196,6 @@ def test_a_long_prompts_scores_let_a_neighbour_in_between_their_slices():
     """Scores come after the forward, outside its between-layers calls: 512 rows of them were a stretch in which
     a neighbour's short request waited for all of the step (the hostile bench's prompt_logprobs attack). Each
     call comes after the slice before it is scored: its logprobs are its rows' before the next slice begins."""
-    from engine.prompt_scoring import FIRST_SLICE_ROWS, SLICE_S
-
     scores, slices, scored_before_each_call, seq = _ScoredPrompt(SLICE_S / FIRST_SLICE_ROWS).score(True)
     assert set(slices[:-1]) == {FIRST_SLICE_ROWS} and sum(slices) == len(scores) - 1
     assert scored_before_each_call == [sum(slices[:i]) for i in range(len(slices))]
@@ -212,8 +208,6 @@ def test_beside_the_step_a_slice_lasts_about_slice_s_on_a_slow_cpu_as_on_a_fast_
     a 128-row slice with nobody yet beside the step kept an arriving request waiting 50 ms on a Zen 4: beside
     the step each slice is sized from the last one's time, within MIN_SLICE_ROWS and SLICE_ROWS. Alone (no
     ``between_slices``) they are SLICE_ROWS. The scores are the same."""
-    from engine.prompt_scoring import FIRST_SLICE_ROWS, MIN_SLICE_ROWS, SLICE_ROWS, SLICE_S
-
     scored = _ScoredPrompt(SLICE_S / (MIN_SLICE_ROWS / 2) if slow else SLICE_S / 64)
     alone, alone_slices, _, _ = scored.score(False)
     beside, beside_slices, _, seq = scored.score(True)
