@@ -9,10 +9,12 @@ concurrency limit of its requests being read and built at once, then body, model
 context length: ``prepare``), then admission (gateway/admission.py: the load shedder,
 which reserves nothing, then the rate limits and budgets, which reserve), then
 the grammar's compile (paid from that budget, gateway/grammar_budget.py), and
-only then the engine. A request refused for its prompt (gateway/prompts.py) is
-the exception: it is counted against its tenant's RPM, so refusals are not
-free to send. Every refusal after the key is known (400, 404, 413, 429, 503)
-writes the request's one ledger row, status ``rejected``, through one ``Refusal``.
+only then the engine. Two refusals come before admission and are counted
+against the tenant's RPM, so that they are not free to send: one for its prompt
+(gateway/prompts.py), and a grammar its tenant has no compile slot for, checked
+as soon as the body is parsed so that a flood of grammars costs no tokenizing.
+Every refusal after the key is known (400, 404, 413, 429, 503) writes the
+request's one ledger row, status ``rejected``, through one ``Refusal``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from engine.validation import InvalidRequest
 from gateway.admission import count_refusal, refuse, release, reserve
 from gateway.errors import APIError, model_not_found, service_unavailable
 from gateway.generation import AdmittedRequest, Generation, GenerationStream
-from gateway.grammar_budget import compile_grammar
+from gateway.grammar_budget import check_compile_room, compile_grammar
 from gateway.http_protocol import ON_DISCONNECT
 from gateway.lifecycle import DRAIN_RETRY_S
 from gateway.logs import request_context
@@ -246,6 +248,8 @@ async def _serve(request: Request, endpoint: Endpoint, gw: Gateway, tenant, refu
     refusal.who = who = dataclasses.replace(refusal.who, adapter=resolve_adapter(req.model, tenant, gw.engine))
     # Build: the engine request, checked as the engine will check it.
     try:
+        if req.grammar is not None:  # its compile could not start: refused before its prompt costs anything
+            check_compile_room(gw, tenant, req.grammar, req.grammar_param)
         prepared = await prepare(gw, req, tenant, who.tier, who.adapter, who.request_id)
     except APIError:
         await count_refusal(gw, tenant, who.request_id)

@@ -5,10 +5,12 @@ its concurrency slots), on the engine's grammar compiler (its own threads and
 worker processes, engine/grammar_compiler.py), and at most
 ``grammar_compiles_per_tenant`` at once per tenant: one more is a 429 naming the
 parameter, at once, so a flood of grammars cannot queue compiles ahead of
-other tenants'. A compile past its CPU-time budget, or one that fails, is a 400
-naming the parameter; one the machine was too busy to run (compiles get only
-the CPU the engine leaves) is a 503 with Retry-After. The compile's CPU seconds are billed to the request as
-GPU-seconds (its ledger row's, rejected or not), the one unit our reports
+other tenants' (``check_compile_room`` gives that 429 as soon as the body is
+parsed, before its prompt is tokenized or its rate limits counted). A compile
+past its CPU-time budget, or one that fails, is a 400 naming the parameter; one
+the machine was too busy to run (compiles get only the CPU the engine leaves)
+is a 503 with Retry-After. The compile's CPU seconds are billed to the request
+as GPU-seconds (its ledger row's, rejected or not), the one unit our reports
 price; a cache hit (per tenant) costs nothing.
 """
 
@@ -36,13 +38,9 @@ async def compile_grammar(gw, tenant, request_id: str, spec: GrammarSpec, param:
     hit = grammars.cached(spec, tenant.tenant)
     if hit is not None:
         return hit
-    limit = max(1, min(gw.settings.grammar_compiles_per_tenant, tenant.max_concurrent))
     slots: TenantSlots = gw.grammar_slots
-    if not slots.take(tenant.tenant, limit):
-        raise refuse(gw, tenant.tier, "concurrency", APIError(
-            429, f"Too many grammars compiling for this key at once: limit {limit}. Retry when one is compiled (a "
-            "compiled grammar is reused at no cost).", type="requests", param=param, code="rate_limit_exceeded",
-            headers=retry_headers(COMPILING_RETRY_S)))
+    if not slots.take(tenant.tenant, _compile_limit(gw, tenant)):
+        raise _compiling(gw, tenant, param)
     future = grammars.submit(spec, tenant.tenant)
     # The slot is the compile's, not the caller's: a client that leaves does not free it before
     # the compile ends, so disconnecting cannot queue more compiles than the limit.
@@ -61,6 +59,29 @@ async def compile_grammar(gw, tenant, request_id: str, spec: GrammarSpec, param:
         raise invalid_param(param, f"Invalid {what} for '{param}': {e}", "invalid_value") from None
     gw.usage.meter.charge(request_id, compiled.cpu_s)
     return compiled.grammar
+
+
+def check_compile_room(gw, tenant, spec: GrammarSpec, param: str) -> None:
+    """The 429 ``compile_grammar`` would give, raised before the request costs more: its tenant already
+    compiles its limit of grammars and this one is not in the tenant's cache. Called once the body is parsed,
+    so that a flood of grammars is refused before each prompt is tokenized and each rate limit counted."""
+    if gw.grammar_slots.under_way(tenant.tenant) < _compile_limit(gw, tenant):
+        return
+    if gw.engine.grammars.cached(spec, tenant.tenant) is None:
+        raise _compiling(gw, tenant, param)
+
+
+def _compile_limit(gw, tenant) -> int:
+    return max(1, min(gw.settings.grammar_compiles_per_tenant, tenant.max_concurrent))
+
+
+def _compiling(gw, tenant, param: str) -> APIError:
+    """The 429 of a request whose grammar its tenant has no compile slot for, counted."""
+    limit = _compile_limit(gw, tenant)
+    return refuse(gw, tenant.tier, "concurrency", APIError(
+        429, f"Too many grammars compiling for this key at once: limit {limit}. Retry when one is compiled (a "
+        "compiled grammar is reused at no cost).", type="requests", param=param, code="rate_limit_exceeded",
+        headers=retry_headers(COMPILING_RETRY_S)))
 
 
 def _give_back_when_done(future: Future, slots: TenantSlots, tenant: str) -> None:

@@ -102,6 +102,28 @@ def test_a_flood_of_slow_grammars_is_refused_at_once_while_a_premium_tenants_gra
     assert live.gateway.grammar_slots.under_way("flood") == 0
 
 
+def test_a_grammar_its_tenant_has_no_compile_slot_for_is_refused_before_its_prompt_is_tokenized(live, monkeypatch):
+    tokenized: list[str] = []
+    token_ids = live.gateway.prompts.token_ids
+    monkeypatch.setattr(live.gateway.prompts, "token_ids", lambda req: tokenized.append(req.model) or token_ids(req))
+    cached = {"structured_outputs": {"choice": ["yes", "no"]}, "temperature": 0}
+    assert _post(live, cached, "flood").status_code == 200  # compiled once: in the tenant's cache from now on
+    assert len(tokenized) == 1
+    assert live.gateway.grammar_slots.take("flood", 1)  # a compile of the tenant's under way
+    try:
+        r = _post(live, {"structured_outputs": {"choice": ["maybe", "never"]}}, "flood")
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["param"] == "structured_outputs"
+        assert "grammars compiling" in r.json()["error"]["message"] and r.headers["retry-after"]
+        assert len(tokenized) == 1  # refused before the prompt's cost
+        assert _post(live, cached, "flood").status_code == 200  # a cached grammar needs no compile slot
+        assert len(tokenized) == 2
+    finally:
+        live.gateway.grammar_slots.give_back("flood")
+    rows = _wait_for_rows(live, "flood", 3)
+    assert sorted(status for status, _, _ in rows) == ["ok", "ok", "rejected"]
+
+
 def test_arrays_nested_490_deep_are_a_400_naming_response_format_with_its_ledger_row(live):
     schema = json.loads('{"type":"array","items":' * 490 + '{"type":"integer"}' + "}" * 490)
     r = _post(live, {"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}},
