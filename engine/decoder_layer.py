@@ -101,6 +101,7 @@ class DecoderLayer(nn.Module):
         # The layer's decode step as one call of the quantized kernels (csrc/quant_decode_layer.cpp), where
         # ``prepare_decode_call`` found it serves.
         self.decode_call: torch.ScriptObject | None = None
+        self.decode_op: Callable[..., torch.Tensor] | None = None
 
     def prepare_decode_call(self) -> None:
         """Build ``decode_call`` where this layer's whole decode step can be one call: every projection
@@ -117,6 +118,10 @@ class DecoderLayer(nn.Module):
             types += w.kernel_args[1]
             outs += w.kernel_args[2]
         switches = self.qkv.switches
+        # The overload's C++ callable: through ``torch.ops`` an op that takes a torchbind object first walks its
+        # arguments in Python for torch.compile's fake objects, at every one of a decode step's thirty-odd calls.
+        overload = torch.ops.tiergate.quant_decode_layer_.default
+        self.decode_op = getattr(overload, "_op", overload)
         self.decode_call = torch.classes.tiergate.QuantDecodeLayer(
             blocks, types, outs, [len(w.kernel_args[0]) for w in weights], self.post_norm.detach(), self.eps, self.heads,
             self.attn.scale, self.attn.window or 0, self.attn.softcap or 0.0, self.inter, switches.isa,
@@ -140,9 +145,8 @@ class DecoderLayer(nn.Module):
         """``forward`` for a step of decodes only, as one call (``prepare_decode_call``)."""
         meta = step.meta.windowed if self.attn.window is not None else step.meta
         cos, sin = step.rope[self.rope_tables]
-        return torch.ops.tiergate.quant_decode_layer_(self.decode_call, x, h, cos, sin, step.kv_cache.layers[self.index],
-                                                      meta.slot_mapping, meta.decode.block_tables,
-                                                      meta.decode.context_lens, next_norm)
+        return self.decode_op(self.decode_call, x, h, cos, sin, step.kv_cache.layers[self.index], meta.slot_mapping,
+                              meta.decode.block_tables, meta.decode.context_lens, next_norm)
 
     def attention(self, x: torch.Tensor, h: torch.Tensor, step: LayerInputs) -> torch.Tensor:
         """Self-attention over the paged KV cache, added into ``h``; returns the MLP's input."""

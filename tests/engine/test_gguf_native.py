@@ -6,6 +6,7 @@ the file's size, and a second start derives nothing again."""
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -183,18 +184,21 @@ def test_decode_steps_add_and_norm_in_the_projections_calls_with_the_separate_ca
 def test_a_decode_step_makes_each_quantized_layer_one_call_with_the_separate_calls_bits(name, loaded, monkeypatch):
     """In a step of decodes only, every layer runs as one call (csrc/quant_decode_layer.cpp): logits
     bit for bit those of its separate calls, and KV written alike; prefill steps, and a layer without the call,
-    keep the separate calls."""
+    keep the separate calls. The call skips torch.ops' Python walk of its arguments for torch.compile's fake
+    objects."""
     model = loaded[name][0]
     layers = model.model.layers
-    one_call = torch.ops.tiergate.quant_decode_layer_
-    used = []
-    monkeypatch.setattr(torch.ops.tiergate, "quant_decode_layer_", lambda *args: used.append(1) or one_call(*args))
+    used, walks = [], []
+    walk = torch._ops._must_dispatch_in_python
+    monkeypatch.setattr(torch._ops, "_must_dispatch_in_python", lambda *a: walks.append(1) or walk(*a))
     runners, logits = [], []
     try:
         for together in (True, False):
             used.clear()
             runner = ModelRunner(model, num_blocks=32, block_size=4)  # rebuilds the calls on the switches it fixes
             assert all(layer.decode_call is not None for layer in layers)
+            for layer in layers:
+                layer.decode_op = functools.partial(lambda op, *args: used.append(1) or op(*args), layer.decode_op)
             if not together:
                 for layer in layers:
                     layer.decode_call = None
@@ -206,8 +210,10 @@ def test_a_decode_step_makes_each_quantized_layer_one_call_with_the_separate_cal
                 s.num_computed_tokens = s.num_tokens
                 s.output_token_ids.append(7)
             decode = StepPlan([chunk(s, s.num_computed_tokens, 1, pool, 4) for s in seqs])
+            walks.clear()
             logits.append(runner.execute(decode))
             assert len(used) == (len(layers) if together else 0)
+            assert walks == []
             runners.append(runner)
         assert torch.equal(logits[0], logits[1])
         assert all(torch.equal(a, b) for a, b in zip(runners[0].kv_cache.layers, runners[1].kv_cache.layers))
