@@ -65,9 +65,8 @@ def check_compile_room(gw, tenant, spec: GrammarSpec, param: str) -> None:
     """The 429 ``compile_grammar`` would give, raised before the request costs more: its tenant already
     compiles its limit of grammars and this one is not in the tenant's cache. Called once the body is parsed,
     so that a flood of grammars is refused before each prompt is tokenized and each rate limit counted."""
-    if gw.grammar_slots.under_way(tenant.tenant) < _compile_limit(gw, tenant):
-        return
-    if gw.engine.grammars.cached(spec, tenant.tenant) is None:
+    full = not gw.grammar_slots.has_room(tenant.tenant, _compile_limit(gw, tenant))
+    if full and gw.engine.grammars.cached(spec, tenant.tenant) is None:
         raise _compiling(gw, tenant, param)
 
 

@@ -16,9 +16,13 @@ class TenantSlots:
     def __init__(self) -> None:
         self._under_way: dict[str, int] = {}
 
+    def has_room(self, tenant: str, limit: int) -> bool:
+        """Whether ``take`` would count one more for ``tenant`` now."""
+        return self._under_way.get(tenant, 0) < limit
+
     def take(self, tenant: str, limit: int) -> bool:
         """Count one more for ``tenant``, unless it already has ``limit``."""
-        if self._under_way.get(tenant, 0) >= limit:
+        if not self.has_room(tenant, limit):
             return False
         self._under_way[tenant] = self._under_way.get(tenant, 0) + 1
         return True
