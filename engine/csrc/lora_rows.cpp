@@ -31,28 +31,33 @@ namespace {
 
 using namespace tiergate_simd;
 
-// A slot's rows go NR (1 to MAX_ROWS) at a time, and its stacks NJ (1 to MAX_DOTS) rank rows at a
-// time, so each row of A and of b is loaded once for the NR rows: in the shrink, NJ of A's rows are
+// A slot's rows go NR (1 to MAX_ROWS) at a time, and its stacks a few rank rows at a time, so each
+// row of A and of b is loaded once for the NR rows: in the shrink, NJ (1 to MAX_DOTS) of A's rows are
 // dotted with the NR rows of x, their NR x NJ sums in registers (AVX2 has 16 of them, AVX-512 32);
-// in the expand, NJ of b's rows are added into the NR rows of y in one sweep over the columns.
+// in the expand, expand_dots<NR>() of b's rows are added into the NR rows of y in one sweep.
 constexpr int MAX_ROWS = 4, MAX_DOTS = LANES == 16 ? 4 : 2;
 
 // The byte runs a thread's pieces read from memory, in the order they read them, and a cursor that
 // prefetches PREFETCH_BYTES ahead of the reads through them. A slot's stacks are a few short runs
 // (each projection's rank rows of A, then of each b), each read as NJ streams at once: the hardware
 // prefetchers start late on such streams and stop at each run's end, where the next run (the next
-// projection's, or the next slot's) could already be on its way. All runs are added before the reads.
+// projection's, or the next slot's) could already be on its way. All runs are known before the reads.
 // LOCALITY is __builtin_prefetch's: 3 into L1, 2 into L2. Which pays depends on the core (L1 on a
 // Zen 5, L2 on a Zen 4: bench/RESULTS.md, multi-LoRA), so the caller chooses (lora_pool/ops.py).
 constexpr int64_t PREFETCH_BYTES = 16384, LINE_BYTES = 64;
 
+struct Run {
+  const char* begin;
+  int64_t bytes;
+};
+
+// The cursor is a few words, copied into each kernel loop's locals: kept in the object, its fields
+// would be stored and reloaded at every step, as the loops' stores to y may alias them.
 template <int LOCALITY>
 class ReadAhead {
  public:
-  void add(const void* begin, int64_t bytes) {
-    if (bytes <= 0) return;
-    runs_.push_back({static_cast<const char*>(begin), bytes});
-    fetched_ = 0;
+  explicit ReadAhead(const std::vector<Run>& runs) : runs_(runs.data()), count_(runs.size()) {
+    if (count_ == 0) fetched_ = DONE;
   }
 
   // The reads have gone `bytes` further through the runs: keep the lines up to PREFETCH_BYTES past them
@@ -66,20 +71,16 @@ class ReadAhead {
       offset_ += step, fetched_ += step;
       if (offset_ == run.bytes) {
         ++run_, offset_ = 0;
-        if (run_ == runs_.size()) fetched_ = DONE;
+        if (run_ == count_) fetched_ = DONE;
       }
     }
   }
 
  private:
   static constexpr int64_t DONE = std::numeric_limits<int64_t>::max() / 2;  // every run on its way
-  struct Run {
-    const char* begin;
-    int64_t bytes;
-  };
-  std::vector<Run> runs_;
-  size_t run_ = 0;
-  int64_t offset_ = 0, read_ = 0, fetched_ = DONE;
+  const Run* runs_;
+  size_t count_, run_ = 0;
+  int64_t offset_ = 0, read_ = 0, fetched_ = 0;
 };
 
 // For a piece's rows after its first few: the first read the stacks from memory, these find them in
@@ -90,7 +91,8 @@ struct InCache {
 
 // t[r, j0 + k] = x[rows[r]] . a[j0 + k], for NR rows and NJ of a's rows (each `in` long).
 template <int NR, int NJ, typename W, typename Reads>
-void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t j0, int64_t wide, float* t, Reads& ahead) {
+void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t j0, int64_t wide, float* t, Reads& reads) {
+  Reads ahead = reads;
   const W* aj[NJ];
   for (int k = 0; k < NJ; ++k) aj[k] = a + (j0 + k) * in;
   lanes acc[NR][NJ] = {};
@@ -110,6 +112,7 @@ void shrink_block(const float* const* xr, const W* a, int64_t in, int64_t j0, in
       for (int64_t tail = i; tail < in; ++tail) sum += xr[r][tail] * static_cast<float>(aj[k][tail]);
       t[r * wide + j0 + k] = sum;
     }
+  reads = ahead;
 }
 
 // Calls block(NJ, j0) over the rank rows [begin, end), MAX_DOTS at a time and then the 1 to 3 left
@@ -137,37 +140,64 @@ void shrink_rows(const float* const* xr, const W* a, int64_t in, int64_t wide, i
     });
 }
 
+// How many of b's rank rows one sweep over y's columns takes for NR rows: the NR x NJ broadcasts of
+// t and the NR sums must stay in registers (32 of them with AVX-512, 16 with AVX2). More rank rows a
+// sweep means fewer sweeps, and each sweep loads and stores the NR rows of y once.
+template <int NR>
+constexpr int expand_dots() {
+  int dots = 1;
+  while (dots * 2 * NR <= (LANES == 16 ? 16 : 8)) dots *= 2;
+  return dots;
+}
+
 // y[rows[r]] += tr[r, j0 : j0 + NJ] @ b[j0 : j0 + NJ], for NR rows: b's NJ rows are read front to
-// back, each once for the NR rows, while those rows of y (a few KB) stay in L1.
+// back, each once for the NR rows; each vector of y is loaded and stored once for the NJ rows.
 template <int NR, int NJ, typename W, typename Reads>
-void expand_block(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t j0, Reads& ahead) {
-  const W* bj[NJ];
-  for (int k = 0; k < NJ; ++k) bj[k] = b + (j0 + k) * out;
+void expand_block(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t j0, Reads& reads) {
+  Reads ahead = reads;
+  const W* bj = b + j0 * out;
   lanes tv[NR][NJ];
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < NJ; ++k) tv[r][k] = lanes{} + tr[r][j0 + k];
   int64_t o = 0;
   for (; o + LANES <= out; o += LANES) {
-    lanes bv[NJ];
     ahead.advance(NJ * LANES * sizeof(W));
-    for (int k = 0; k < NJ; ++k) bv[k] = load(bj[k] + o);
-    for (int r = 0; r < NR; ++r) {
-      lanes acc = load(yr[r] + o);
-      for (int k = 0; k < NJ; ++k) acc += tv[r][k] * bv[k];
-      store(yr[r] + o, acc);
+    lanes acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = load(yr[r] + o);
+    for (int k = 0; k < NJ; ++k) {
+      const lanes bv = load(bj + k * out + o);
+      for (int r = 0; r < NR; ++r) acc[r] += tv[r][k] * bv;
     }
+    for (int r = 0; r < NR; ++r) store(yr[r] + o, acc[r]);
   }
   for (; o < out; ++o)
     for (int r = 0; r < NR; ++r) {
       float sum = yr[r][o];
-      for (int k = 0; k < NJ; ++k) sum += tr[r][j0 + k] * static_cast<float>(bj[k][o]);
+      for (int k = 0; k < NJ; ++k) sum += tr[r][j0 + k] * static_cast<float>(bj[k * out + o]);
       yr[r][o] = sum;
     }
+  reads = ahead;
+}
+
+// The rank rows from j0 that a block of NJ leaves: halves of it, each at most once.
+template <int NR, int NJ, typename W, typename Reads>
+void expand_rest(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t j0, int64_t rank,
+                 Reads& ahead) {
+  if constexpr (NJ >= 1) {
+    if (j0 + NJ <= rank) {
+      expand_block<NR, NJ>(yr, tr, b, out, j0, ahead);
+      j0 += NJ;
+    }
+    expand_rest<NR, NJ / 2>(yr, tr, b, out, j0, rank, ahead);
+  }
 }
 
 template <int NR, typename W, typename Reads>
 void expand_rows(float* const* yr, const float* const* tr, const W* b, int64_t out, int64_t rank, Reads& ahead) {
-  rank_blocks(0, rank, [&](auto nj, int64_t j0) { expand_block<NR, decltype(nj)::value>(yr, tr, b, out, j0, ahead); });
+  constexpr int NJ = expand_dots<NR>();
+  int64_t j0 = 0;
+  for (; j0 + NJ <= rank; j0 += NJ) expand_block<NR, NJ>(yr, tr, b, out, j0, ahead);
+  expand_rest<NR, NJ / 2>(yr, tr, b, out, j0, rank, ahead);
 }
 
 struct Stacks {
@@ -238,15 +268,19 @@ void lora_pieces(const float* x, int64_t x_stride, float* y, int64_t y_stride, c
   std::vector<float> t(MAX_ROWS * st.wide);
   std::vector<const W*> b_slot(b.size());
   // What each piece's first NR rows will read, in order; its later rows find those stacks in the caches.
-  ReadAhead<LOCALITY> ahead;
-  InCache cached;
+  std::vector<Run> runs;
+  auto add = [&](const void* begin, int64_t bytes) {
+    if (bytes > 0) runs.push_back({static_cast<const char*>(begin), bytes});
+  };
   for (const Piece* piece = pieces; piece < pieces + count; ++piece) {
     const int64_t slot = slots[piece->group], rank = ranks[piece->group];
     for (int64_t p0 = 0; p0 < st.wide; p0 += st.max_rank)
-      ahead.add(a + (slot * st.wide + p0) * st.in, rank * st.in * sizeof(W));
+      add(a + (slot * st.wide + p0) * st.in, rank * st.in * sizeof(W));
     for (size_t p = 0; p < b.size(); ++p)
-      ahead.add(b[p] + slot * st.max_rank * st.widths[p], rank * st.widths[p] * sizeof(W));
+      add(b[p] + slot * st.max_rank * st.widths[p], rank * st.widths[p] * sizeof(W));
   }
+  ReadAhead<LOCALITY> ahead(runs);
+  InCache cached;
   for (const Piece* piece = pieces; piece < pieces + count; ++piece) {
     const int64_t g = piece->group, slot = slots[g];
     const W* a_slot = a + slot * st.in * st.wide;
