@@ -18,9 +18,10 @@ Projections (q|k|v, o, gate|up, down) become ``QuantWeight``s, a fused group thr
 head is that same weight. Norms and biases are float32. A tensor whose type has no kernel is
 dequantized here, with one warning naming the tensors and the types.
 
-Weights repacked at load (``engine.quant_linear.REPACKED_TYPES``) are copies; once they are made,
-the map's pages are let go (``madvise(MADV_DONTNEED)``), so the weights count once in the
-process's RSS: what is still read in place (an embedding's rows) is paged in again on use.
+Weights repacked at load (``engine.quant_linear.REPACKED_TYPES``) are copies; as each is made, the
+map's pages of its tensor are let go (``madvise(MADV_DONTNEED)``), and after the last the whole map's,
+so the weights count once in the process's RSS, during the load too: what is still read in place (an
+embedding's rows) is paged in again on use.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class FileTensor:
     tensor_type: gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # ggml's order: the row length first
     data: np.ndarray
+    offset: int = 0  # of its first byte in the file (and the map)
 
 
 def write_tensor_table(reader: gguf.GGUFReader, out: Path) -> None:
@@ -105,7 +107,8 @@ def read_tensor_table(path: Path, table_file: Path) -> tuple[str, dict[str, File
         dtype = np.dtype(t["dtype"])
         size = int(np.prod(t["dims"])) * dtype.itemsize
         data = mapped[t["offset"]:t["offset"] + size].view(dtype).reshape(t["dims"])
-        tensors[t["name"]] = FileTensor(t["name"], gguf.GGMLQuantizationType(t["type"]), tuple(t["shape"]), data)
+        tensors[t["name"]] = FileTensor(t["name"], gguf.GGMLQuantizationType(t["type"]), tuple(t["shape"]), data,
+                                        t["offset"])
     return table["architecture"], tensors
 
 
@@ -138,7 +141,10 @@ def read_gguf_weights(path: Path, config: ModelConfig, table_file: Path) -> Gguf
             return None
         out_features, in_features = tensor.data.shape[0], int(tensor.shape[0])
         rows = fixups.rows(hf_name, _as_tensor(tensor.data))
-        return QuantWeight(rows, tensor.tensor_type, in_features, out_features)
+        weight = QuantWeight(rows, tensor.tensor_type, in_features, out_features)
+        if weight.packed:  # its copy is the one kept: the map's pages of it go now, not after the last tensor
+            _release_pages_of(tensor)
+        return weight
 
     projections: list[dict[str, Weight]] = []
     floats: list[tuple[str, torch.Tensor]] = []
@@ -180,6 +186,18 @@ def _flat_weights(embed: Weight, head: Weight | None, projections: list[dict[str
     for layer in projections:
         for w in layer.values():
             yield from getattr(w, "parts", [w])
+
+
+def _release_pages_of(tensor: FileTensor) -> None:
+    """Drops the map's resident pages that lie wholly inside ``tensor`` (those it shares with a neighbour stay
+    until ``_release_mapped_pages``)."""
+    mapped = getattr(tensor.data, "_mmap", None)
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = -(-tensor.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (tensor.offset + tensor.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _release_mapped_pages(tensors: dict[str, FileTensor]) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import engine.gguf_cache
+import engine.gguf_weights
 import engine.quant_linear
 from engine.config import EngineConfig
 from engine.loader import LoadedModel, bundled_gguf_path, load_model
@@ -328,3 +329,32 @@ def test_every_familys_gguf_is_served_natively_with_the_dequantized_paths_logits
     exact = prompt_logits(load_model(str(path), cache_dir=tmp_path / "cache"), PROMPT[:17])
     without_kernels(monkeypatch)
     assert (prompt_logits(native, PROMPT[:17]) - exact).abs().max().item() < 1e-4 * exact.abs().max().item()
+
+
+def mapped_rss_bytes(path: Path) -> int:
+    """This process's resident bytes of its maps of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_each_repacked_tensors_pages_of_the_map_go_as_it_is_repacked_not_after_the_last(tmp_path, monkeypatch):
+    """Weights and map counted together during the load would double its peak RSS (a ~1B Q8_0 file's 1.1 GB)."""
+    path = write_tiny_gguf(tmp_path / "q8_0.gguf", uniform(Q.Q8_0), TinyShape(layers=4, tied=True))
+    load_model(str(path), cache_dir=tmp_path / "cache", native_gguf=True)  # the cached table: a later start's load
+    seen: list[int] = []
+
+    class Measured(engine.gguf_weights.QuantWeight):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            seen.append(mapped_rss_bytes(path))
+
+    monkeypatch.setattr(engine.gguf_weights, "QuantWeight", Measured)
+    load_model(str(path), cache_dir=tmp_path / "cache", native_gguf=True)
+    assert len(seen) == 4 * 7 + 1 and min(seen) > 0  # the projections and the embedding; the file was mapped
+    assert max(seen) < path.stat().st_size / 4
