@@ -85,7 +85,7 @@ class FileTensor:
     tensor_type: gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # ggml's order: the row length first
     data: np.ndarray
-    offset: int = 0  # of its first byte in the file (and the map)
+    offset: int  # of its first byte in the file (and the map)
 
 
 def write_tensor_table(reader: gguf.GGUFReader, out: Path) -> None:
@@ -188,11 +188,17 @@ def _flat_weights(embed: Weight, head: Weight | None, projections: list[dict[str
             yield from getattr(w, "parts", [w])
 
 
+def _releasable_map(data: np.ndarray) -> mmap.mmap | None:
+    """The map ``data`` is a view of, where this system can let its pages go; else None."""
+    mapped = getattr(data, "_mmap", None)
+    return mapped if mapped is not None and hasattr(mmap, "MADV_DONTNEED") else None
+
+
 def _release_pages_of(tensor: FileTensor) -> None:
     """Drops the map's resident pages that lie wholly inside ``tensor`` (those it shares with a neighbour stay
     until ``_release_mapped_pages``)."""
-    mapped = getattr(tensor.data, "_mmap", None)
-    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+    mapped = _releasable_map(tensor.data)
+    if mapped is None:
         return
     start = -(-tensor.offset // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (tensor.offset + tensor.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
@@ -202,8 +208,8 @@ def _release_pages_of(tensor: FileTensor) -> None:
 
 def _release_mapped_pages(tensors: dict[str, FileTensor]) -> None:
     """Drops the map's resident pages from this process (the file's page cache keeps them)."""
-    mapped = next((getattr(t.data, "_mmap", None) for t in tensors.values()), None)
-    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+    mapped = next((_releasable_map(t.data) for t in tensors.values()), None)
+    if mapped is not None:
         mapped.madvise(mmap.MADV_DONTNEED)
 
 
