@@ -239,17 +239,30 @@ def summarise(measured: dict, rss_samples: list[float], rss_end_mb: float, neigh
             "neighbour_rows": neighbour_rows, "goals": goals}
 
 
+def server_env(tmp: str) -> tuple[Path, dict]:
+    """A throwaway SQLite database in ``tmp``, migrated, and the environment of a server on it."""
+    db = Path(tmp) / "tiergate.db"
+    env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{db}", "TIERGATE_LOG_LEVEL": "error",
+           "TIERGATE_SPOOL_PATH": f"{tmp}/spool.jsonl"}
+    tiergate_cli(env, "db", "upgrade")
+    return db, env
+
+
+def standard_tenants(env: dict, limits: list[tuple[str, list[str]]]) -> dict[str, str]:
+    """Standard tenants of these names and limits flags; their keys by name."""
+    keys = {}
+    for name, flags in limits:
+        tiergate_cli(env, "tenants", "create", name, "--tier", "standard", *flags)
+        keys[name] = tiergate_cli(env, "keys", "create", name).splitlines()[-1]
+    return keys
+
+
 def run(args: argparse.Namespace) -> dict:
     host = machine.describe()
     with tempfile.TemporaryDirectory(prefix="tiergate-hostile-") as tmp:
-        db = Path(tmp) / "tiergate.db"
-        env = {**os.environ, "TIERGATE_DATABASE_URL": f"sqlite:///{db}", "TIERGATE_LOG_LEVEL": "error",
-               "TIERGATE_SPOOL_PATH": f"{tmp}/spool.jsonl"}
-        tiergate_cli(env, "db", "upgrade")
-        keys = {}
-        for name, limits in [("neighbour", NEIGHBOUR_LIMITS)] + [(f"atk-{a.name}", ATTACKER_LIMITS) for a in attacks()]:
-            tiergate_cli(env, "tenants", "create", name, "--tier", "standard", *limits)
-            keys[name] = tiergate_cli(env, "keys", "create", name).splitlines()[-1]
+        db, env = server_env(tmp)
+        keys = standard_tenants(env, [("neighbour", NEIGHBOUR_LIMITS)]
+                                + [(f"atk-{a.name}", ATTACKER_LIMITS) for a in attacks()])
         port = free_port()
         server = start_demo_server(env, port)
         rss = RssSampler(server.pid)
