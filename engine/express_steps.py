@@ -33,7 +33,7 @@ class StepUnderWay:
     express_ended_at: float | None = None  # when the last of them ended (time.monotonic())
     admitted_at: float | None = None  # when the last of them that started new requests began (time.monotonic())
     began_at: float = 0.0  # when the step began (time.monotonic())
-    asked_for_waiting: bool = False  # whether requests waiting since before it began were asked for between layers
+    waiting_asked_at: float | None = None  # when the requests already waiting were last asked for (time.monotonic())
     asked_at: float | None = None  # when it last asked between two layers (time.monotonic())
     asked_every_s: float = 0.0  # the time between its last two asks: about when the next one comes
 
@@ -57,11 +57,13 @@ def plan_between_layers(under_way: StepUnderWay, scheduler: Scheduler, take_arri
     admits = under_way.admitted_at is None or now - under_way.admitted_at >= EXPRESS_AGAIN_AFTER_S
     if admits and may_admit:
         arrived = take_arrivals()
-        # A request that was already waiting when the step was planned (it arrived with the long request, or
-        # the plan had no room for it) is asked for too, once the step has run long.
-        long_step = not under_way.asked_for_waiting and now - under_way.began_at >= EXPRESS_AGAIN_AFTER_S
-        if arrived or long_step:
-            under_way.asked_for_waiting |= long_step
+        # A request already waiting (it came with the long request, the plan had no room for it, or it did not
+        # qualify when it arrived: a stream between these layers, say, has since ended) is asked for again
+        # every EXPRESS_AGAIN_AFTER_S of a long step.
+        due = now - (under_way.waiting_asked_at or under_way.began_at) >= EXPRESS_AGAIN_AFTER_S
+        if arrived or due:
+            if due:
+                under_way.waiting_asked_at = now
             plan = scheduler.schedule_express(under_way.adapters, under_way.seq_ids)
             if not plan.is_empty:
                 under_way.admitted_at = now

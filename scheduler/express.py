@@ -13,7 +13,9 @@ standard long prompt's step. Inside a step that decodes a stream under a bound, 
 queues' requests do: that step was planned to its streams' bound (scheduler/step_budget.py), so a
 newcomer waits at most about that long for it, as the streams wait for their tokens, while an express
 step inside it (and the decode steps of what it started) would delay every one of those streams' next
-token by its whole length; the newcomer starts first in the next step instead.
+token by its whole length; the newcomer starts first in the next step instead. An express step is planned
+to the running streams' bound (``step_budget.step_target_s``); inside a step that holds none of them it
+leaves out ``step_bound_factor``'s tighter share of it (``plan_express_step``).
 
 A request started inside a step under way then decodes inside it too: once its wait for its next
 token nears the bound of a step beside it (``step_budget.step_target_s``), ``Scheduler.schedule_express_decodes()``
@@ -50,11 +52,16 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None,
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, sched.policy.charge_prefill)
     # The running streams wait for this step too, inside the step under way or before the next one.
     streams = _streams(sched)
-    target = step_target_s(sched.config, streams, sched.step_cost.coefficients())
+    # Whether the step under way decodes one of them: their next tokens wait for all of it.
+    streams_inside = any(s.seq_id in under_way for s in streams)
+    # Streams decoding between the layers of a step that holds none of them (a long prompt's, planned to the
+    # loose bound of a step with nobody decoding) keep their tiers' bounds here, not step_bound_factor's tighter
+    # one: under it a newcomer's whole prompt did not fit, and it waited for all of that step instead.
+    cost = sched.step_cost.coefficients() if streams_inside or not under_way else None
+    target = step_target_s(sched.config, streams, cost)
+    streams_inside = streams_inside and target is not None
     sched.bound(step, target)
     ahead = _queues_ahead_of(sched, under_way)
-    # Whether the step under way decodes one of them: their next tokens wait for all of it.
-    streams_inside = target is not None and any(s.seq_id in under_way for s in streams)
     for queue in sched.policy.queue_names():
         if sched.policy.is_spare(queue):
             continue

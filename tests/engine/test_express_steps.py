@@ -10,6 +10,7 @@ that disturbed the step under way (its KV, its LoRA slots, its plan) would show.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from engine import express_steps
 from engine.events import StepEvent
 from engine.request import EngineRequest, SamplingParams
 from engine.stream import BlockingCollector
+from scheduler import StepPlan
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 FLOOD_PROMPT = 60  # a few 64-token steps each: a light request can arrive while one is under way
@@ -243,3 +245,27 @@ def test_a_light_request_already_waiting_when_a_long_step_began_goes_between_its
     if inside:
         assert _request_ids(steps[first_light]) == {"light"}
     assert not engine.scheduler.has_unfinished() and engine.scheduler.num_used_blocks == 0
+
+
+class _AskedScheduler:
+    """Counts the asks for an express step; plans none, as when the request waiting does not qualify yet."""
+
+    def __init__(self) -> None:
+        self.asks = 0
+
+    def schedule_express(self, adapters, seq_ids) -> StepPlan:
+        self.asks += 1
+        return StepPlan()
+
+
+@pytest.mark.parametrize("again_after_s, asks", [(0.0, 3), (1e9, 1)])
+def test_a_request_waiting_inside_a_long_step_is_asked_for_again_every_express_again_after_s(
+        monkeypatch, again_after_s, asks):
+    # One that did not qualify when it arrived (a stream was decoding between the layers, and has since ended)
+    # was asked for once and then waited for the whole step, however long (the hostile bench's long prompt).
+    monkeypatch.setattr(express_steps, "EXPRESS_AGAIN_AFTER_S", again_after_s)
+    under_way = express_steps.StepUnderWay(frozenset(), frozenset({"long"}), began_at=time.monotonic())
+    scheduler, arrivals = _AskedScheduler(), iter([True, False, False])
+    for _ in range(3):
+        express_steps.plan_between_layers(under_way, scheduler, lambda: next(arrivals))
+    assert scheduler.asks == asks

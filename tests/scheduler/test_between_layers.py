@@ -128,6 +128,27 @@ def test_beside_one_long_prompt_a_neighbours_short_request_goes_between_layers()
     assert snapshot(under_way) == before
 
 
+def test_beside_a_stream_decoding_between_its_layers_a_newcomers_whole_prompt_goes_there_under_its_tiers_bound():
+    """A long prompt's step with nobody decoding in it, a light tenant's first request started and decoding between
+    its layers. The tenant's next request goes between the layers too, whole, though it costs more than
+    ``step_bound_factor`` times that stream's decode alone: that tighter bound kept it out, and it waited for the
+    whole long step (the hostile bench's long prompt: a neighbour's first tokens at 0.6-0.9 s against 0.04 s)."""
+    cost = StepCost(base_s=0.008, per_prefill_token_s=0.0014, per_decode_seq_s=0.0002)
+    sched = Scheduler(config(max_model_len=256, max_step_s=0.15, step_bound_factor=3.0, step_cost_prior=cost))
+    sched.add(make("long", 0, prompt=200, max_tokens=2))
+    engine_step(sched)
+    under_way = sched.schedule()
+    inside = frozenset(c.seq.seq_id for c in under_way.chunks)
+    first = make("light", 1, prompt=6, max_tokens=8)
+    sched.add(first)
+    apply(sched, sched.schedule_express(frozenset(), inside))
+    assert first.output_token_ids  # it decodes now, between the layers of the step under way
+    second = make("light", 2, prompt=12, max_tokens=8)  # 8 + 12 * 1.4 ms > 0.95 * 3 * its decode's 8.2 ms
+    sched.add(second)
+
+    assert [c.seq for c in sched.schedule_express(frozenset(), inside).chunks] == [second]
+
+
 @pytest.mark.parametrize("scored", [True, False])
 def test_beside_a_prompt_whose_scores_make_its_one_step_long_a_neighbours_short_request_goes_between_layers(scored):
     """A prompt that fits in one step's tokens, but whose rows are scored for prompt logprobs: the LM head
