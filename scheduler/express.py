@@ -52,14 +52,14 @@ def plan_express_step(sched: StepPlanner, step_adapters: frozenset[str] | None,
     step = StepBuilder(StepPlan(), sched.config.max_num_batched_tokens, sched.policy.charge_prefill)
     # The running streams wait for this step too, inside the step under way or before the next one.
     streams = _streams(sched)
-    # Whether the step under way decodes one of them: their next tokens wait for all of it.
-    streams_inside = any(s.seq_id in under_way for s in streams)
+    decoded_inside = any(s.seq_id in under_way for s in streams)
     # Streams decoding between the layers of a step that holds none of them (a long prompt's, planned to the
     # loose bound of a step with nobody decoding) keep their tiers' bounds here, not step_bound_factor's tighter
     # one: under it a newcomer's whole prompt did not fit, and it waited for all of that step instead.
-    cost = sched.step_cost.coefficients() if streams_inside or not under_way else None
+    cost = sched.step_cost.coefficients() if decoded_inside or not under_way else None
     target = step_target_s(sched.config, streams, cost)
-    streams_inside = streams_inside and target is not None
+    # Whether the step under way decodes one of them under a bound: their next tokens wait for all of it.
+    streams_inside = decoded_inside and target is not None
     sched.bound(step, target)
     ahead = _queues_ahead_of(sched, under_way)
     for queue in sched.policy.queue_names():
