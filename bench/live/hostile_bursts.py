@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import httpx
 
@@ -65,11 +66,8 @@ async def one_burst(client: httpx.AsyncClient, url: str, keys: dict[str, str], v
     client_cpu_s = time.process_time() - cpu_before
     await asyncio.sleep(2.0)
     sample = (await asyncio.to_thread(neighbour.stop))[0]
-    statuses: dict[str, int] = {}
-    for outcome in outcomes:
-        statuses[str(outcome["status"])] = statuses.get(str(outcome["status"]), 0) + 1
     return {"ttft_s": sample.ttft_s, "neighbour_status": sample.status, "client_cpu_s": client_cpu_s,
-            "statuses": statuses}
+            "statuses": dict(Counter(str(o["status"]) for o in outcomes))}
 
 
 async def measure(url: str, keys: dict[str, str], reps: int) -> dict[str, list[dict]]:
@@ -91,23 +89,19 @@ async def measure(url: str, keys: dict[str, str], reps: int) -> dict[str, list[d
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    def median_ttft(variant: str) -> float | None:
-        ttfts = [r["ttft_s"] for r in runs[variant] if r["ttft_s"] is not None]
-        return statistics.median(ttfts) if ttfts else None
-
-    base = median_ttft("none")
+    ttfts = {variant: [r["ttft_s"] for r in results if r["ttft_s"] is not None] for variant, results in runs.items()}
+    medians = {variant: statistics.median(t) if t else None for variant, t in ttfts.items()}
+    base = medians["none"]
     out = {}
     for variant, results in runs.items():
-        ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
-        median = median_ttft(variant)
-        statuses: dict[str, int] = {}
-        for r in results:
-            for status, count in r["statuses"].items():
-                statuses[status] = statuses.get(status, 0) + count
-        out[variant] = {"ttft_s": ttfts, "ttft_median_s": median, "ttft_max_s": max(ttfts, default=None),
+        median = medians[variant]
+        statuses = sum((Counter(r["statuses"]) for r in results), Counter())
+        out[variant] = {"ttft_s": ttfts[variant], "ttft_median_s": median,
+                        "ttft_max_s": max(ttfts[variant], default=None),
                         "ratio_to_none": median / base if median is not None and base else None,
                         "client_cpu_ms_median": 1000 * statistics.median(r["client_cpu_s"] for r in results),
-                        "statuses": statuses, "neighbour_errors": sum(r["neighbour_status"] != 200 for r in results)}
+                        "statuses": dict(statuses),
+                        "neighbour_errors": sum(r["neighbour_status"] != 200 for r in results)}
     return out
 
 
@@ -132,9 +126,10 @@ def render_markdown(result: dict) -> str:
              "| burst | neighbour TTFT median (ms) | largest (ms) | median / none's | each TTFT (ms) "
              "| bench client CPU a burst (ms) | burst answers |",
              "|---|---:|---:|---:|---|---:|---|"]
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1000 * x:.1f}"
+
     for variant, v in result["variants"].items():
-        def ms(x: float | None) -> str:
-            return "-" if x is None else f"{1000 * x:.1f}"
         ratio = "-" if v["ratio_to_none"] is None else f"{v['ratio_to_none']:.2f}x"
         each = ", ".join(ms(t) for t in sorted(v["ttft_s"]))
         answers = ", ".join(f"{k}: {n}" for k, n in sorted(v["statuses"].items())) or "-"
